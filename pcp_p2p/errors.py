@@ -1,0 +1,145 @@
+"""One exception hierarchy for all of PCP.
+
+Every error PCP raises on purpose derives from :class:`PcpError`, so a node's
+pumps can catch "anything PCP rejected" in one place, log it once and go on.
+
+The tree separates *whose fault* an error is, the way h11 separates
+``LocalProtocolError`` from ``RemoteProtocolError``:
+
+- :class:`RemoteError` — a peer (or a file a peer gave us) sent something we
+  refuse: malformed, oversized, unsigned, replayed, tampered. The node keeps
+  running; the peer's input is dropped.
+- :class:`LocalError` — this node was misconfigured or misused (bad flag,
+  missing file, an artifact for a target this machine cannot run).
+- :class:`PeerError` — the world broke: a peer vanished or stalled. Retrying
+  with another peer is usually right.
+
+Causes are chained (``raise X(...) from exc``) so the original reason survives.
+"""
+
+from __future__ import annotations
+
+
+class PcpError(Exception):
+    """Root of every error PCP raises deliberately."""
+
+
+# --- the peer's fault -------------------------------------------------------
+
+
+class RemoteError(PcpError):
+    """Input from a peer was refused."""
+
+
+class ProtocolError(RemoteError):
+    """A message broke the wire protocol."""
+
+
+class MalformedMessage(ProtocolError):
+    """Bytes that do not decode to a valid message of the expected type."""
+
+
+class OversizedMessage(ProtocolError):
+    """A message, field or declared size above its configured limit."""
+
+
+class UnknownVersion(ProtocolError):
+    """A message with a protocol version this node does not speak."""
+
+
+class UnknownMessageType(ProtocolError):
+    """A message tag this node does not know, or not the one expected here."""
+
+
+class VerificationError(RemoteError):
+    """A signature, hash or record check failed."""
+
+
+class BadSignature(VerificationError):
+    """Missing signature, signature by the wrong key, or a forged one."""
+
+
+class HashMismatch(VerificationError):
+    """Content does not hash to the identifier it was fetched under."""
+
+
+class ExpiredRecord(VerificationError):
+    """A record whose validity window has passed (or lies in the future)."""
+
+
+class StaleMessage(VerificationError):
+    """A replayed or out-of-date message (sequence number, round or term too old)."""
+
+
+class RejectedUpdate(RemoteError):
+    """A pseudo-gradient or round submission refused by the aggregator."""
+
+
+# --- the world broke ----------------------------------------------------------
+
+
+class PeerError(PcpError):
+    """A peer could not be reached, vanished, or stalled."""
+
+
+class PeerGone(PeerError):
+    """The connection or stream closed before the exchange finished."""
+
+
+class PeerTimeout(PeerError):
+    """A network operation did not finish within its deadline."""
+
+
+class NoProviders(PeerError):
+    """Nobody that could serve a piece of content was found."""
+
+
+# --- this node's own fault -------------------------------------------------
+
+
+class LocalError(PcpError):
+    """This node was misconfigured or misused."""
+
+
+class ConfigError(LocalError):
+    """A bad command-line flag, config file, key file or run spec."""
+
+
+class IdentityError(ConfigError):
+    """The node's identity key could not be read, created or trusted."""
+
+
+class CompileError(LocalError):
+    """Lowering or ``iree-compile`` failed."""
+
+
+class IncompatibleArtifact(LocalError):
+    """An artifact for a target (CPU level, driver) this machine cannot run."""
+
+
+class ExecutorError(PcpError):
+    """The IREE executor failed."""
+
+
+class ExecutorCrashed(ExecutorError):
+    """The executor's child process died (segfault, SIGILL, killed)."""
+
+
+class InvalidInput(LocalError):
+    """Inputs of the wrong shape or dtype for a program."""
+
+
+class BlobError(PcpError):
+    """The blob store or exchange failed."""
+
+
+class BlobNotFound(BlobError):
+    """No blob with this CID is held (locally or by the asked peer)."""
+
+
+class StoreFull(BlobError):
+    """The blob store cannot fit a blob without evicting pinned content."""
+
+
+class QuorumError(PcpError):
+    """A round could not gather its quorum before the deadline."""
