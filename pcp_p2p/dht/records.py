@@ -1,0 +1,154 @@
+"""Signed, expiring records in the DHT's ``pcp`` namespace.
+
+Every value PCP puts in the DHT is a :class:`SignedRecord` envelope: the DHT
+key it is for, who signed it, when, until when it is valid, a sequence number,
+and the payload (another wire message). The key is inside the signed bytes, so
+a record cannot be replayed under another key; the signer's peer id embeds its
+Ed25519 public key, so a record is checked with no key lookup.
+
+Why our own envelope rather than py-libp2p's record signatures: libp2p's
+record TTL is a fixed 24 h and its signatures are optional on the wire; PCP
+needs expiry in minutes (membership, leases), a "newest wins" order that
+survives a restart (``issued_at``, then ``seq``), and per-kind rules about who
+may sign which key. Keys carry the kind: ``/pcp/<kind>/<name>``.
+
+Per-kind rules live in :data:`KIND_RULES`; later parts of PCP (run specs,
+leases, checkpoints) add their kind there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pcp_p2p.errors import (
+    BadSignature,
+    ExpiredRecord,
+    MalformedMessage,
+    OversizedMessage,
+    VerificationError,
+)
+from pcp_p2p.node.identity import Identity, verify_signature
+from pcp_p2p.wire import Message, decode, encode, signing_bytes, wire_message
+
+NAMESPACE = "pcp"
+MAX_RECORD_SIZE = 16 * 1024
+MAX_TTL_S = 7 * 24 * 3600.0
+CLOCK_SKEW_S = 120.0  # a signer's clock may run this far ahead of ours
+
+
+@wire_message("dht.record", max_size=MAX_RECORD_SIZE)
+class SignedRecord(Message):
+    key: str
+    signer: str
+    issued_at: float
+    expires_at: float
+    seq: int
+    payload: bytes
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class KindRule:
+    """What a record kind must satisfy beyond a valid signature and expiry."""
+
+    payload_type: type[Message]
+    # Given (name part of the key, signer, decoded payload): raise if not allowed.
+    check: Callable[[str, str, Message], None]
+
+
+def _signer_is_name(name: str, signer: str, payload: Message) -> None:
+    if name != signer:
+        raise BadSignature(f"record for {name!r:.60} signed by someone else ({signer})")
+    if getattr(payload, "peer_id", signer) != signer:
+        raise BadSignature("record payload claims another peer's identity")
+
+
+KIND_RULES: dict[str, KindRule] = {}
+
+
+def register_kind(kind: str, payload_type: type[Message], check: Callable[[str, str, Message], None] = _signer_is_name) -> None:
+    """Declare a record kind; by default only the peer named in the key may sign it."""
+    KIND_RULES[kind] = KindRule(payload_type, check)
+
+
+def record_key(kind: str, name: str) -> str:
+    return f"/{NAMESPACE}/{kind}/{name}"
+
+
+def split_record_key(key: str) -> tuple[str, str]:
+    parts = key.split("/", 3)
+    if len(parts) != 4 or parts[0] != "" or parts[1] != NAMESPACE or not parts[2] or not parts[3]:
+        raise MalformedMessage(f"not a /{NAMESPACE}/<kind>/<name> key: {key!r:.80}")
+    return parts[2], parts[3]
+
+
+def sign_record(
+    identity: Identity,
+    kind: str,
+    name: str,
+    payload: Message,
+    *,
+    ttl_s: float,
+    seq: int = 0,
+    now: float | None = None,
+) -> SignedRecord:
+    issued = time.time() if now is None else now
+    rec = SignedRecord(
+        key=record_key(kind, name),
+        signer=identity.peer_id,
+        issued_at=issued,
+        expires_at=issued + ttl_s,
+        seq=seq,
+        payload=encode(payload),
+    )
+    return _with_signature(rec, identity)
+
+
+def _with_signature(rec: SignedRecord, identity: Identity) -> SignedRecord:
+    from dataclasses import replace
+
+    return replace(rec, signature=identity.sign(signing_bytes(rec)))
+
+
+@dataclass(frozen=True)
+class VerifiedRecord:
+    record: SignedRecord
+    kind: str
+    name: str
+    payload: Message
+
+
+def verify_record(data: bytes, *, key: str | None = None, now: float | None = None) -> VerifiedRecord:
+    """Decode and check a record; raise a typed error on any problem.
+
+    Checks, in order: size and shape, the key it is stored under, the kind's
+    payload type, the signature by the claimed signer, the validity window, and
+    the kind's rule about who may sign the key.
+    """
+    if len(data) > MAX_RECORD_SIZE:
+        raise OversizedMessage(f"record of {len(data)} bytes > {MAX_RECORD_SIZE}")
+    rec = decode(data, SignedRecord)
+    if key is not None and rec.key != key:
+        raise VerificationError(f"record for {rec.key!r:.80} stored under {key!r:.80}")
+    kind, name = split_record_key(rec.key)
+    rule = KIND_RULES.get(kind)
+    if rule is None:
+        raise MalformedMessage(f"unknown record kind {kind!r:.40}")
+    verify_signature(rec.signer, signing_bytes(rec), rec.signature)
+    t = time.time() if now is None else now
+    if not (rec.expires_at > rec.issued_at and rec.expires_at - rec.issued_at <= MAX_TTL_S):
+        raise ExpiredRecord("record validity window is empty or too long")
+    if rec.expires_at <= t:
+        raise ExpiredRecord(f"record {rec.key} expired {t - rec.expires_at:.0f} s ago")
+    if rec.issued_at > t + CLOCK_SKEW_S:
+        raise ExpiredRecord(f"record {rec.key} issued {rec.issued_at - t:.0f} s in the future")
+    payload = decode(rec.payload, rule.payload_type)
+    rule.check(name, rec.signer, payload)
+    return VerifiedRecord(rec, kind, name, payload)
+
+
+def newer(a: SignedRecord, b: SignedRecord) -> bool:
+    """True if ``a`` supersedes ``b`` (newest wins: issued_at, then seq)."""
+    return (a.issued_at, a.seq) > (b.issued_at, b.seq)

@@ -1,0 +1,81 @@
+"""Logging, configured once per process.
+
+py-libp2p's loggers have no handler of their own, so their warnings go straight
+to stderr, and some fire on every normal event (the DHT logs "Failed to read
+DHT message from stream" at the end of every request). :func:`configure`
+installs one handler and turns the noisy libp2p loggers down, so what a node
+prints is what an operator should read.
+
+:class:`LogOnce` implements "bad input is logged once": the first rejection
+of a given kind from a given peer is a warning, repeats are debug-level, so a
+peer that floods garbage cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from collections import OrderedDict
+
+_configured = False
+
+# Loggers that are noisy at INFO/WARNING during normal operation.
+NOISY_LOGGERS = ("libp2p", "multiaddr", "async_service", "libp2p.kad_dht", "libp2p.pubsub")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, for log shippers."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        obj = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        return json.dumps(obj, ensure_ascii=False)
+
+
+def configure(level: int | str = logging.INFO, *, json_lines: bool = False, libp2p_level: int = logging.CRITICAL) -> None:
+    """Install the process's one log handler (idempotent)."""
+    global _configured
+    root = logging.getLogger()
+    if _configured:
+        root.setLevel(level)
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    if json_lines:
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", "%H:%M:%S"))
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(libp2p_level)
+    _configured = True
+
+
+class LogOnce:
+    """Warn the first time a (peer, kind) pair happens; debug-log repeats."""
+
+    def __init__(self, logger: logging.Logger, capacity: int = 4096) -> None:
+        self._logger = logger
+        self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._capacity = capacity
+
+    def __call__(self, peer: str, exc: BaseException | str, what: str = "rejected input") -> bool:
+        """Log ``exc`` about ``peer``; return True if this was the first time."""
+        kind = type(exc).__name__ if isinstance(exc, BaseException) else str(exc)
+        key = (peer, f"{what}:{kind}")
+        first = key not in self._seen
+        self._seen[key] = time.monotonic()
+        self._seen.move_to_end(key)
+        while len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+        level = logging.WARNING if first else logging.DEBUG
+        self._logger.log(level, "%s from %s: %s: %s", what, peer, kind, exc)
+        return first

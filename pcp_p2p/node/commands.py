@@ -1,0 +1,222 @@
+"""``pcp node join``, ``pcp bootstrap``, ``pcp status``, ``pcp swarm-key``: the node's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from pcp_p2p import logs
+from pcp_p2p.errors import ConfigError
+from pcp_p2p.node.capabilities import BACKENDS
+from pcp_p2p.node.identity import default_data_dir
+
+ADDR_FILE = "node.addr"  # every running node writes its full multiaddr here, in its data dir
+log = logging.getLogger("pcp.cli")
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    node = sub.add_parser("node", help="run a PCP node")
+    node_sub = node.add_subparsers(dest="node_command", metavar="ACTION", required=True)
+    join = node_sub.add_parser(
+        "join",
+        help="join a swarm and stay up until interrupted",
+        description="Join a PCP swarm through one or more bootstrap servers and stay up until "
+        "Ctrl+C or SIGTERM. The node keeps its identity in --data-dir.",
+    )
+    join.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="full multiaddr of a bootstrap server (.../p2p/<peer id>); repeatable, any one answering is enough")
+    join.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                      help="address to listen on (default /ip4/0.0.0.0/tcp/0); repeatable")
+    _common_node_args(join)
+    join.add_argument("--backend", choices=BACKENDS, default="auto",
+                      help="compute backend to offer (default: every one the IREE runtime finds)")
+    join.add_argument("--client-mode", action="store_true",
+                      help="DHT client mode, for nodes that cannot accept incoming connections")
+    join.set_defaults(func=_cmd_join)
+
+    boot = sub.add_parser(
+        "bootstrap",
+        help="run a long-lived bootstrap server (a DHT server with a stable identity)",
+        description="Run a bootstrap server: a DHT server node with a stable identity that new nodes "
+        "dial first. Prints its full multiaddr. Options may also come from a TOML --config file "
+        "(keys: listen, data_dir, swarm_key, addr_file); flags override it.",
+    )
+    boot.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (see bootstrap/pcp-bootstrap.toml)")
+    boot.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
+                      help="address to listen on (default /ip4/0.0.0.0/tcp/4001); repeatable")
+    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="other bootstrap servers to peer with; repeatable")
+    _common_node_args(boot)
+    boot.set_defaults(func=_cmd_bootstrap)
+
+    status = sub.add_parser(
+        "status",
+        help="show a node's status",
+        description="Ask a node for its status over /pcp/status/1.0.0. Without --connect, asks the "
+        "node running on --data-dir (it writes its address to <data-dir>/node.addr).",
+    )
+    status.add_argument("--connect", metavar="MULTIADDR", help="full multiaddr of the node to ask")
+    status.add_argument("--data-dir", type=Path, default=None, help=f"data dir of a local node (default {default_data_dir()})")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
+    status.set_defaults(func=_cmd_status)
+
+    key = sub.add_parser("swarm-key", help="create a private-swarm key file",
+                         description="Write a new random libp2p pre-shared key (go-libp2p swarm.key format, mode 0600). "
+                         "Give the same file to every member with --swarm-key.")
+    key.add_argument("path", type=Path)
+    key.set_defaults(func=_cmd_swarm_key)
+
+
+def _common_node_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"where the identity key and data live (default {default_data_dir()})")
+    p.add_argument("--addr-file", type=Path, metavar="PATH", help="write this node's full multiaddr here once it listens")
+    p.add_argument("--swarm-key", type=Path, metavar="FILE", help="join a private swarm with this pre-shared key")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.node import NodeConfig
+
+    if not args.bootstrap:
+        log.warning("no --bootstrap given: this node starts a swarm of its own")
+    config = NodeConfig(
+        data_dir=args.data_dir or default_data_dir(),
+        listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
+        bootstrap=tuple(args.bootstrap),
+        role="worker",
+        client_mode=args.client_mode,
+        swarm_key=args.swarm_key,
+        backend=args.backend,
+    )
+    return _serve(config, args, print_addr=True)
+
+
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.node import NodeConfig
+
+    cfg: dict[str, Any] = {}
+    if args.config:
+        try:
+            cfg = tomllib.loads(args.config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read {args.config}: {exc}") from exc
+        unknown = set(cfg) - {"listen", "data_dir", "swarm_key", "addr_file", "bootstrap"}
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
+    listen = args.listen or _as_list(cfg.get("listen")) or ["/ip4/0.0.0.0/tcp/4001"]
+    data_dir = args.data_dir or (Path(cfg["data_dir"]) if "data_dir" in cfg else default_data_dir() / "bootstrap")
+    swarm_key = args.swarm_key or (Path(cfg["swarm_key"]) if "swarm_key" in cfg else None)
+    if args.addr_file is None and "addr_file" in cfg:
+        args.addr_file = Path(cfg["addr_file"])
+    config = NodeConfig(
+        data_dir=data_dir,
+        listen=tuple(listen),
+        bootstrap=tuple(args.bootstrap or _as_list(cfg.get("bootstrap"))),
+        role="bootstrap",
+        swarm_key=swarm_key,
+        benchmark_s=0.0,
+    )
+    return _serve(config, args, print_addr=True)
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value
+    raise ConfigError(f"expected a string or a list of strings, got {value!r}")
+
+
+def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False) -> int:
+    """Run a node until SIGINT/SIGTERM."""
+    from pcp_p2p.node.node import open_node
+
+    logs.configure(args.log_level.upper(), json_lines=args.log_json)
+
+    async def main() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_node(config) as node:
+                addrs = node.addrs()
+                _write_addr(config.data_dir / ADDR_FILE, addrs[0])
+                if args.addr_file:
+                    _write_addr(args.addr_file, addrs[0])
+                if print_addr:  # first line of stdout: what to give others (scripts wait for it)
+                    print(addrs[0], flush=True)
+                    for a in addrs[1:]:
+                        log.info("also reachable at %s", a)
+                async for signum in signals:
+                    log.info("%s: leaving the swarm", signal.Signals(signum).name)
+                    break
+        (config.data_dir / ADDR_FILE).unlink(missing_ok=True)
+
+    trio.run(main)
+    return 0
+
+
+def _write_addr(path: Path, addr: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(addr + "\n")
+    tmp.replace(path)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.status import fetch_status, to_json
+
+    logs.configure(logging.WARNING)
+    addr = args.connect
+    if addr is None:
+        path = (args.data_dir or default_data_dir()) / ADDR_FILE
+        try:
+            addr = path.read_text().strip()
+        except OSError:
+            raise ConfigError(f"no --connect given and no running node found ({path} is missing)") from None
+    reply = trio.run(lambda: fetch_status(addr, timeout=args.timeout))
+    obj = to_json(reply)
+    if args.json:
+        print(json.dumps(obj))
+        return 0
+    print(render_text(obj))
+    return 0
+
+
+def render_text(obj: dict[str, Any]) -> str:
+    """A plain-text status summary (the urwid TUI builds on the same JSON)."""
+    caps = obj["capabilities"]
+    lines = [
+        f"node     {obj['peer_id']}  ({obj['role']}, pcp {obj['version']}, up {obj['uptime_s']:.0f} s)",
+        f"addrs    {' '.join(obj['addrs'])}",
+        f"hardware {caps['cpu_model']} x{caps['cpu_count']}, {caps['throughput_gflops']:.0f} GFLOP/s, "
+        f"backends {','.join(caps['backends']) or '-'}",
+        f"network  {obj['network'].get('connected_peers', 0)} connected, "
+        f"{obj['network'].get('routing_table_size', 0)} in routing table",
+        f"members  {len(obj['members'])}",
+    ]
+    for m in obj["members"]:
+        c = m["capabilities"]
+        lines.append(
+            f"  {m['peer_id']}  {m['role']:<9} {','.join(c['backends']) or '-':<12} "
+            f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
+        )
+    return "\n".join(lines)
+
+
+def _cmd_swarm_key(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.swarm_key import write_swarm_key
+
+    write_swarm_key(args.path)
+    print(f"wrote {args.path}; give it to every member with --swarm-key {args.path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,113 @@
+"""The status protocol, ``/pcp/status/1.0.0``: what a node knows, for people and scripts.
+
+One request frame, one reply frame, then the stream closes. The reply is a
+typed message (so a node that answers garbage is caught by the codec like any
+other bad input) and converts to the JSON object that ``pcp status --json``
+prints. Later parts of PCP add their own sections (run, shepherd, ...) through
+``extra`` without changing this message's schema.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from pcp_p2p.errors import ConfigError, PeerGone, PeerTimeout, ProtocolError
+from pcp_p2p.node.capabilities import Capabilities
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import Message, decode, encode, wire_message, wire_struct
+from pcp_p2p.wire.framing import read_frame, write_frame
+
+STATUS_PROTOCOL = "/pcp/status/1.0.0"
+MAX_REQUEST = 256
+MAX_REPLY = 2 * 1024 * 1024
+
+
+@wire_message("status.request", max_size=MAX_REQUEST)
+class StatusRequest(Message):
+    members: bool = True
+
+
+@wire_struct
+class MemberStatus(Message):
+    peer_id: str
+    addrs: tuple[str, ...]
+    role: str
+    capabilities: Capabilities
+    last_seen_s: float
+
+
+@wire_message("status.reply", max_size=MAX_REPLY)
+class StatusReply(Message):
+    peer_id: str
+    addrs: tuple[str, ...]
+    version: str
+    role: str
+    uptime_s: float
+    capabilities: Capabilities
+    members: tuple[MemberStatus, ...]
+    network: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def to_json(reply: StatusReply) -> dict[str, Any]:
+    """The JSON object ``pcp status --json`` prints."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Message):
+            return {name: plain(getattr(value, name)) for name in value.__dataclass_fields__}  # type: ignore[attr-defined]
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, bytes):
+            return value.hex()
+        return value
+
+    obj = plain(reply)
+    extra = obj.pop("extra")
+    obj.update(extra)
+    return obj
+
+
+async def fetch_status(addr: str, *, timeout: float = 10.0, members: bool = True) -> StatusReply:
+    """Ask the node at a full multiaddr (``.../p2p/<id>``) for its status.
+
+    Uses a throwaway identity and host: asking for status needs no standing in
+    the swarm. Raises only PcpError subclasses.
+    """
+    try:
+        maddr = multiaddr.Multiaddr(addr)
+        info = info_from_p2p_addr(maddr)
+    except Exception as exc:
+        raise ConfigError(f"not a full multiaddr with /p2p/<peer id>: {addr!r}") from exc
+    host = new_host(key_pair=Identity.generate().key_pair)
+    with trio.move_on_after(timeout) as scope:
+        async with host.run(listen_addrs=[]):
+            try:
+                await host.connect(info)
+                stream = await host.new_stream(info.peer_id, [STATUS_PROTOCOL])
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                raise PeerGone(f"cannot reach {addr}: {exc or type(exc).__name__}") from exc
+            try:
+                await write_frame(stream, encode(StatusRequest(members=members)), timeout=timeout)
+                data = await read_frame(stream, max_size=MAX_REPLY, timeout=timeout)
+                reply = decode(data, StatusReply)
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+            if reply.peer_id != info.peer_id.to_base58():
+                raise ProtocolError(f"status reply names {reply.peer_id}, not the peer asked")
+            return reply
+    assert scope.cancelled_caught
+    raise PeerTimeout(f"no status from {addr} within {timeout:.0f} s")
+
