@@ -1,0 +1,577 @@
+"""The blob service: serve what the store holds, fetch what it does not.
+
+``BlobService(host, store, routing, identity)`` plugs into any py-libp2p host:
+:meth:`register` installs the ``/pcp/blob/1.0.0`` handler; :meth:`publish`
+stores and announces; :meth:`fetch` finds providers, takes the manifest from
+one, pulls chunks from several in parallel over authenticated side channels
+(:mod:`pcp_p2p.blob.sidechannel`), verifies each chunk on arrival, re-fetches
+bad or missing ones from the others (:class:`~pcp_p2p.blob.transfer.FetchPlan`),
+hashes the whole blob while chunks arrive, and commits it to the store only if
+it hashes to its CID.
+
+Threads: the byte moving (socket I/O, AES-GCM, sha256, file I/O) runs in trio
+worker threads, all of which release the GIL, so the trio loop that also runs
+libp2p stays responsive and receiving, decrypting and hashing overlap. The side
+socket's timeout is the stall detector (no byte for ``stall_timeout`` seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hashlib
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.peerinfo import PeerInfo
+
+from pcp_p2p.blob import protocol as P
+from pcp_p2p.blob.chunks import ChunkManifest, manifest_cid, parse_manifest, read_chunk
+from pcp_p2p.blob.routing import ContentRouting
+from pcp_p2p.blob.sidechannel import (
+    KIND_CHUNK,
+    KIND_HELLO,
+    RecordCipher,
+    RecordReader,
+    derive_key,
+    hello_plaintext,
+    send_record,
+    transcript,
+    tune,
+)
+from pcp_p2p.blob.store import BlobStore, PendingBlob
+from pcp_p2p.blob.transfer import FetchPlan
+from pcp_p2p.cid import cid_of, digest_of_cid
+from pcp_p2p.errors import (
+    BlobNotFound,
+    HashMismatch,
+    MalformedMessage,
+    NoProviders,
+    OversizedMessage,
+    PcpError,
+    PeerError,
+    PeerGone,
+    PeerTimeout,
+    ProtocolError,
+    VerificationError,
+)
+from pcp_p2p.node.identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BlobConfig:
+    max_blob_size: int = 16 * 1024**3  # a fetch refuses manifests declaring more
+    max_range: int = 256 * 1024**2  # byte-range fetches are held in memory
+    request_timeout: float = 20.0  # one control exchange on the libp2p stream
+    stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
+    max_uploads: int = 16  # concurrent side-channel uploads this node serves
+    side_host: str | None = None  # where side listeners bind; None: the host's listen IP
+
+
+@dataclass
+class FetchReport:
+    """What the last fetch did (for logs, tests and benchmarks)."""
+
+    cid: str
+    manifest_source: str = ""
+    chunks_from: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    requests: int = 0
+
+
+class _Changed:
+    """A re-armable "something changed" signal for workers waiting on the plan."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+
+
+class BlobService:
+    def __init__(
+        self,
+        host: IHost,
+        store: BlobStore,
+        routing: ContentRouting,
+        identity: Identity,
+        config: BlobConfig | None = None,
+    ) -> None:
+        self.host = host
+        self.store = store
+        self.routing = routing
+        self.identity = identity
+        self.config = config or BlobConfig()
+        self.peer_id = identity.peer_id
+        self._uploads = threading.BoundedSemaphore(self.config.max_uploads)
+        self.last_fetch: FetchReport | None = None
+
+    # --- public API ------------------------------------------------------------
+
+    def register(self) -> None:
+        """Serve ``/pcp/blob/1.0.0`` on the host."""
+        self.host.set_stream_handler(P.PROTOCOL_ID, self._handle)  # type: ignore[arg-type]
+
+    async def publish(self, data_or_path: bytes | Path, *, pin: bool = True) -> str:
+        """Store a blob, announce it, return its CID (announce errors propagate)."""
+        if isinstance(data_or_path, (bytes, bytearray, memoryview)):
+            cid = await trio.to_thread.run_sync(lambda: self.store.put_bytes(bytes(data_or_path), pin=pin))
+        else:
+            cid = await trio.to_thread.run_sync(lambda: self.store.put_file(Path(data_or_path), pin=pin))
+        await self.routing.provide(cid)
+        return cid
+
+    async def fetch(
+        self,
+        cid: str,
+        *,
+        providers: list[PeerInfo] | None = None,
+        byte_range: tuple[int, int] | None = None,
+        manifest_cid: str | None = None,
+        pin: bool = False,
+    ) -> Path | bytes:
+        """The blob's path in the store, or the bytes of ``byte_range = (start, end)``.
+
+        A whole blob is committed to the store only if it hashes to ``cid``. A
+        range is checked chunk by chunk against the manifest (pass
+        ``manifest_cid`` when a signed record names it; otherwise the
+        manifest is the provider's word) and is not stored.
+        """
+        digest_of_cid(cid)  # MalformedMessage for a non-CID
+        if self.store.has(cid):
+            if byte_range is not None:
+                start, end = byte_range
+                return await trio.to_thread.run_sync(self.store.read, cid, start, end - start)
+            if pin:
+                self.store.pin(cid)
+            return self.store.path(cid)
+        if providers is None:
+            providers = await self.routing.find_providers(cid)
+        me = self.host.get_id()
+        providers = [p for p in providers if p.peer_id != me]
+        if not providers:
+            raise NoProviders(f"nobody provides {cid}")
+        report = FetchReport(cid)
+        self.last_fetch = report
+        manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
+        report.manifest_source = source
+        # The provider that gave the manifest goes first: it is known to be alive.
+        providers.sort(key=lambda p: p.peer_id.to_base58() != source)
+        if byte_range is not None:
+            start, end = byte_range
+            wanted = manifest.chunks_covering(start, end)
+            if end - start > self.config.max_range:
+                raise OversizedMessage(f"range of {end - start} bytes > limit {self.config.max_range}")
+            chunks: dict[int, bytes] = {}
+            await self._pull(manifest, mcid, providers, wanted, report, chunks=chunks)
+            joined = b"".join(chunks[i] for i in wanted)
+            base = wanted.start * manifest.chunk_size if len(wanted) else start
+            return joined[start - base : end - base]
+        pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
+        with pending:
+            digest = await self._pull(
+                manifest, mcid, providers, range(manifest.count), report, pending=pending
+            )
+            path = await trio.to_thread.run_sync(pending.commit, digest)
+        if pin:
+            self.store.pin(cid)
+        return path
+
+    # --- client side ------------------------------------------------------------
+
+    async def _get_manifest(
+        self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport
+    ) -> tuple[ChunkManifest, str, str]:
+        errors: list[PcpError] = []
+        for info in providers:
+            pid = info.peer_id.to_base58()
+            try:
+                report.requests += 1
+                reply, _ = await self._request(info, P.BlobRequest("manifest", cid, secrets.token_bytes(P.NONCE_LEN)))
+                manifest = parse_manifest(
+                    reply.manifest, expect_cid=cid, expect_manifest_cid=want_mcid,
+                    max_size=self.config.max_blob_size,
+                )
+                return manifest, cid_of(reply.manifest), pid
+            except PcpError as exc:
+                report.failures[pid] = f"{type(exc).__name__}: {exc}"
+                errors.append(exc)
+        raise _aggregate(cid, errors)
+
+    async def _request(self, info: PeerInfo, req: P.BlobRequest) -> tuple[P.BlobReply, str]:
+        """One control exchange; returns the reply and the server's IP address."""
+        try:
+            with trio.fail_after(self.config.request_timeout):
+                try:
+                    if info.addrs:
+                        await self.host.connect(info)
+                    stream = await self.host.new_stream(info.peer_id, [P.PROTOCOL_ID])
+                except PcpError:
+                    raise
+                except Exception as exc:
+                    raise PeerGone(f"cannot open a blob stream to {info.peer_id}: {exc}") from exc
+                try:
+                    await P.write_frame(stream, req)
+                    reply = await P.read_frame(stream, P.BlobReply)
+                    remote = stream.get_remote_address()
+                finally:
+                    with trio.move_on_after(1):
+                        try:
+                            await stream.close()
+                        except Exception:
+                            pass
+        except trio.TooSlowError as exc:
+            raise PeerTimeout(f"{info.peer_id} did not answer within {self.config.request_timeout}s") from exc
+        if reply.status == P.NOT_FOUND:
+            raise BlobNotFound(f"{info.peer_id} does not hold {req.cid}")
+        if reply.status == P.MISMATCH:
+            raise HashMismatch(f"{info.peer_id} has another manifest for {req.cid}")
+        if reply.status == P.BUSY:
+            raise PeerError(f"{info.peer_id} is busy")
+        if reply.status != P.OK:
+            raise MalformedMessage(f"{info.peer_id} refused the request: {reply.detail:.200}")
+        if remote is None:
+            raise PeerGone("stream has no remote address")
+        return reply, remote[0]
+
+    async def _pull(
+        self,
+        manifest: ChunkManifest,
+        mcid: str,
+        providers: list[PeerInfo],
+        wanted: range,
+        report: FetchReport,
+        *,
+        pending: PendingBlob | None = None,
+        chunks: dict[int, bytes] | None = None,
+    ) -> bytes:
+        """Fetch ``wanted`` chunks from ``providers``; the whole digest if ``pending``."""
+        by_id = {p.peer_id.to_base58(): p for p in providers}
+        plan = FetchPlan(wanted, list(by_id))
+        changed = _Changed()
+        errors: list[PcpError] = []
+        fd = os.open(pending.path, os.O_RDWR) if pending is not None else -1
+        whole = hashlib.sha256()
+        try:
+            async with trio.open_nursery() as nursery:
+                for pid, info in by_id.items():
+                    nursery.start_soon(
+                        self._worker, info, pid, plan, changed, manifest, mcid, fd, chunks, errors, report
+                    )
+                if pending is not None:
+                    nursery.start_soon(self._hash_in_order, plan, changed, manifest, fd, whole)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        report.chunks_from = dict(plan.served)
+        if not plan.complete:
+            raise _aggregate(manifest.cid, errors)
+        return whole.digest()
+
+    async def _hash_in_order(
+        self, plan: FetchPlan, changed: _Changed, manifest: ChunkManifest, fd: int, whole: "hashlib._Hash"
+    ) -> None:
+        """Hash the blob front to back as its prefix completes (overlaps the transfer)."""
+        cursor = 0
+        while cursor < manifest.count:
+            if cursor in plan.done:
+                data = await trio.to_thread.run_sync(read_chunk, fd, manifest, cursor)
+                await trio.to_thread.run_sync(whole.update, data)
+                cursor += 1
+            elif plan.failed:
+                return
+            else:
+                await changed.wait()
+
+    async def _worker(
+        self,
+        info: PeerInfo,
+        pid: str,
+        plan: FetchPlan,
+        changed: _Changed,
+        manifest: ChunkManifest,
+        mcid: str,
+        fd: int,
+        chunks: dict[int, bytes] | None,
+        errors: list[PcpError],
+        report: FetchReport,
+    ) -> None:
+        while True:
+            batch = plan.next_batch(pid)
+            if batch is None:
+                return
+            if not batch:
+                await changed.wait()
+                continue
+            try:
+                report.requests += 1
+                await self._fetch_batch(info, pid, plan, changed, manifest, mcid, batch, fd, chunks)
+                plan.provider_finished_batch(pid, batch)
+            except PcpError as exc:
+                log.info("blob: provider %s failed: %s", pid, exc)
+                errors.append(exc)
+                report.failures[pid] = f"{type(exc).__name__}: {exc}"
+                plan.provider_failed(pid, str(exc))
+                changed.fire()
+                return
+            changed.fire()
+
+    async def _fetch_batch(
+        self,
+        info: PeerInfo,
+        pid: str,
+        plan: FetchPlan,
+        changed: _Changed,
+        manifest: ChunkManifest,
+        mcid: str,
+        batch: list[int],
+        fd: int,
+        chunks: dict[int, bytes] | None,
+    ) -> None:
+        cid = manifest.cid
+        nonce = secrets.token_bytes(P.NONCE_LEN)
+        req = P.BlobRequest("data", cid, nonce, mcid, batch[0], len(batch))
+        reply, ip = await self._request(info, req)
+        if len(reply.nonce) != P.NONCE_LEN:
+            raise MalformedMessage("reply without a server nonce")
+        info_bytes = transcript(self.peer_id, pid, cid, mcid, batch[0], len(batch))
+        key = derive_key(reply.secret, nonce, reply.nonce, info_bytes)
+        stall = self.config.stall_timeout
+        sock = await trio.to_thread.run_sync(_connect, ip, reply.port, stall)
+        try:
+            c2s = RecordCipher.for_direction(key, client_to_server=True)
+            s2c = RecordCipher.for_direction(key, client_to_server=False)
+            await trio.to_thread.run_sync(send_record, sock, c2s, KIND_HELLO, hello_plaintext(info_bytes))
+            reader = RecordReader(sock, s2c, manifest.chunk_size)
+            send_ch, recv_ch = trio.open_memory_channel[tuple[int, bytes]](1)
+
+            async def receive() -> None:
+                async with send_ch:
+                    for i in batch:
+                        data = await trio.to_thread.run_sync(reader.read, KIND_CHUNK, abandon_on_cancel=True)
+                        await send_ch.send((i, data))
+
+            async def verify() -> None:
+                async with recv_ch:
+                    async for i, data in recv_ch:
+                        try:
+                            await trio.to_thread.run_sync(_verify_and_store, manifest, i, data, fd, chunks)
+                        except HashMismatch:
+                            plan.chunk_bad(pid, i)
+                            raise
+                        plan.chunk_ok(pid, i)
+                        changed.fire()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(receive)
+                    nursery.start_soon(verify)
+            except BaseExceptionGroup as group:
+                err = _first_pcp_error(group)
+                if err is None:
+                    raise
+                raise err from group
+        finally:
+            _close(sock)
+
+    # --- server side ------------------------------------------------------------
+
+    async def _handle(self, stream: INetStream) -> None:
+        client = stream.muxed_conn.peer_id.to_base58()
+        try:
+            try:
+                with trio.fail_after(self.config.request_timeout):
+                    req = await P.read_frame(stream, P.BlobRequest)
+                    upload = await self._answer(stream, client, req)
+            except ProtocolError as exc:
+                log.info("blob: bad request from %s: %s", client, exc)
+                with trio.move_on_after(self.config.request_timeout):
+                    await P.write_frame(stream, P.BlobReply(P.BAD_REQUEST, str(exc)[:200]))
+                return
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+            if upload is not None:
+                await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            log.info("blob: request from %s timed out", client)
+        except PcpError as exc:
+            log.info("blob: serving %s failed: %s", client, exc)
+        except Exception:  # a bug must not take the host down
+            log.exception("blob: handler crashed serving %s", client)
+
+    async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest):  # type: ignore[no-untyped-def]
+        """Reply to ``req``; for a data request, return the upload to run (in a thread)."""
+        if not self.store.has(req.cid):
+            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND))
+            return None
+        if req.kind == "manifest":
+            await P.write_frame(stream, P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid)))
+            return None
+        mf_bytes = self.store.manifest_bytes(req.cid)
+        if cid_of(mf_bytes) != req.manifest_cid:
+            await P.write_frame(stream, P.BlobReply(P.MISMATCH))
+            return None
+        manifest = self.store.manifest(req.cid)
+        if req.first + req.count > manifest.count:
+            raise MalformedMessage(f"chunks [{req.first}, {req.first + req.count}) of {manifest.count}")
+        if not self._uploads.acquire(blocking=False):
+            await P.write_frame(stream, P.BlobReply(P.BUSY))
+            return None
+        try:
+            listener = socket.create_server((self._side_host(), 0), backlog=1)
+            file = open(self.store.path(req.cid), "rb")  # held open: eviction cannot pull it away
+        except BaseException:
+            self._uploads.release()
+            raise
+        secret, nonce = secrets.token_bytes(32), secrets.token_bytes(P.NONCE_LEN)
+        info = transcript(client, self.peer_id, req.cid, req.manifest_cid, req.first, req.count)
+        key = derive_key(secret, req.nonce, nonce, info)
+        try:
+            await P.write_frame(
+                stream, P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce)
+            )
+        except BaseException:
+            listener.close()
+            file.close()
+            self._uploads.release()
+            raise
+
+        def upload() -> None:
+            try:
+                self._upload(listener, file, key, info, manifest, req.first, req.count)
+            finally:
+                listener.close()
+                file.close()
+                self._uploads.release()
+
+        return upload
+
+    def _upload(
+        self,
+        listener: socket.socket,
+        file: object,
+        key: bytes,
+        info: bytes,
+        manifest: ChunkManifest,
+        first: int,
+        count: int,
+    ) -> None:
+        """Runs in a worker thread: accept the client, check its hello, send the chunks."""
+        listener.settimeout(self.config.request_timeout)
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError as exc:
+            raise PeerTimeout("client never connected to the side channel") from exc
+        listener.close()
+        try:
+            tune(sock, self.config.stall_timeout)
+            c2s = RecordCipher.for_direction(key, client_to_server=True)
+            s2c = RecordCipher.for_direction(key, client_to_server=False)
+            hello = RecordReader(sock, c2s, len(hello_plaintext(info))).read(KIND_HELLO)
+            if hello != hello_plaintext(info):
+                raise VerificationError("side-channel hello does not match the transfer")
+            fd = file.fileno()  # type: ignore[attr-defined]
+            for i in range(first, first + count):
+                self._send_chunk(sock, s2c, i, read_chunk(fd, manifest, i))
+            sock.shutdown(socket.SHUT_WR)
+            # Wait for the client to close so its last bytes are not cut by a reset.
+            sock.recv(1)
+        except OSError as exc:
+            raise PeerGone(f"side channel broke: {exc}") from exc
+        finally:
+            sock.close()
+
+    def _send_chunk(self, sock: socket.socket, cipher: RecordCipher, index: int, data: bytes) -> None:
+        """Send one chunk record (tests override this to inject faults)."""
+        send_record(sock, cipher, KIND_CHUNK, data)
+
+    def _side_host(self) -> str:
+        if self.config.side_host is not None:
+            return self.config.side_host
+        for addr in self.host.get_addrs():
+            try:
+                return addr.value_for_protocol("ip4")  # type: ignore[no-any-return]
+            except Exception:
+                continue
+        return "0.0.0.0"
+
+
+def _connect(ip: str, port: int, timeout: float) -> socket.socket:
+    try:
+        sock = socket.create_connection((ip, port), timeout=timeout)
+    except TimeoutError as exc:
+        raise PeerTimeout(f"side channel to {ip}:{port} timed out") from exc
+    except OSError as exc:
+        raise PeerGone(f"side channel to {ip}:{port} failed: {exc}") from exc
+    tune(sock, timeout)
+    return sock
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread still blocked in recv
+    except OSError:
+        pass
+    sock.close()
+
+
+def _verify_and_store(
+    manifest: ChunkManifest, index: int, data: bytes, fd: int, chunks: dict[int, bytes] | None
+) -> None:
+    manifest.verify_chunk(index, data)
+    if chunks is not None:
+        chunks[index] = data
+    else:
+        offset, _ = manifest.chunk_span(index)
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view = view[n:]
+            offset += n
+
+
+def _first_pcp_error(group: BaseExceptionGroup) -> PcpError | None:  # type: ignore[type-arg]
+    """The first PcpError inside a nursery's exception group, if any."""
+    match, _ = group.split(PcpError)
+    while isinstance(match, BaseExceptionGroup):
+        match = match.exceptions[0]
+    return match  # type: ignore[return-value]
+
+
+def _aggregate(cid: str, errors: list[PcpError]) -> PcpError:
+    """One error for a fetch that every provider failed.
+
+    If all providers failed the same way (all said "not found", all declared
+    an oversized blob, all sent bad data) that type is raised, so callers can
+    tell "nobody has it" from "the network is broken"; otherwise NoProviders.
+    """
+    if not errors:
+        return NoProviders(f"no provider could serve {cid}")
+    kinds = {type(e) for e in errors}
+    detail = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:5])
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        try:
+            err = kind(f"{cid}: every provider failed: {detail}")
+        except Exception:
+            err = NoProviders(f"{cid}: {detail}")
+    else:
+        err = NoProviders(f"{cid}: every provider failed: {detail}")
+    err.__cause__ = errors[-1]
+    return err

@@ -1,0 +1,366 @@
+"""The on-disk blob store: content-addressed, size-limited, pinnable, crash-safe.
+
+Layout under ``<data-dir>/blobs``::
+
+    data/<cid>        the blob's bytes (never modified once renamed into place)
+    data/<cid>.mf     its chunk manifest (wire-encoded), written before the blob
+    tmp/              partial writes and in-progress fetches
+    pins              one pinned CID per line, rewritten atomically
+
+Why these rules:
+
+- **Nothing enters unless it hashes to its CID.** Every way in (:meth:`put_bytes`,
+  :meth:`put_file`, :class:`PendingBlob.commit`) compares a sha256 computed over
+  the very bytes written against the CID's digest before the rename.
+- **Atomic writes.** A blob is written to ``tmp/``, fsynced, renamed into
+  ``data/`` and the directory fsynced, so a crash leaves either the whole blob or
+  nothing; ``tmp/`` is emptied at start.
+- **Pins.** Content a node still needs (the current checkpoint, the artifact it
+  runs, what it publishes) is pinned and never evicted; pins are a file so they
+  survive restarts.
+- **LRU eviction.** Unpinned blobs are evicted least-recently-used first to make
+  room; recency is the file's mtime, bumped on every read, so it also survives
+  restarts. If pinned content leaves no room, :class:`StoreFull`.
+- **Reservations.** A fetch reserves its declared size before the first byte
+  arrives, so concurrent fetches cannot together overrun the limit.
+
+All methods are quick metadata work or plain file I/O; callers on a trio loop
+run the large ones (put of a big file, hashing) in a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, Hashed, hash_bytes
+from pcp_p2p.cid import cid_from_digest, digest_of_cid
+from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, StoreFull
+from pcp_p2p.wire import decode, encode
+
+_MF_SUFFIX = ".mf"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PendingBlob:
+    """A blob being written into the store (by a fetch); commit or abort it.
+
+    The writer fills :attr:`path` (e.g. with ``os.pwrite`` at chunk offsets)
+    and hands :meth:`commit` the sha256 it computed over the bytes it wrote.
+    """
+
+    def __init__(self, store: BlobStore, cid: str, manifest: ChunkManifest, path: Path) -> None:
+        self.store = store
+        self.cid = cid
+        self.manifest = manifest
+        self.path = path
+        self._done = False
+
+    def commit(self, digest: bytes) -> Path:
+        """Move the finished blob into place if ``digest`` matches its CID."""
+        if self._done:
+            raise LocalError("pending blob already committed or aborted")
+        try:
+            if digest != digest_of_cid(self.cid):
+                raise HashMismatch(f"fetched bytes do not hash to {self.cid}")
+            if self.path.stat().st_size != self.manifest.size:
+                raise HashMismatch(f"fetched file has the wrong size for {self.cid}")
+            return self.store._install(self.path, self.cid, self.manifest)
+        finally:
+            self._finish()
+
+    def abort(self) -> None:
+        if not self._done:
+            self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        self.path.unlink(missing_ok=True)
+        self.store._release(self.manifest.size)
+
+    def __enter__(self) -> PendingBlob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class BlobStore:
+    """Blobs on disk under ``root``, keyed by CID, at most ``max_bytes`` in all."""
+
+    def __init__(self, root: Path, max_bytes: int, *, chunk_size: int = CHUNK_SIZE) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.chunk_size = chunk_size
+        self._data = self.root / "data"
+        self._tmp = self.root / "tmp"
+        self._pins_file = self.root / "pins"
+        self._lock = threading.RLock()
+        self._reserved = 0
+        self._seq = 0
+        self._data.mkdir(parents=True, exist_ok=True)
+        self._tmp.mkdir(parents=True, exist_ok=True)
+        for stale in self._tmp.iterdir():  # a crash mid-write leaves these
+            stale.unlink(missing_ok=True)
+        self._sizes: dict[str, int] = {}
+        for entry in self._data.iterdir():
+            if entry.suffix == _MF_SUFFIX:
+                continue
+            if not (self._data / (entry.name + _MF_SUFFIX)).exists():
+                entry.unlink(missing_ok=True)  # blob without manifest: half-installed
+                continue
+            self._sizes[entry.name] = entry.stat().st_size
+        for mf in self._data.glob("*" + _MF_SUFFIX):
+            if mf.name[: -len(_MF_SUFFIX)] not in self._sizes:
+                mf.unlink(missing_ok=True)
+        self._pins: set[str] = set()
+        if self._pins_file.exists():
+            self._pins = {ln for ln in self._pins_file.read_text().split() if ln}
+
+    # --- queries ------------------------------------------------------------------
+
+    def has(self, cid: str) -> bool:
+        return cid in self._sizes
+
+    def size(self, cid: str) -> int:
+        try:
+            return self._sizes[cid]
+        except KeyError:
+            raise BlobNotFound(cid) from None
+
+    def path(self, cid: str) -> Path:
+        """The blob's file (read-only by convention); bumps its LRU recency."""
+        self.size(cid)
+        p = self._data / cid
+        try:
+            os.utime(p)
+        except FileNotFoundError:
+            raise BlobNotFound(cid) from None
+        return p
+
+    def read(self, cid: str, offset: int = 0, length: int | None = None) -> bytes:
+        size = self.size(cid)
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise LocalError(f"range [{offset}, {offset + length}) outside blob of {size}")
+        with open(self.path(cid), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def manifest(self, cid: str) -> ChunkManifest:
+        self.size(cid)
+        return decode((self._data / (cid + _MF_SUFFIX)).read_bytes(), ChunkManifest)
+
+    def manifest_bytes(self, cid: str) -> bytes:
+        self.size(cid)
+        return (self._data / (cid + _MF_SUFFIX)).read_bytes()
+
+    def cids(self) -> list[str]:
+        return sorted(self._sizes)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    # --- pins -----------------------------------------------------------------------
+
+    def pin(self, cid: str) -> None:
+        """Keep ``cid`` until unpinned (it must be held)."""
+        self.size(cid)
+        with self._lock:
+            if cid not in self._pins:
+                self._pins.add(cid)
+                self._save_pins()
+
+    def unpin(self, cid: str) -> None:
+        with self._lock:
+            if cid in self._pins:
+                self._pins.discard(cid)
+                self._save_pins()
+
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pins)
+
+    def _save_pins(self) -> None:
+        tmp = self._tmp / "pins.tmp"
+        with open(tmp, "w") as f:
+            f.write("".join(c + "\n" for c in sorted(self._pins)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._pins_file)
+        _fsync_dir(self.root)
+
+    # --- writes -----------------------------------------------------------------
+
+    def put_bytes(self, data: bytes, *, cid: str | None = None, pin: bool = False) -> str:
+        """Store ``data``; if ``cid`` is given the bytes must hash to it."""
+        hashed = hash_bytes(data, self.chunk_size)
+        self._check_expected(hashed, cid)
+        with self._reservation(len(data)):
+            tmp = self._tmp_path()
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self._install(tmp, hashed.manifest.cid, hashed.manifest)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if pin:
+            self.pin(hashed.manifest.cid)
+        return hashed.manifest.cid
+
+    def put_file(self, src: Path, *, cid: str | None = None, pin: bool = False) -> str:
+        """Copy the file at ``src`` into the store, hashing what is copied."""
+        size = Path(src).stat().st_size
+        with self._reservation(size):
+            tmp = self._tmp_path()
+            try:
+                whole = hashlib.sha256()
+                digests: list[bytes] = []
+                with open(src, "rb") as fin, open(tmp, "wb") as fout:
+                    while True:
+                        block = fin.read(self.chunk_size)
+                        if not block and digests:
+                            break
+                        whole.update(block)
+                        digests.append(hashlib.sha256(block).digest())
+                        fout.write(block)
+                        if len(block) < self.chunk_size:
+                            break
+                    fout.flush()
+                    os.fsync(fout.fileno())
+                digest = whole.digest()
+                written = fout_size = tmp.stat().st_size
+                manifest = ChunkManifest(
+                    cid_from_digest(digest), fout_size, self.chunk_size, tuple(digests)
+                )
+                hashed = Hashed(manifest, digest)
+                self._check_expected(hashed, cid)
+                if written != size:
+                    raise HashMismatch(f"{src} changed size while it was being stored")
+                self._install(tmp, hashed.manifest.cid, hashed.manifest)
+            finally:
+                tmp.unlink(missing_ok=True)
+        if pin:
+            self.pin(hashed.manifest.cid)
+        return hashed.manifest.cid
+
+    def begin(self, cid: str, manifest: ChunkManifest) -> PendingBlob:
+        """Reserve room for a blob about to be fetched and give its temp file.
+
+        Raises :class:`StoreFull` if pinned content leaves no room for it.
+        """
+        if manifest.cid != cid:
+            raise HashMismatch(f"manifest is for {manifest.cid}, not {cid}")
+        with self._lock:
+            self._make_room(manifest.size)
+            self._reserved += manifest.size
+        tmp = self._tmp_path()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, manifest.size)
+        finally:
+            os.close(fd)
+        return PendingBlob(self, cid, manifest, tmp)
+
+    def delete(self, cid: str) -> None:
+        """Remove a blob (and its pin)."""
+        with self._lock:
+            self.unpin(cid)
+            self._remove(cid)
+
+    # --- internals ----------------------------------------------------------------
+
+    def _check_expected(self, hashed: Hashed, cid: str | None) -> None:
+        if cid is not None and hashed.digest != digest_of_cid(cid):
+            raise HashMismatch(f"content does not match {cid}")
+
+    def _tmp_path(self) -> Path:
+        with self._lock:
+            self._seq += 1
+            return self._tmp / f"{os.getpid()}-{self._seq}.part"
+
+    def _reservation(self, size: int) -> _Reservation:
+        return _Reservation(self, size)
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._reserved -= size
+
+    def _make_room(self, size: int) -> None:
+        """Evict unpinned blobs, oldest use first, until ``size`` more bytes fit."""
+        if size > self.max_bytes:
+            raise StoreFull(f"blob of {size} bytes exceeds the store limit {self.max_bytes}")
+        need = self.used_bytes + self._reserved + size - self.max_bytes
+        if need <= 0:
+            return
+        victims = sorted(
+            (c for c in self._sizes if c not in self._pins),
+            key=lambda c: self._mtime(c),
+        )
+        freeable = sum(self._sizes[c] for c in victims)
+        if freeable < need:
+            raise StoreFull(
+                f"need {need} more bytes; only {freeable} are unpinned "
+                f"(limit {self.max_bytes}, pinned {self.used_bytes - freeable})"
+            )
+        for c in victims:
+            if need <= 0:
+                break
+            need -= self._sizes[c]
+            self._remove(c)
+
+    def _mtime(self, cid: str) -> float:
+        try:
+            return (self._data / cid).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def _remove(self, cid: str) -> None:
+        self._sizes.pop(cid, None)
+        (self._data / cid).unlink(missing_ok=True)
+        (self._data / (cid + _MF_SUFFIX)).unlink(missing_ok=True)
+
+    def _install(self, tmp: Path, cid: str, manifest: ChunkManifest) -> Path:
+        """Rename a verified temp file into place (manifest first, then blob)."""
+        dest = self._data / cid
+        with self._lock:
+            if cid in self._sizes:  # already held: identical bytes by construction
+                return dest
+            mf_tmp = self._tmp_path()
+            with open(mf_tmp, "wb") as f:
+                f.write(encode(manifest))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(mf_tmp, self._data / (cid + _MF_SUFFIX))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            _fsync_dir(self._data)
+            self._sizes[cid] = manifest.size
+        return dest
+
+
+class _Reservation:
+    def __init__(self, store: BlobStore, size: int) -> None:
+        self.store = store
+        self.size = size
+
+    def __enter__(self) -> None:
+        with self.store._lock:
+            self.store._make_room(self.size)
+            self.store._reserved += self.size
+
+    def __exit__(self, *exc: object) -> None:
+        self.store._release(self.size)
