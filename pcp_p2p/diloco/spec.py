@@ -1,0 +1,272 @@
+"""The run spec: everything a run's owner fixes before the first round, signed.
+
+A run spec is written by a person as TOML, parsed here into frozen dataclasses
+(which are also wire structs, so the *same* objects are signed, gossiped and
+stored), validated with a :class:`~pcp_p2p.errors.ConfigError` that names the
+offending key, and signed by the owner's node key. The run id is the CID of the
+encoded signed spec: it names exactly one set of rules and one owner, so a
+submission tagged with another run id can be refused without looking further.
+
+Example (every key optional; these are the defaults)::
+
+    name = "shakespeare-tiny"
+    seed = 0
+
+    [model]
+    preset = "tiny"
+
+    [inner]            # AdamW, run locally by each worker
+    lr = 1e-3
+    beta1 = 0.9
+    beta2 = 0.99
+    weight_decay = 0.1
+    grad_clip = 1.0
+    batch_size = 16
+    seq_len = 64
+
+    [outer]            # Nesterov SGD on the averaged pseudo-gradient
+    lr = 0.7
+    momentum = 0.9
+
+    [round]
+    time_budget_s = 60.0     # inner training time per round (fast nodes do more steps)
+    max_inner_steps = 500    # and never more than this
+    deadline_s = 120.0       # from announcement to "commit with whoever arrived"
+    rounds = 100
+    min_quorum = 2
+    delta_codec = "int8"
+    max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
+    token_slack = 1.5        # how far above its measured speed a worker may claim
+
+    [data]
+    dataset = "shakespeare"  # or a path to a text file or a folder of .txt files
+
+    [targets]
+    allowed = ["llvm-cpu-x86-64-v3", "llvm-cpu-generic"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pcp_p2p.cid import cid_of
+from pcp_p2p.errors import ConfigError, MalformedMessage
+from pcp_p2p.node.identity import Identity, verify_signature
+from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
+
+MODEL_PRESETS = ("tiny", "small", "medium")
+DELTA_CODECS = ("int8", "fp32")
+
+
+@wire_struct
+class InnerOptimizer(Message):
+    """AdamW hyper-parameters of the inner loop (run inside the compiled artifact)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 16
+    seq_len: int = 64
+
+
+@wire_struct
+class OuterOptimizer(Message):
+    """Nesterov momentum SGD on the averaged pseudo-gradient (DiLoCo: 0.7 / 0.9)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@wire_struct
+class RoundPolicy(Message):
+    """How long a round lasts, who must answer, and what a submission may look like."""
+
+    time_budget_s: float = 60.0
+    max_inner_steps: int = 500
+    deadline_s: float = 120.0
+    rounds: int = 100
+    min_quorum: int = 2
+    delta_codec: str = "int8"
+    max_delta_norm: float = 0.0
+    token_slack: float = 1.5
+
+
+@wire_struct
+class RunSpec(Message):
+    """One training run's rules. Build with :func:`parse_spec`; always :meth:`validate`."""
+
+    name: str = "run"
+    seed: int = 0
+    model: str = "tiny"
+    inner: InnerOptimizer = dataclasses.field(default_factory=InnerOptimizer)
+    outer: OuterOptimizer = dataclasses.field(default_factory=OuterOptimizer)
+    round: RoundPolicy = dataclasses.field(default_factory=RoundPolicy)
+    dataset: str = "shakespeare"
+    targets: tuple[str, ...] = ("llvm-cpu-x86-64-v3", "llvm-cpu-generic")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.inner.batch_size * self.inner.seq_len
+
+    def validate(self) -> RunSpec:
+        """Raise :class:`ConfigError` naming the first bad value; return ``self``."""
+
+        def need(ok: bool, key: str, why: str) -> None:
+            if not ok:
+                raise ConfigError(f"run spec: {key} {why}")
+
+        def finite(x: float) -> bool:
+            return isinstance(x, float) and math.isfinite(x)
+
+        i, o, r = self.inner, self.outer, self.round
+        need(0 < len(self.name) <= 128, "name", "must be 1-128 characters")
+        need(self.model in MODEL_PRESETS, "model.preset", f"must be one of {MODEL_PRESETS}")
+        need(finite(i.lr) and 0 < i.lr < 1, "inner.lr", "must be in (0, 1)")
+        need(finite(i.beta1) and 0 <= i.beta1 < 1, "inner.beta1", "must be in [0, 1)")
+        need(finite(i.beta2) and 0 <= i.beta2 < 1, "inner.beta2", "must be in [0, 1)")
+        need(finite(i.weight_decay) and 0 <= i.weight_decay < 1, "inner.weight_decay", "must be in [0, 1)")
+        need(finite(i.grad_clip) and i.grad_clip >= 0, "inner.grad_clip", "must be >= 0 (0 = off)")
+        need(1 <= i.batch_size <= 4096, "inner.batch_size", "must be in [1, 4096]")
+        need(1 <= i.seq_len <= 65536, "inner.seq_len", "must be in [1, 65536]")
+        need(finite(o.lr) and 0 < o.lr <= 10, "outer.lr", "must be in (0, 10]")
+        need(finite(o.momentum) and 0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)")
+        need(finite(r.time_budget_s) and r.time_budget_s > 0, "round.time_budget_s", "must be > 0")
+        need(1 <= r.max_inner_steps <= 1_000_000, "round.max_inner_steps", "must be in [1, 1e6]")
+        need(
+            finite(r.deadline_s) and r.deadline_s > r.time_budget_s,
+            "round.deadline_s",
+            "must be a finite number above round.time_budget_s (workers need time to submit)",
+        )
+        need(1 <= r.rounds <= 10_000_000, "round.rounds", "must be >= 1")
+        need(1 <= r.min_quorum <= 100_000, "round.min_quorum", "must be >= 1")
+        need(r.delta_codec in DELTA_CODECS, "round.delta_codec", f"must be one of {DELTA_CODECS}")
+        need(finite(r.max_delta_norm) and r.max_delta_norm >= 0, "round.max_delta_norm", "must be >= 0 (0 = derived)")
+        need(finite(r.token_slack) and r.token_slack >= 1, "round.token_slack", "must be >= 1")
+        need(0 < len(self.dataset) <= 4096, "data.dataset", "must be a name or a path")
+        need(
+            0 < len(self.targets) <= 64 and all(0 < len(t) <= 128 for t in self.targets),
+            "targets.allowed",
+            "must list 1-64 target names",
+        )
+        return self
+
+
+# --- TOML -------------------------------------------------------------------
+
+_SECTIONS: dict[str, type[Message]] = {
+    "inner": InnerOptimizer,
+    "outer": OuterOptimizer,
+    "round": RoundPolicy,
+}
+
+
+def _build(cls: type[Message], table: Any, where: str) -> Any:
+    """A struct from a TOML table, with ints accepted for floats and unknown keys refused."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"run spec: [{where}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ConfigError(f"run spec: unknown key {where}.{key} (known: {', '.join(fields)})")
+        default = fields[key].default
+        if isinstance(default, float) and type(value) is int:
+            value = float(value)
+        if type(value) is not type(default):
+            raise ConfigError(
+                f"run spec: {where}.{key} must be a {type(default).__name__}, got {value!r:.40}"
+            )
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def parse_spec(text: str) -> RunSpec:
+    """A validated :class:`RunSpec` from TOML text; :class:`ConfigError` for anything wrong."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"run spec is not valid TOML: {exc}") from exc
+    known = {"name", "seed", "model", "inner", "outer", "round", "data", "targets"}
+    for key in doc:
+        if key not in known:
+            raise ConfigError(f"run spec: unknown key {key!r} (known: {', '.join(sorted(known))})")
+    kwargs: dict[str, Any] = {}
+    for key, typ in (("name", str), ("seed", int)):
+        if key in doc:
+            if type(doc[key]) is not typ:
+                raise ConfigError(f"run spec: {key} must be a {typ.__name__}")
+            kwargs[key] = doc[key]
+    if "model" in doc:
+        model = doc["model"]
+        if not isinstance(model, dict) or set(model) - {"preset"} or type(model.get("preset", "tiny")) is not str:
+            raise ConfigError("run spec: [model] takes one key, preset = \"tiny\"|\"small\"|\"medium\"")
+        kwargs["model"] = model.get("preset", "tiny")
+    for key, cls in _SECTIONS.items():
+        if key in doc:
+            kwargs[key] = _build(cls, doc[key], key)
+    if "data" in doc:
+        data = doc["data"]
+        if not isinstance(data, dict) or set(data) - {"dataset"} or type(data.get("dataset", "")) is not str:
+            raise ConfigError("run spec: [data] takes one key, dataset = \"shakespeare\" or a path")
+        if "dataset" in data:
+            kwargs["dataset"] = data["dataset"]
+    if "targets" in doc:
+        t = doc["targets"]
+        allowed = t.get("allowed") if isinstance(t, dict) else None
+        if not isinstance(allowed, list) or not all(type(x) is str for x in allowed) or set(t) - {"allowed"}:
+            raise ConfigError("run spec: [targets] takes one key, allowed = [\"target\", ...]")
+        kwargs["targets"] = tuple(allowed)
+    return RunSpec(**kwargs).validate()
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    """Read and parse a TOML run spec file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read run spec {path}: {exc}") from exc
+    return parse_spec(text)
+
+
+# --- signed form ------------------------------------------------------------
+
+
+@wire_message("diloco.run_spec", max_size=16 * 1024)
+class SignedRunSpec(Message):
+    """A run spec with its owner's peer id and Ed25519 signature over the rest."""
+
+    spec: RunSpec
+    owner: str
+    signature: bytes = b""
+
+
+def sign_spec(spec: RunSpec, identity: Identity) -> SignedRunSpec:
+    """The spec signed by ``identity`` (who thereby owns the run)."""
+    spec.validate()
+    unsigned = SignedRunSpec(spec=spec, owner=identity.peer_id)
+    return dataclasses.replace(unsigned, signature=identity.sign(signing_bytes(unsigned)))
+
+
+def verify_spec(signed: SignedRunSpec) -> RunSpec:
+    """The spec if the owner's signature holds and its values are sane.
+
+    Raises :class:`~pcp_p2p.errors.BadSignature` for a bad signature and
+    :class:`~pcp_p2p.errors.MalformedMessage` for a signed spec with values out of
+    range (it came from a peer: a remote fault, not a local config error).
+    """
+    verify_signature(signed.owner, signing_bytes(signed), signed.signature)
+    try:
+        return signed.spec.validate()
+    except ConfigError as exc:
+        raise MalformedMessage(f"signed run spec has bad values: {exc}") from exc
+
+
+def run_id_of(signed: SignedRunSpec) -> str:
+    """The run id: the CID of the encoded signed spec."""
+    return cid_of(encode(signed))
