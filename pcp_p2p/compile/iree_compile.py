@@ -1,0 +1,90 @@
+"""Running the ``iree-compile`` command-line compiler, reproducibly.
+
+We call the command-line tool rather than ``iree.compiler.compile_str``:
+the Python API adds default flags of its own, and a compile from a *file*
+embeds the file's path in the artifact. StableHLO goes in on stdin (``-``)
+and the vmfb comes out on stdout, so the output bytes depend only on the
+input text, the compiler version and the flag list: the same three give the
+same artifact CID on any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from pcp_p2p.compile.targets import COMMON_FLAGS, Target
+from pcp_p2p.errors import CompileError
+
+TOOL = "iree-compile"
+
+
+@lru_cache(maxsize=1)
+def compiler_path() -> str:
+    """Where ``iree-compile`` is: next to this Python, in the wheel's tool dir, or on PATH."""
+    beside = Path(sys.executable).with_name(TOOL)
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    try:
+        from iree.compiler.tools.binaries import find_tool
+
+        return find_tool(TOOL)
+    except Exception:  # not installed, or its own lookup failed
+        pass
+    found = shutil.which(TOOL)
+    if found:
+        return found
+    raise CompileError(
+        f"{TOOL} not found; install the compiler with `pip install -e '.[compile]'`"
+    )
+
+
+@lru_cache(maxsize=1)
+def compiler_version() -> str:
+    """The compiler's version line, e.g. ``3.13.0rc20261016@89ece87b8985...``."""
+    try:
+        out = subprocess.run([compiler_path(), "--version"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompileError(f"cannot run {TOOL} --version: {exc}") from exc
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("IREE compiler version"):
+            # "IREE compiler version 3.13.0rc20261016 @ 89ece87b..." -> "3.13.0rc20261016@89ece87b..."
+            return line.removeprefix("IREE compiler version").strip().replace(" @ ", "@")
+    raise CompileError(f"unrecognised {TOOL} --version output: {out[:200]!r}")
+
+
+def compile_flags(target: Target) -> tuple[str, ...]:
+    """The exact flag list for ``target`` (recorded in the manifest and the cache key)."""
+    return (*COMMON_FLAGS, *target.flags)
+
+
+def run_compiler(stablehlo: str, flags: tuple[str, ...], timeout: float = 1800) -> bytes:
+    """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes."""
+    cmd = [compiler_path(), *flags, "-o", "-", "-"]
+    try:
+        proc = subprocess.run(cmd, input=stablehlo.encode(), capture_output=True,
+                              timeout=timeout, env=_clean_env())
+    except subprocess.TimeoutExpired as exc:
+        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from exc
+    except OSError as exc:
+        raise CompileError(f"cannot run {TOOL}: {exc}") from exc
+    if proc.returncode != 0 or not proc.stdout:
+        err = proc.stderr.decode(errors="replace").strip()
+        raise CompileError(f"{TOOL} exited {proc.returncode}: {_tail(err)}")
+    return proc.stdout
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment minus variables that could change the compiler's output."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("IREE_", "LLVM_"))}
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    parts = text.splitlines()
+    return "\n".join(parts[-lines:]) if parts else "(no output)"

@@ -1,0 +1,106 @@
+"""Named hardware targets: the exact ``iree-compile`` flags and the runtime driver.
+
+A target name is part of an artifact's identity (it goes into the manifest and
+the cache key), so the flags for a name must never change silently: change
+them and you must rename the target. Every flag list is complete: nothing is
+left to compiler defaults that could depend on the compiling machine, and no
+CPU target uses ``target-cpu=host``.
+
+CPU targets also record the architecture and the CPU flags (as
+``/proc/cpuinfo`` names them) a machine must have to run the artifact; code
+built for a CPU level the machine lacks dies with SIGILL at run time, with no
+check at load. See :mod:`pcp_p2p.node.cpu` for the matching side.
+
+This module imports nothing heavy: workers use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pcp_p2p.errors import ConfigError
+
+_LOCAL = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu")
+_X86 = (*_LOCAL, "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu")
+
+# x86-64 micro-architecture levels (psABI), as /proc/cpuinfo spells the flags.
+# ``abm`` is how Linux reports LZCNT on AMD and Intel alike.
+X86_64_V2_FLAGS = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")
+X86_64_V3_FLAGS = (*X86_64_V2_FLAGS, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm",
+                   "movbe", "xsave")
+X86_64_V4_FLAGS = (*X86_64_V3_FLAGS, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One compile target: name, flags, runtime driver and what a machine needs to run it."""
+
+    name: str
+    flags: tuple[str, ...]
+    driver: str  # IREE runtime driver: local-task, cuda, hip, vulkan, metal
+    arch: str | None = None  # CPU architecture for CPU targets: x86_64, aarch64, arm64-apple
+    cpu_flags: tuple[str, ...] = ()  # /proc/cpuinfo flags required (x86 only)
+    preference: int = 0  # among runnable CPU variants, the highest wins
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.driver == "local-task"
+
+
+def _cpu(name: str, cpu: str, flags: tuple[str, ...], pref: int) -> Target:
+    return Target(name, (*_X86, f"--iree-llvmcpu-target-cpu={cpu}"), "local-task", "x86_64",
+                  flags, pref)
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        _cpu("cpu-x86_64-v4", "x86-64-v4", X86_64_V4_FLAGS, 40),
+        _cpu("cpu-x86_64-v3", "x86-64-v3", X86_64_V3_FLAGS, 30),
+        _cpu("cpu-x86_64-generic", "generic", (), 10),
+        Target(
+            "cpu-aarch64",
+            (*_LOCAL, "--iree-llvmcpu-target-triple=aarch64-unknown-linux-gnu",
+             "--iree-llvmcpu-target-cpu=generic", "--iree-llvmcpu-target-cpu-features=+neon"),
+            "local-task", "aarch64", (), 10,
+        ),
+        Target(
+            "cpu-apple-m1",
+            (*_LOCAL, "--iree-llvmcpu-target-triple=arm64-apple-darwin",
+             "--iree-llvmcpu-target-cpu=apple-m1"),
+            "local-task", "arm64-apple", (), 20,
+        ),
+        *(Target(f"cuda-sm{sm}", ("--iree-hal-target-device=cuda", f"--iree-cuda-target=sm_{sm}"),
+                 "cuda") for sm in (75, 80, 86, 89)),
+        *(Target(f"rocm-{gfx}", ("--iree-hal-target-device=hip", f"--iree-rocm-target={gfx}"),
+                 "hip") for gfx in ("gfx90a", "gfx942", "gfx1100")),
+        Target("vulkan", ("--iree-hal-target-device=vulkan",), "vulkan"),
+        Target("metal", ("--iree-hal-target-device=metal", "--iree-metal-target-platform=macos"),
+               "metal"),
+    )
+}
+
+# Flags common to every compile: the input dialect is StableHLO text.
+COMMON_FLAGS = ("--iree-input-type=stablehlo",)
+
+
+def get_target(name: str) -> Target:
+    try:
+        return TARGETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown target {name!r}; known: {', '.join(TARGETS)}") from None
+
+
+def parse_targets(spec: str) -> list[Target]:
+    """``"cpu-x86_64-v3,cuda-sm80"`` → targets (``all`` for every one, ``cpu`` for CPU ones)."""
+    names: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "all":
+            names += list(TARGETS)
+        elif part == "cpu":
+            names += [n for n, t in TARGETS.items() if t.is_cpu]
+        elif part:
+            names.append(part)
+    if not names:
+        raise ConfigError("no targets given")
+    return [get_target(n) for n in dict.fromkeys(names)]

@@ -1,0 +1,224 @@
+"""The executor's child process: IREE runtime and numpy, nothing else.
+
+Started by :class:`pcp_p2p.node.executor.Executor` as
+``python <this file>`` (by path, so that no package ``__init__`` runs and the
+child imports exactly what this file imports: numpy, msgpack and
+``iree.runtime`` — never JAX or the compiler). It speaks a small
+request/response protocol on stdin/stdout: each message is an 8-byte
+big-endian length and a msgpack map. The child's own fd 1 is pointed at
+stderr before anything else runs, so native code that prints cannot corrupt
+the protocol stream.
+
+State lives here, in IREE device arrays, between calls: parameters and
+optimiser state are uploaded once (``set``), each ``call`` feeds the
+program's outputs straight back in as the next call's inputs, and only
+what the parent asks for (``fetch``) is copied to the host. Host copies are
+real copies: ``DeviceArray.to_host()`` on local-task is a view into a pool
+that later calls overwrite.
+
+Requests (``op`` and its fields) and what a success returns:
+
+``init {driver}``                     -> {}  create the device (IncompatibleArtifact if none)
+``load {name, vmfb}``                 -> {}  load a module; its ``main`` becomes program ``name``
+``set {arrays}``                      -> {}  upload named arrays into device state
+``call {program, inputs, outputs, feeds, keep, fetch}`` -> {arrays}
+                                        run ``program`` on ``inputs`` (each a feed or a state
+                                        name); outputs named in ``keep`` replace state,
+                                        those in ``fetch`` come back
+``get {names}``                       -> {arrays}
+``modules``                           -> {modules: [...]}  (for the no-JAX test)
+``pid``                               -> {pid}
+``exit``                              -> {} and the child exits
+
+A failure answers ``{ok: False, kind, msg}`` with ``kind`` one of
+``InvalidInput``, ``IncompatibleArtifact``, ``ExecutorError``.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from typing import Any, BinaryIO
+
+import msgpack
+import numpy as np
+
+_LEN = struct.Struct(">Q")
+MAX_FRAME = 4 << 30  # 4 GiB: far above a medium model's full state (~130 MB)
+
+
+# --- framing and arrays, shared with the parent --------------------------------
+
+
+def write_frame(f: BinaryIO, obj: Any) -> None:
+    data = msgpack.packb(obj, use_bin_type=True)
+    f.write(_LEN.pack(len(data)))
+    f.write(data)
+    f.flush()
+
+
+def read_frame(f: BinaryIO) -> Any:
+    """One message, or None at EOF (the other side is gone)."""
+    head = _read_exact(f, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    body = _read_exact(f, n)
+    if body is None:
+        return None
+    return msgpack.unpackb(body, raw=False)
+
+
+def _read_exact(f: BinaryIO, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def pack_array(a: np.ndarray) -> dict[str, Any]:
+    # tobytes() is C order whatever the layout (np.ascontiguousarray would turn 0-d into 1-d)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def unpack_array(d: dict[str, Any]) -> np.ndarray:
+    # frombuffer over the received bytes is read-only; copy so callers own the array
+    return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(tuple(d["shape"])).copy()
+
+
+# --- the child -------------------------------------------------------------------
+
+
+class _Failure(Exception):
+    def __init__(self, kind: str, msg: str) -> None:
+        super().__init__(msg)
+        self.kind = kind
+
+
+class _Child:
+    def __init__(self) -> None:
+        self.rt: Any = None
+        self.ctx: Any = None
+        self.device: Any = None
+        self.programs: dict[str, Any] = {}
+        self.state: dict[str, Any] = {}
+
+    def op_init(self, driver: str) -> dict:
+        import iree.runtime as rt
+
+        self.rt = rt
+        if driver not in rt.query_available_drivers():
+            raise _Failure("IncompatibleArtifact", f"IREE runtime has no {driver!r} driver here")
+        try:
+            config = rt.Config(driver)
+        except Exception as exc:  # no device for this driver
+            raise _Failure("IncompatibleArtifact", f"no {driver} device: {exc}") from exc
+        self.ctx = rt.SystemContext(config=config)
+        self.device = config.device
+        return {}
+
+    def op_load(self, name: str, vmfb: bytes) -> dict:
+        if self.ctx is None:
+            raise _Failure("ExecutorError", "load before init")
+        if name in self.programs:
+            raise _Failure("ExecutorError", f"program {name!r} already loaded")
+        try:
+            module = self.rt.VmModule.copy_buffer(self.ctx.instance, vmfb)
+            self.ctx.add_vm_module(module)
+            self.programs[name] = self.ctx.modules[module.name]["main"]
+        except Exception as exc:
+            kind = "IncompatibleArtifact" if "INCOMPATIBLE" in str(exc).upper() else "ExecutorError"
+            raise _Failure(kind, f"cannot load {name}: {exc}") from exc
+        return {}
+
+    def _upload(self, d: dict) -> Any:
+        return self.rt.asdevicearray(self.device, unpack_array(d))
+
+    def op_set(self, arrays: dict) -> dict:
+        uploaded = {k: self._upload(v) for k, v in arrays.items()}
+        self.state.update(uploaded)
+        return {}
+
+    def op_call(self, program: str, inputs: list, outputs: list, feeds: dict, keep: list,
+                fetch: list) -> dict:
+        fn = self.programs.get(program)
+        if fn is None:
+            raise _Failure("ExecutorError", f"program {program!r} not loaded")
+        fed = {k: self._upload(v) for k, v in feeds.items()}
+        args = []
+        for name in inputs:
+            if name in fed:
+                args.append(fed[name])
+            elif name in self.state:
+                args.append(self.state[name])
+            else:
+                raise _Failure("InvalidInput", f"{program}: no value for input {name!r}")
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            raise _Failure("ExecutorError", f"{program} failed: {exc}") from exc
+        if not isinstance(result, tuple):
+            result = (result,)
+        if len(result) != len(outputs):
+            raise _Failure("ExecutorError", f"{program} returned {len(result)} results, "
+                           f"signature has {len(outputs)}")
+        by_name = dict(zip(outputs, result))
+        out = {name: pack_array(_host_copy(by_name[name])) for name in fetch}
+        for name in keep:
+            self.state[name] = by_name[name]
+        return {"arrays": out}
+
+    def op_get(self, names: list) -> dict:
+        missing = [n for n in names if n not in self.state]
+        if missing:
+            raise _Failure("ExecutorError", f"no state for {missing[:5]}")
+        return {"arrays": {n: pack_array(_host_copy(self.state[n])) for n in names}}
+
+    def op_modules(self) -> dict:
+        return {"modules": sorted(sys.modules)}
+
+    def op_pid(self) -> dict:
+        return {"pid": os.getpid()}
+
+
+def _host_copy(x: Any) -> np.ndarray:
+    """A host copy that stays valid after later calls (``to_host`` alone is a reused view)."""
+    return np.array(x.to_host(), copy=True)
+
+
+def main() -> int:
+    # Keep the protocol on a private fd; whatever prints to fd 1 goes to stderr.
+    proto_out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = os.fdopen(0, "rb", buffering=1 << 16)
+    child = _Child()
+    while True:
+        req = read_frame(inp)
+        if req is None:
+            return 0
+        op = req.pop("op", None)
+        if op == "exit":
+            write_frame(proto_out, {"ok": True})
+            return 0
+        handler = getattr(child, f"op_{op}", None)
+        try:
+            if handler is None:
+                raise _Failure("ExecutorError", f"unknown op {op!r}")
+            reply = handler(**req)
+            reply["ok"] = True
+        except _Failure as exc:
+            reply = {"ok": False, "kind": exc.kind, "msg": str(exc)}
+        except Exception as exc:  # a bug here must not look like a crash of native code
+            reply = {"ok": False, "kind": "ExecutorError", "msg": f"{type(exc).__name__}: {exc}"}
+        write_frame(proto_out, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
