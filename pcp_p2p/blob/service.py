@@ -17,6 +17,7 @@ socket's timeout is the stall detector (no byte for ``stall_timeout`` seconds).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -25,17 +26,18 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import hashlib
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.blob import protocol as P
-from pcp_p2p.blob.chunks import ChunkManifest, manifest_cid, parse_manifest, read_chunk
+from pcp_p2p.blob.chunks import ChunkManifest, parse_manifest
+from pcp_p2p.blob.receiver import ChunkPool, WholeHasher, receive_batch
 from pcp_p2p.blob.routing import ContentRouting
 from pcp_p2p.blob.sidechannel import (
     KIND_CHUNK,
     KIND_HELLO,
+    TAG_LEN,
     RecordCipher,
     RecordReader,
     derive_key,
@@ -263,37 +265,25 @@ class BlobService:
         changed = _Changed()
         errors: list[PcpError] = []
         fd = os.open(pending.path, os.O_RDWR) if pending is not None else -1
-        whole = hashlib.sha256()
+        hasher = WholeHasher(manifest, fd) if pending is not None else None
         try:
             async with trio.open_nursery() as nursery:
                 for pid, info in by_id.items():
                     nursery.start_soon(
-                        self._worker, info, pid, plan, changed, manifest, mcid, fd, chunks, errors, report
+                        self._worker, info, pid, plan, changed, manifest, mcid, fd, chunks,
+                        hasher, errors, report,
                     )
-                if pending is not None:
-                    nursery.start_soon(self._hash_in_order, plan, changed, manifest, fd, whole)
+            report.chunks_from = dict(plan.served)
+            if not plan.complete:
+                raise _aggregate(manifest.cid, errors)
+            if hasher is None:
+                return b""
+            return await trio.to_thread.run_sync(hasher.digest)
         finally:
+            if hasher is not None:
+                hasher.close()
             if fd >= 0:
                 os.close(fd)
-        report.chunks_from = dict(plan.served)
-        if not plan.complete:
-            raise _aggregate(manifest.cid, errors)
-        return whole.digest()
-
-    async def _hash_in_order(
-        self, plan: FetchPlan, changed: _Changed, manifest: ChunkManifest, fd: int, whole: "hashlib._Hash"
-    ) -> None:
-        """Hash the blob front to back as its prefix completes (overlaps the transfer)."""
-        cursor = 0
-        while cursor < manifest.count:
-            if cursor in plan.done:
-                data = await trio.to_thread.run_sync(read_chunk, fd, manifest, cursor)
-                await trio.to_thread.run_sync(whole.update, data)
-                cursor += 1
-            elif plan.failed:
-                return
-            else:
-                await changed.wait()
 
     async def _worker(
         self,
@@ -305,9 +295,11 @@ class BlobService:
         mcid: str,
         fd: int,
         chunks: dict[int, bytes] | None,
+        hasher: WholeHasher | None,
         errors: list[PcpError],
         report: FetchReport,
     ) -> None:
+        pool: ChunkPool | None = None
         while True:
             batch = plan.next_batch(pid)
             if batch is None:
@@ -317,7 +309,11 @@ class BlobService:
                 continue
             try:
                 report.requests += 1
-                await self._fetch_batch(info, pid, plan, changed, manifest, mcid, batch, fd, chunks)
+                if pool is None:
+                    pool = ChunkPool(manifest.chunk_size)
+                await self._fetch_batch(
+                    info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher, pool
+                )
                 plan.provider_finished_batch(pid, batch)
             except PcpError as exc:
                 log.info("blob: provider %s failed: %s", pid, exc)
@@ -339,6 +335,8 @@ class BlobService:
         batch: list[int],
         fd: int,
         chunks: dict[int, bytes] | None,
+        hasher: WholeHasher | None,
+        pool: ChunkPool,
     ) -> None:
         cid = manifest.cid
         nonce = secrets.token_bytes(P.NONCE_LEN)
@@ -350,39 +348,33 @@ class BlobService:
         key = derive_key(reply.secret, nonce, reply.nonce, info_bytes)
         stall = self.config.stall_timeout
         sock = await trio.to_thread.run_sync(_connect, ip, reply.port, stall)
+        token = trio.lowlevel.current_trio_token()
+
+        def ok(index: int) -> None:
+            plan.chunk_ok(pid, index)
+            changed.fire()
+
+        def on_ok(index: int) -> None:  # called from the verifier thread
+            trio.from_thread.run_sync(ok, index, trio_token=token)
+
         try:
             c2s = RecordCipher.for_direction(key, client_to_server=True)
             s2c = RecordCipher.for_direction(key, client_to_server=False)
             await trio.to_thread.run_sync(send_record, sock, c2s, KIND_HELLO, hello_plaintext(info_bytes))
             reader = RecordReader(sock, s2c, manifest.chunk_size)
-            send_ch, recv_ch = trio.open_memory_channel[tuple[int, bytes]](1)
-
-            async def receive() -> None:
-                async with send_ch:
-                    for i in batch:
-                        data = await trio.to_thread.run_sync(reader.read, KIND_CHUNK, abandon_on_cancel=True)
-                        await send_ch.send((i, data))
-
-            async def verify() -> None:
-                async with recv_ch:
-                    async for i, data in recv_ch:
-                        try:
-                            await trio.to_thread.run_sync(_verify_and_store, manifest, i, data, fd, chunks)
-                        except HashMismatch:
-                            plan.chunk_bad(pid, i)
-                            raise
-                        plan.chunk_ok(pid, i)
-                        changed.fire()
-
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(receive)
-                    nursery.start_soon(verify)
-            except BaseExceptionGroup as group:
-                err = _first_pcp_error(group)
-                if err is None:
-                    raise
-                raise err from group
+                await trio.to_thread.run_sync(
+                    functools.partial(
+                        receive_batch, sock, reader, manifest, batch, pool,
+                        fd=fd, chunks=chunks, hasher=hasher, on_ok=on_ok, stall=stall,
+                    ),
+                    abandon_on_cancel=True,
+                )
+            except HashMismatch as exc:
+                index = getattr(exc, "index", None)
+                if index is not None:
+                    plan.chunk_bad(pid, index)
+                raise
         finally:
             _close(sock)
 
@@ -487,8 +479,14 @@ class BlobService:
             if hello != hello_plaintext(info):
                 raise VerificationError("side-channel hello does not match the transfer")
             fd = file.fileno()  # type: ignore[attr-defined]
+            plain = bytearray(manifest.chunk_size)
+            out = bytearray(manifest.chunk_size + TAG_LEN)
             for i in range(first, first + count):
-                self._send_chunk(sock, s2c, i, read_chunk(fd, manifest, i))
+                offset, length = manifest.chunk_span(i)
+                view = memoryview(plain)[:length]
+                if os.preadv(fd, [view], offset) != length:
+                    raise PeerGone("blob file shorter than its manifest")
+                self._send_chunk(sock, s2c, i, view, out)
             sock.shutdown(socket.SHUT_WR)
             # Wait for the client to close so its last bytes are not cut by a reset.
             sock.recv(1)
@@ -497,9 +495,11 @@ class BlobService:
         finally:
             sock.close()
 
-    def _send_chunk(self, sock: socket.socket, cipher: RecordCipher, index: int, data: bytes) -> None:
+    def _send_chunk(
+        self, sock: socket.socket, cipher: RecordCipher, index: int, data: memoryview, out: bytearray
+    ) -> None:
         """Send one chunk record (tests override this to inject faults)."""
-        send_record(sock, cipher, KIND_CHUNK, data)
+        send_record(sock, cipher, KIND_CHUNK, data, out)
 
     def _side_host(self) -> str:
         if self.config.side_host is not None:
@@ -529,21 +529,6 @@ def _close(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
-
-
-def _verify_and_store(
-    manifest: ChunkManifest, index: int, data: bytes, fd: int, chunks: dict[int, bytes] | None
-) -> None:
-    manifest.verify_chunk(index, data)
-    if chunks is not None:
-        chunks[index] = data
-    else:
-        offset, _ = manifest.chunk_span(index)
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view = view[n:]
-            offset += n
 
 
 def _first_pcp_error(group: BaseExceptionGroup) -> PcpError | None:  # type: ignore[type-arg]
