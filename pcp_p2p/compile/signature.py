@@ -49,15 +49,11 @@ def check_array(spec: TensorSpec, value: object) -> np.ndarray:
     """
     if isinstance(value, (bool, np.bool_)):
         raise InvalidInput(f"{spec.name}: expected {spec.dtype}, got bool")
-    if spec.shape == () and isinstance(value, (int, float)) and not isinstance(value, bool):
-        if spec.dtype == "int32" and not isinstance(value, int):
-            raise InvalidInput(f"{spec.name}: expected an int, got {value!r}")
-        arr = np.asarray(value, dtype=spec.dtype)
-        if spec.dtype == "int32" and int(arr) != value:
-            raise InvalidInput(f"{spec.name}: {value} does not fit in int32")
-        return arr
-    if not isinstance(value, np.ndarray) and not np.isscalar(value):
-        value = np.asarray(value)
+    if spec.shape == () and isinstance(value, (int, float)):
+        # a Python scalar for a rank-0 input: lr=3e-4, step=0
+        if spec.dtype == "int32" and not (isinstance(value, int) and -(2**31) <= value < 2**31):
+            raise InvalidInput(f"{spec.name}: expected an int32, got {value!r}")
+        return np.asarray(value, dtype=spec.dtype)
     arr = np.asarray(value)
     if arr.dtype != np.dtype(spec.dtype):
         raise InvalidInput(f"{spec.name}: expected dtype {spec.dtype}, got {arr.dtype}")

@@ -17,7 +17,7 @@ of the machine's architecture is assumed.
 from __future__ import annotations
 
 import platform
-import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -43,13 +43,22 @@ def parse_cpuinfo(text: str) -> frozenset[str]:
     return frozenset()
 
 
-def _arch() -> str:
-    machine = platform.machine().lower()
+def normalize_arch(machine: str) -> str:
+    """``platform.machine()`` (here or in a peer's member record) → a target ``arch``.
+
+    Linux on 64-bit ARM says ``aarch64``; macOS on Apple silicon says ``arm64``.
+    """
+    machine = machine.lower()
     if machine in ("x86_64", "amd64"):
         return "x86_64"
-    if machine in ("aarch64", "arm64"):
-        return "arm64-apple" if sys.platform == "darwin" else "aarch64"
+    if machine == "arm64":
+        return "arm64-apple"
     return machine
+
+
+def cpu_of(machine: str, flags: Iterable[str]) -> CpuInfo:
+    """A :class:`CpuInfo` from a machine name and flags, e.g. a peer's capabilities record."""
+    return CpuInfo(normalize_arch(machine), frozenset(flags))
 
 
 @lru_cache(maxsize=1)
@@ -59,7 +68,7 @@ def local_cpu() -> CpuInfo:
         flags = parse_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
         flags = frozenset()
-    return CpuInfo(_arch(), flags)
+    return cpu_of(platform.machine(), flags)
 
 
 def cpu_can_run(target: Target, cpu: CpuInfo) -> str | None:
