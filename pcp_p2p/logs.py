@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 _configured = False
 
@@ -43,6 +43,10 @@ class JsonFormatter(logging.Formatter):
 def configure(level: int | str = logging.INFO, *, json_lines: bool = False, libp2p_level: int = logging.CRITICAL) -> None:
     """Install the process's one log handler (idempotent)."""
     global _configured
+    # py-libp2p resets its own loggers when first imported (libp2p.utils.logging):
+    # import it now so that our levels are set after, not before, that reset.
+    import libp2p  # noqa: F401
+
     root = logging.getLogger()
     if _configured:
         root.setLevel(level)
@@ -66,6 +70,7 @@ class LogOnce:
         self._logger = logger
         self._seen: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._capacity = capacity
+        self.warned: Counter[str] = Counter()  # warnings actually emitted, by "what:kind"
 
     def __call__(self, peer: str, exc: BaseException | str, what: str = "rejected input") -> bool:
         """Log ``exc`` about ``peer``; return True if this was the first time."""
@@ -76,6 +81,8 @@ class LogOnce:
         self._seen.move_to_end(key)
         while len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
+        if first:
+            self.warned[key[1]] += 1
         level = logging.WARNING if first else logging.DEBUG
         self._logger.log(level, "%s from %s: %s: %s", what, peer, kind, exc)
         return first

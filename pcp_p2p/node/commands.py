@@ -66,6 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status.add_argument("--connect", metavar="MULTIADDR", help="full multiaddr of the node to ask")
     status.add_argument("--data-dir", type=Path, default=None, help=f"data dir of a local node (default {default_data_dir()})")
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--swarm-key", type=Path, metavar="FILE", help="the private swarm's key, if the node is in one")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
     status.set_defaults(func=_cmd_status)
 
@@ -175,6 +176,7 @@ def _write_addr(path: Path, addr: str) -> None:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from pcp_p2p.node.status import fetch_status, to_json
+    from pcp_p2p.node.swarm_key import read_swarm_key
 
     logs.configure(logging.WARNING)
     addr = args.connect
@@ -184,7 +186,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
             addr = path.read_text().strip()
         except OSError:
             raise ConfigError(f"no --connect given and no running node found ({path} is missing)") from None
-    reply = trio.run(lambda: fetch_status(addr, timeout=args.timeout))
+    psk = read_swarm_key(args.swarm_key) if args.swarm_key else None
+    reply = trio.run(lambda: fetch_status(addr, timeout=args.timeout, swarm_key=psk))
     obj = to_json(reply)
     if args.json:
         print(json.dumps(obj))

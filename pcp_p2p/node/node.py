@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -147,10 +148,31 @@ class Node:
         self._record_seq = 0
         self.membership = Membership(self.peer_id, timeout=config.member_timeout)
         self.bootstrapped = trio.Event()
-        self._log_once = LogOnce(log)
+        self.log_once = LogOnce(log)
+        # Rejected inputs by reason ("heartbeat:StaleMessage", ...): for status and metrics.
+        self.rejected: Counter[str] = Counter()
+        self._changed = trio.Event()
         self._signed_record: SignedRecord | None = None
         self._record_bytes = b""
         self._record_signed_at = 0.0
+
+    # -- change notification -------------------------------------------------------
+
+    def _notify(self) -> None:
+        """Wake everyone waiting in :meth:`wait_until` (membership changed, input rejected)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _reject(self, peer: str, exc: BaseException, what: str) -> None:
+        self.rejected[f"{what}:{type(exc).__name__}"] += 1
+        self.log_once(peer, exc, f"{what} rejected")
+        self._notify()
+
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Wait, on events rather than polling, until ``predicate()`` holds."""
+        with trio.fail_after(timeout):
+            while not predicate():
+                await self._changed.wait()
 
     # -- addresses --------------------------------------------------------------
 
@@ -210,7 +232,7 @@ class Node:
                     except trio.Cancelled:
                         raise
                     except Exception as exc:
-                        self._log_once("self", exc, "heartbeat publish failed")
+                        self.log_once("self", exc, "heartbeat publish failed")
                 if signed.seq != published_seq and self.bootstrapped.is_set():
                     published_seq = signed.seq
                     self.nursery.start_soon(self._put_member_record, signed)
@@ -220,7 +242,7 @@ class Node:
         try:
             await self.put_record(signed)
         except PcpError as exc:
-            self._log_once("self", exc, "member record put failed")
+            self.log_once("self", exc, "member record put failed")
 
     async def put_record(self, signed: SignedRecord) -> None:
         """Store a signed record in the DHT (with a deadline)."""
@@ -263,8 +285,10 @@ class Node:
             try:
                 events = self.membership.receive_heartbeat(msg.data, sender=sender, now=trio.current_time())
             except PcpError as exc:
-                self._log_once(sender, exc, "heartbeat rejected")
+                self._reject(sender, exc, "heartbeat")
                 continue
+            if events:
+                self._notify()
             for ev in events:
                 if isinstance(ev, MemberJoined):
                     member = self.membership.get(ev.peer_id)
@@ -274,7 +298,10 @@ class Node:
 
     async def _tick_loop(self) -> None:
         while True:
-            for ev in self.membership.tick(trio.current_time()):
+            events = self.membership.tick(trio.current_time())
+            if events:
+                self._notify()
+            for ev in events:
                 if isinstance(ev, MemberLeft):
                     log.info("member left: %s (silent %.1f s)", ev.peer_id, ev.silent_s)
             await trio.sleep(min(0.25, self.config.member_timeout / 4))
@@ -369,6 +396,7 @@ class Node:
             "connected_peers": len(self.host.get_network().connections),
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
+            "rejected": dict(self.rejected),
         }
         extra = {name: fn() for name, fn in self.config.extra_status.items()}
         return StatusReply(
@@ -396,10 +424,10 @@ class Node:
             await write_frame(stream, encode(self.status(req.members)), timeout=self.config.op_timeout)
             await stream.close()
         except PcpError as exc:
-            self._log_once(peer, exc, "status request rejected")
+            self._reject(peer, exc, "status")
             await _reset(stream)
         except Exception as exc:  # a libp2p stream error mid-reply: the peer's problem
-            self._log_once(peer, exc, "status stream failed")
+            self._reject(peer, exc, "status")
             await _reset(stream)
 
 

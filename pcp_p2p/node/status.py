@@ -14,9 +14,11 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from pcp_p2p.errors import ConfigError, PeerGone, PeerTimeout, ProtocolError
+from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout, ProtocolError
 from pcp_p2p.node.capabilities import Capabilities
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message, decode, encode, wire_message, wire_struct
@@ -74,40 +76,54 @@ def to_json(reply: StatusReply) -> dict[str, Any]:
     return obj
 
 
-async def fetch_status(addr: str, *, timeout: float = 10.0, members: bool = True) -> StatusReply:
+async def fetch_status(
+    addr: str, *, timeout: float = 10.0, members: bool = True, swarm_key: str | None = None
+) -> StatusReply:
     """Ask the node at a full multiaddr (``.../p2p/<id>``) for its status.
 
     Uses a throwaway identity and host: asking for status needs no standing in
-    the swarm. Raises only PcpError subclasses.
+    the swarm (``swarm_key``, the hex pre-shared key, only for a private swarm).
+    Raises only PcpError subclasses.
     """
     try:
         maddr = multiaddr.Multiaddr(addr)
         info = info_from_p2p_addr(maddr)
     except Exception as exc:
         raise ConfigError(f"not a full multiaddr with /p2p/<peer id>: {addr!r}") from exc
-    host = new_host(key_pair=Identity.generate().key_pair)
-    with trio.move_on_after(timeout) as scope:
+    host = new_host(key_pair=Identity.generate().key_pair, psk=swarm_key)
+    # Errors are carried out of host.run(): raised inside it they would reach
+    # the caller wrapped in the host nursery's ExceptionGroup.
+    outcome: list[StatusReply | PcpError] = []
+    with trio.move_on_after(timeout):
         async with host.run(listen_addrs=[]):
             try:
-                await host.connect(info)
-                stream = await host.new_stream(info.peer_id, [STATUS_PROTOCOL])
-            except trio.Cancelled:
-                raise
-            except Exception as exc:
-                raise PeerGone(f"cannot reach {addr}: {exc or type(exc).__name__}") from exc
-            try:
-                await write_frame(stream, encode(StatusRequest(members=members)), timeout=timeout)
-                data = await read_frame(stream, max_size=MAX_REPLY, timeout=timeout)
-                reply = decode(data, StatusReply)
-            finally:
-                with trio.move_on_after(1):
-                    try:
-                        await stream.close()
-                    except Exception:
-                        pass
-            if reply.peer_id != info.peer_id.to_base58():
-                raise ProtocolError(f"status reply names {reply.peer_id}, not the peer asked")
-            return reply
-    assert scope.cancelled_caught
-    raise PeerTimeout(f"no status from {addr} within {timeout:.0f} s")
+                outcome.append(await _ask(host, info, addr, members, timeout))
+            except PcpError as exc:
+                outcome.append(exc)
+    if not outcome:
+        raise PeerTimeout(f"no status from {addr} within {timeout:.0f} s")
+    if isinstance(outcome[0], PcpError):
+        raise outcome[0]
+    return outcome[0]
 
+
+async def _ask(host: IHost, info: PeerInfo, addr: str, members: bool, timeout: float) -> StatusReply:
+    try:
+        await host.connect(info)
+        stream = await host.new_stream(info.peer_id, [TProtocol(STATUS_PROTOCOL)])
+    except trio.Cancelled:
+        raise
+    except Exception as exc:
+        raise PeerGone(f"cannot reach {addr}: {exc or type(exc).__name__}") from exc
+    try:
+        await write_frame(stream, encode(StatusRequest(members=members)), timeout=timeout)
+        reply = decode(await read_frame(stream, max_size=MAX_REPLY, timeout=timeout), StatusReply)
+    finally:
+        with trio.move_on_after(1):
+            try:
+                await stream.close()
+            except Exception:
+                pass
+    if reply.peer_id != info.peer_id.to_base58():
+        raise ProtocolError(f"status reply names {reply.peer_id}, not the peer asked")
+    return reply

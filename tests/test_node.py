@@ -1,0 +1,158 @@
+"""A node over real py-libp2p on 127.0.0.1, in one process: status, DHT, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.custom_types import TProtocol
+from libp2p.peer.peerinfo import info_from_p2p_addr
+import multiaddr
+
+from pcp_p2p.dht.records import sign_record
+from pcp_p2p.errors import PeerGone, PeerTimeout
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.node.membership import HEARTBEAT_TOPIC, Heartbeat, MemberRecord
+from pcp_p2p.node.node import NodeConfig, open_node
+from pcp_p2p.node.status import STATUS_PROTOCOL, fetch_status, to_json
+from pcp_p2p.node.swarm_key import read_swarm_key, write_swarm_key
+from pcp_p2p.wire import encode
+
+pytestmark = pytest.mark.timeout(120)
+
+
+async def raw_stream(target_addr: str):  # -> (host context, stream)
+    info = info_from_p2p_addr(multiaddr.Multiaddr(target_addr))
+    host = new_host(key_pair=Identity.generate().key_pair)
+    return host, info
+
+
+async def open_raw(target_addr: str, payload: bytes | None) -> bytes:
+    """Open a status stream, write ``payload`` (or nothing), return what comes back before it closes."""
+    host, info = await raw_stream(target_addr)
+    async with host.run(listen_addrs=[]):
+        await host.connect(info)
+        stream = await host.new_stream(info.peer_id, [TProtocol(STATUS_PROTOCOL)])
+        if payload is not None:
+            await stream.write(payload)
+        got = b""
+        with trio.fail_after(10):
+            while True:
+                try:
+                    chunk = await stream.read(65536)
+                except Exception:
+                    break
+                if not chunk:
+                    break
+                got += chunk
+        return got
+
+
+async def test_status_json_lists_every_member(swarm3) -> None:
+    boot, a, b = swarm3
+    obj = to_json(await fetch_status(a.addrs()[0], timeout=10))
+    assert obj["peer_id"] == a.peer_id
+    assert {"peer_id", "addrs", "version", "uptime_s", "capabilities", "members"} <= obj.keys()
+    assert {m["peer_id"] for m in obj["members"]} == {a.peer_id, b.peer_id}
+    for m in obj["members"]:
+        assert {"peer_id", "addrs", "capabilities", "last_seen_s"} <= m.keys()
+        assert m["addrs"] and m["capabilities"]["backends"] == ["local-task"]
+
+
+async def test_dht_records_travel_between_nodes(swarm3) -> None:
+    boot, a, b = swarm3
+    await a.put_record(a._signed_member_record())
+    record = await b.get_record("member", a.peer_id)
+    assert isinstance(record, MemberRecord) and record.peer_id == a.peer_id
+    assert a.dht.get_routing_table_size() >= 2 and b.dht.get_routing_table_size() >= 2
+
+
+async def test_forged_record_is_not_stored_by_a_remote_dht(swarm3) -> None:
+    boot, a, b = swarm3
+    mallory = Identity.generate()
+    rec = MemberRecord(a.peer_id, ("/ip4/6.6.6.6/tcp/1",), "worker", 0.0, a.capabilities)
+    forged = dataclasses.replace(sign_record(mallory, "member", a.peer_id, rec, ttl_s=60))
+    # Deliver the forged value straight to b's DHT handler, bypassing a local validator.
+    from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+    from libp2p.records.validator import BlankValidator, NamespacedValidator
+
+    host = new_host(key_pair=mallory.key_pair)
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        dht = KadDHT(host, DHTMode.CLIENT, validator=NamespacedValidator({"pcp": BlankValidator()}), validator_changed=True)
+        await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(b.addrs()[0])))
+        await dht.add_peer(b.host.get_id())
+        with trio.fail_after(10):
+            await dht.value_store._store_at_peer(b.host.get_id(), forged.key.encode(), encode(forged))
+    stored = b.dht.value_store.get(forged.key.encode())
+    assert stored is None or stored.value != encode(forged)
+    assert (await fetch_status(b.addrs()[0])).peer_id == b.peer_id
+
+
+async def test_malformed_status_request_is_rejected_and_node_keeps_running(swarm3) -> None:
+    boot, a, b = swarm3
+    garbage = b"\xde\xad\xbe\xef" * 4
+    assert await open_raw(a.addrs()[0], struct.pack(">I", len(garbage)) + garbage) == b""
+    await a.wait_until(lambda: a.rejected["status:MalformedMessage"] >= 1, timeout=10)
+    assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_oversized_status_request_is_rejected(swarm3) -> None:
+    boot, a, b = swarm3
+    assert await open_raw(a.addrs()[0], struct.pack(">I", 50_000_000)) == b""
+    await a.wait_until(lambda: a.rejected["status:OversizedMessage"] >= 1, timeout=10)
+    assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_peer_that_never_writes_costs_one_timeout(swarm3) -> None:
+    boot, a, b = swarm3
+    assert await open_raw(a.addrs()[0], None) == b""  # the node resets the idle stream (op_timeout 2 s)
+    assert a.rejected["status:PeerTimeout"] == 1
+    assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_bad_heartbeats_are_ignored_and_logged_once(swarm3) -> None:
+    boot, a, b = swarm3
+    mallory = Identity.generate()
+    # b publishes: garbage, a heartbeat claiming to be a, and a replay of an old heartbeat of its own.
+    rec = sign_record(b.identity, "member", b.peer_id, b.member_record(), ttl_s=60)
+    replay = Heartbeat(b.peer_id, b._boot, 1, encode(rec))
+    claim = Heartbeat(a.peer_id, 1, 10**9, encode(rec))
+    for data in (b"garbage", b"garbage", encode(claim), encode(replay)):
+        await b.pubsub.publish(HEARTBEAT_TOPIC, data)
+    await a.wait_until(
+        lambda: a.rejected["heartbeat:MalformedMessage"] >= 2
+        and a.rejected["heartbeat:BadSignature"] >= 1
+        and a.rejected["heartbeat:StaleMessage"] >= 1,
+        timeout=20,
+    )
+    assert a.log_once.warned["heartbeat rejected:MalformedMessage"] == 1  # logged once, rejected twice
+    assert b.peer_id in a.membership and mallory.peer_id not in a.membership
+    assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_status_of_a_dead_address_is_a_typed_error() -> None:
+    dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
+    with pytest.raises((PeerGone, PeerTimeout)):
+        await fetch_status(dead, timeout=5)
+
+
+async def test_private_swarm_refuses_outsiders(tmp_path: Path, caps) -> None:
+    write_swarm_key(tmp_path / "swarm.key")
+    config = NodeConfig(tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), swarm_key=tmp_path / "swarm.key", capabilities=caps)
+    async with open_node(config) as node:
+        key = read_swarm_key(tmp_path / "swarm.key")
+        assert (await fetch_status(node.addrs()[0], swarm_key=key, timeout=10)).peer_id == node.peer_id
+        with pytest.raises((PeerGone, PeerTimeout)):
+            await fetch_status(node.addrs()[0], timeout=5)
+
+
+async def test_restart_keeps_peer_id(tmp_path: Path, caps) -> None:
+    config = NodeConfig(tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), capabilities=caps)
+    async with open_node(config) as node:
+        first = node.peer_id
+    async with open_node(config) as node:
+        assert node.peer_id == first

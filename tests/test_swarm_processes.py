@@ -1,0 +1,53 @@
+"""Integration over real libp2p on 127.0.0.1 with every node in its own process."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from pcp_p2p.node.local_swarm import local_swarm
+from pcp_p2p.node.membership import DEFAULT_TIMEOUT_S
+
+pytestmark = pytest.mark.timeout(240)
+
+
+async def test_eight_nodes_see_each_other_leave_on_kill_and_rejoin_with_same_id(tmp_path: Path) -> None:
+    async with local_swarm(tmp_path) as swarm:
+        await swarm.start_bootstrap()
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(swarm.add_worker)
+        ids = {w.peer_id for w in swarm.workers}
+        assert len(ids) == 8
+        await swarm.wait_views(ids, deadline_s=90)
+
+        # SIGKILL: no goodbye; every view must drop the node within the timeout
+        # (plus the time a poll round and one heartbeat interval can add).
+        victim = swarm.workers[3]
+        await swarm.kill(victim, signal.SIGKILL)
+        took = await swarm.wait_views(ids - {victim.peer_id}, deadline_s=DEFAULT_TIMEOUT_S + 10)
+        print(f"killed node left every view after {took:.1f} s (timeout {DEFAULT_TIMEOUT_S} s)")
+
+        # Restarted with the same data dir: same identity, back in every view.
+        old_id = victim.peer_id
+        await swarm.restart(victim)
+        assert victim.peer_id == old_id
+        await swarm.wait_views(ids, deadline_s=60)
+
+        # SIGTERM leaves cleanly (exit code 0) and no process is left behind.
+        leaver = swarm.workers[0]
+        await swarm.kill(leaver, signal.SIGTERM)
+        assert leaver.process is not None and leaver.process.returncode == 0
+
+
+async def test_several_bootstrap_addresses_work_while_one_answers(tmp_path: Path) -> None:
+    async with local_swarm(tmp_path) as swarm:
+        boot = await swarm.start_bootstrap()
+        dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWDyG8TR9AnbB2jHjZs94tWWT8KXoFXvFNgqrSrRLSviNv"
+        a = await swarm.add_worker(["--bootstrap", dead])
+        b = await swarm.add_worker(["--bootstrap", dead])
+        await swarm.wait_views({a.peer_id, b.peer_id}, deadline_s=60)
+        assert boot.running
