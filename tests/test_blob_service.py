@@ -1,0 +1,323 @@
+"""BlobService over real libp2p hosts on 127.0.0.1 (one process), with injected faults."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import struct
+import threading
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+
+import libp2p
+import pytest
+import trio
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from pcp_p2p.blob import protocol as P
+from pcp_p2p.blob.routing import DhtRouting, MemoryRouting
+from pcp_p2p.blob.service import BlobConfig, BlobService
+from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordCipher, send_record
+from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.cid import cid_of
+from pcp_p2p.errors import (
+    BlobNotFound,
+    HashMismatch,
+    MalformedMessage,
+    OversizedMessage,
+    ProtocolError,
+)
+from pcp_p2p.node.identity import Identity
+
+CS = 64 * 1024
+LOCAL = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
+logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+_release = threading.Event()  # set at teardown: frees stalled fault threads
+
+
+class CorruptChunk(BlobService):
+    """Sends authentic records whose content is wrong (a lying provider)."""
+
+    def _send_chunk(self, sock, cipher, index, data, out):  # type: ignore[no-untyped-def]
+        bad = bytearray(data)
+        bad[len(bad) // 2] ^= 0xFF
+        send_record(sock, cipher, KIND_CHUNK, bytes(bad))
+
+
+class StallMidChunk(BlobService):
+    """Sends half a record, then goes silent with the connection open."""
+
+    def _send_chunk(self, sock, cipher, index, data, out):  # type: ignore[no-untyped-def]
+        header, ct = cipher.seal(KIND_CHUNK, bytes(data))
+        sock.sendall(header + ct[: len(ct) // 2])
+        _release.wait(30)
+        raise ConnectionResetError("released")
+
+
+class DropMidChunk(BlobService):
+    """Sends half a record, then drops the connection."""
+
+    def _send_chunk(self, sock, cipher, index, data, out):  # type: ignore[no-untyped-def]
+        header, ct = cipher.seal(KIND_CHUNK, bytes(data))
+        sock.sendall(header + ct[: len(ct) // 2])
+        sock.close()
+        raise ConnectionResetError("dropped")
+
+
+class Net:
+    def __init__(self, stack: AsyncExitStack, tmp: Path) -> None:
+        self.stack = stack
+        self.tmp = tmp
+        self.routing = MemoryRouting()
+        self.n = 0
+
+    async def node(self, cls: type[BlobService] = BlobService, **cfg: object) -> BlobService:
+        ident = Identity.generate()
+        host = libp2p.new_host(key_pair=ident.key_pair)
+        await self.stack.enter_async_context(host.run(listen_addrs=LOCAL))
+        info = PeerInfo(host.get_id(), host.get_addrs())
+        self.n += 1
+        store = BlobStore(self.tmp / f"n{self.n}", 1 << 30, chunk_size=CS)
+        config = BlobConfig(**{"stall_timeout": 0.5, "request_timeout": 5.0, **cfg})  # type: ignore[arg-type]
+        svc = cls(host, store, self.routing.for_peer(info), ident, config)
+        svc.register()
+        return svc
+
+
+def info(svc: BlobService) -> PeerInfo:
+    return PeerInfo(svc.host.get_id(), svc.host.get_addrs())
+
+
+@asynccontextmanager
+async def network(tmp: Path) -> AsyncIterator[Net]:
+    _release.clear()
+    try:
+        async with AsyncExitStack() as stack:
+            yield Net(stack, tmp)
+    finally:
+        _release.set()
+
+
+def tmp_is_empty(svc: BlobService) -> bool:
+    return list((svc.store.root / "tmp").iterdir()) == []
+
+
+async def test_publish_then_fetch_whole_and_range(tmp_path: Path) -> None:
+    data = os.urandom(10 * CS + 123)
+    async with network(tmp_path) as net:
+        a, b = await net.node(), await net.node()
+        cid = await a.publish(data)
+        assert cid == cid_of(data)
+        path = await b.fetch(cid)  # providers found through routing
+        assert isinstance(path, Path) and path.read_bytes() == data
+        assert b.store.has(cid)
+        c = await net.node()
+        part = await c.fetch(cid, byte_range=(CS - 5, 3 * CS + 7))
+        assert part == data[CS - 5 : 3 * CS + 7]
+        assert not c.store.has(cid)  # a range is not stored
+
+
+async def test_fetch_from_three_providers_in_parallel(tmp_path: Path) -> None:
+    data = os.urandom(24 * CS)
+    async with network(tmp_path) as net:
+        provs = [await net.node() for _ in range(3)]
+        for p in provs:
+            cid = await p.publish(data)
+        f = await net.node()
+        path = await f.fetch(cid)
+        assert path.read_bytes() == data
+        report = f.last_fetch
+        assert report is not None and len(report.chunks_from) == 3
+        assert sum(report.chunks_from.values()) == 24
+
+
+async def test_unknown_cid_is_blob_not_found(tmp_path: Path) -> None:
+    async with network(tmp_path) as net:
+        a, b = await net.node(), await net.node()
+        with pytest.raises(BlobNotFound):
+            await b.fetch(cid_of(b"never published"), providers=[info(a)])
+        with pytest.raises(MalformedMessage):
+            await b.fetch("not-a-cid", providers=[info(a)])
+
+
+async def test_bad_chunk_is_refetched_from_another_provider(tmp_path: Path) -> None:
+    data = os.urandom(8 * CS)
+    async with network(tmp_path) as net:
+        bad, good = await net.node(CorruptChunk), await net.node()
+        cid = await bad.publish(data)
+        await good.publish(data)
+        f = await net.node()
+        path = await f.fetch(cid, providers=[info(bad), info(good)])
+        assert path.read_bytes() == data
+        report = f.last_fetch
+        assert report is not None
+        assert "HashMismatch" in report.failures[bad.peer_id]
+        assert report.chunks_from == {good.peer_id: 8}
+
+
+async def test_only_a_lying_provider_means_hash_mismatch_and_nothing_stored(tmp_path: Path) -> None:
+    data = os.urandom(4 * CS)
+    async with network(tmp_path) as net:
+        bad = await net.node(CorruptChunk)
+        cid = await bad.publish(data)
+        f = await net.node()
+        with pytest.raises(HashMismatch):
+            await f.fetch(cid, providers=[info(bad)])
+        assert not f.store.has(cid) and tmp_is_empty(f)
+
+
+@pytest.mark.parametrize("fault", [StallMidChunk, DropMidChunk])
+async def test_provider_that_stalls_or_drops_mid_chunk_is_replaced(
+    tmp_path: Path, fault: type[BlobService]
+) -> None:
+    data = os.urandom(8 * CS)
+    async with network(tmp_path) as net:
+        flaky, good = await net.node(fault), await net.node()
+        cid = await flaky.publish(data)
+        await good.publish(data)
+        f = await net.node()
+        with trio.fail_after(20):
+            path = await f.fetch(cid, providers=[info(flaky), info(good)])
+        assert path.read_bytes() == data
+        report = f.last_fetch
+        assert report is not None and flaky.peer_id in report.failures
+        expected = "PeerTimeout" if fault is StallMidChunk else "PeerGone"
+        assert expected in report.failures[flaky.peer_id]
+
+
+async def test_declared_size_above_limit_is_oversized(tmp_path: Path) -> None:
+    data = os.urandom(4 * CS)
+    async with network(tmp_path) as net:
+        a = await net.node()
+        cid = await a.publish(data)
+        small = await net.node(max_blob_size=CS)
+        with pytest.raises(OversizedMessage):
+            await small.fetch(cid, providers=[info(a)])
+        assert tmp_is_empty(small)
+
+
+async def test_malformed_request_gets_bad_request_and_server_keeps_serving(tmp_path: Path) -> None:
+    data = os.urandom(2 * CS)
+    async with network(tmp_path) as net:
+        a, b = await net.node(), await net.node()
+        cid = await a.publish(data)
+        await b.host.connect(info(a))
+        for junk in (b"\x00\x00\x00\x05hello", struct.pack(">I", 3) + b"\x93\x01\xa3"):
+            stream = await b.host.new_stream(a.host.get_id(), [P.PROTOCOL_ID])
+            await stream.write(junk)
+            reply = await P.read_frame(stream, P.BlobReply)
+            assert reply.status == P.BAD_REQUEST
+            await stream.close()
+        # an oversized frame header is refused without reading the body
+        stream = await b.host.new_stream(a.host.get_id(), [P.PROTOCOL_ID])
+        await stream.write(struct.pack(">I", 1 << 30))
+        assert (await P.read_frame(stream, P.BlobReply)).status == P.BAD_REQUEST
+        await stream.close()
+        assert (await b.fetch(cid, providers=[info(a)])).read_bytes() == data
+
+
+async def test_peer_streaming_endless_garbage_on_the_control_stream(tmp_path: Path) -> None:
+    async with network(tmp_path) as net:
+        f = await net.node()
+        ident = Identity.generate()
+        evil = libp2p.new_host(key_pair=ident.key_pair)
+        await net.stack.enter_async_context(evil.run(listen_addrs=LOCAL))
+        rng = random.Random(0)
+
+        async def spew(stream):  # type: ignore[no-untyped-def]
+            try:
+                await stream.read(4096)
+                while True:
+                    await stream.write(rng.randbytes(65536))
+            except Exception:
+                pass
+
+        evil.set_stream_handler(P.PROTOCOL_ID, spew)
+        with trio.fail_after(10):
+            with pytest.raises(ProtocolError):
+                await f.fetch(cid_of(b"anything"), providers=[PeerInfo(evil.get_id(), evil.get_addrs())])
+
+
+async def test_peer_streaming_endless_garbage_on_the_side_channel(tmp_path: Path) -> None:
+    """A provider whose manifest is honest but whose side socket spews random bytes."""
+    data = os.urandom(4 * CS)
+    async with network(tmp_path) as net:
+        honest = await net.node()
+        cid = await honest.publish(data)
+        manifest_bytes = honest.store.manifest_bytes(cid)
+        lsock = socket.create_server(("127.0.0.1", 0))
+        stop = threading.Event()
+
+        def spew_side() -> None:
+            lsock.settimeout(10)
+            try:
+                conn, _ = lsock.accept()
+                junk = os.urandom(1 << 16)
+                while not stop.is_set():
+                    conn.sendall(junk)
+            except OSError:
+                pass
+
+        t = threading.Thread(target=spew_side, daemon=True)
+        t.start()
+        evil = libp2p.new_host(key_pair=Identity.generate().key_pair)
+        await net.stack.enter_async_context(evil.run(listen_addrs=LOCAL))
+
+        async def handler(stream):  # type: ignore[no-untyped-def]
+            req = await P.read_frame(stream, P.BlobRequest)
+            if req.kind == "manifest":
+                await P.write_frame(stream, P.BlobReply(P.OK, manifest=manifest_bytes))
+            else:
+                await P.write_frame(stream, P.BlobReply(
+                    P.OK, port=lsock.getsockname()[1], secret=b"k" * 32, nonce=b"n" * 16))
+            await stream.close()
+
+        evil.set_stream_handler(P.PROTOCOL_ID, handler)
+        f = await net.node()
+        try:
+            with trio.fail_after(10):
+                with pytest.raises(ProtocolError):  # garbage header: oversized or malformed
+                    await f.fetch(cid, providers=[PeerInfo(evil.get_id(), evil.get_addrs())])
+            assert not f.store.has(cid) and tmp_is_empty(f)
+        finally:
+            stop.set()
+            lsock.close()
+
+
+async def test_providers_through_the_kademlia_dht(tmp_path: Path) -> None:
+    data = os.urandom(3 * CS)
+    async with network(tmp_path) as net:
+        nodes = [await net.node() for _ in range(3)]
+        dhts = []
+        for n in nodes:
+            dht = KadDHT(n.host, DHTMode.SERVER)
+            await net.stack.enter_async_context(_background(dht))
+            dhts.append(dht)
+        for i, n in enumerate(nodes):
+            for j, m in enumerate(nodes):
+                if i != j:
+                    await n.host.connect(info(m))
+                    await dhts[i].add_peer(m.host.get_id())
+        for n, dht in zip(nodes, dhts):
+            n.routing = DhtRouting(dht)
+        cid = await nodes[0].publish(data)
+        with trio.fail_after(20):
+            found = await nodes[2].routing.find_providers(cid)
+            assert nodes[0].host.get_id() in {p.peer_id for p in found}
+            path = await nodes[2].fetch(cid)
+        assert path.read_bytes() == data
+
+
+@asynccontextmanager
+async def _background(dht: KadDHT) -> AsyncIterator[None]:
+    """Run a KadDHT's service loop for the duration of a block."""
+    from libp2p.tools.anyio_service import background_trio_service
+
+    async with background_trio_service(dht):
+        yield
