@@ -144,7 +144,8 @@ class RoundAggregator:
     def check_delta(self, sub: Submission, payload: bytes) -> Params:
         """Decode and check a payload (already hash-checked if it came by CID)."""
         try:
-            delta = codec_of(sub.codec).decode(payload)
+            limit = 4 * num_params(self.theta) + (1 << 20)  # fp32 at most, plus the header
+            delta = codec_of(sub.codec).decode(payload, limit)
         except PcpError as exc:
             raise RejectedUpdate(f"undecodable pseudo-gradient: {exc}") from exc
         if list(delta) != list(self.theta):

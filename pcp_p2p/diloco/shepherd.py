@@ -20,8 +20,10 @@ input — there is no state in which the step is half-applied. If the deadline
 passes without quorum the attempt is *discarded* (``Discarded``) and the same
 round is announced again with ``attempt + 1``: fresh data seeds, the same θ_r.
 
-Membership is a roster of workers that sent a signed ``Join``. A joiner is
-assigned from the next announcement on (never mid-round). A worker that misses
+Membership is a roster of workers that sent a signed ``Join``. The first
+announcement waits :attr:`Shepherd.join_grace_s` after the quorum has joined, so
+workers that start together train together. A joiner is assigned from the next
+announcement on (never mid-round). A worker that misses
 :data:`EVICT_AFTER_MISSES` attempts in a row leaves the roster; a live worker
 that finds itself unassigned simply joins again.
 
@@ -32,7 +34,7 @@ and the committed round number never goes backwards.
 
 Transitions (``*`` = every input not listed leaves the phase unchanged)::
 
-    WAITING     --join / tick, roster >= quorum-->     COLLECTING  (announce)
+    WAITING     --tick, quorum joined + grace-->       COLLECTING  (announce)
     COLLECTING  --all reported / deadline, quorum-->   COLLECTING  (commit; announce r+1)
     COLLECTING  --... last round committed-->          FINISHED    (commit)
     COLLECTING  --deadline, no quorum-->               COLLECTING  (discard; announce again)
@@ -129,6 +131,7 @@ class Shepherd:
         self.theta_bytes = pack_tensors(state.theta, "fp32")
         self.theta_cid = state.theta_cid
         self.commits: list[CommitRecord] = []
+        self.quorum_since: float | None = None
 
     @classmethod
     def from_checkpoint(
@@ -149,9 +152,16 @@ class Shepherd:
         return self.identity.peer_id
 
     @property
+    def join_grace_s(self) -> float:
+        """How long to wait for more joiners once a quorum has joined (first round, or after a stall)."""
+        return min(10.0, 0.1 * self.spec.round.deadline_s)
+
+    @property
     def next_wakeup(self) -> float | None:
         if self.phase is Phase.COLLECTING and self.round_agg is not None:
             return self.round_agg.announcement.deadline
+        if self.phase is Phase.WAITING and self.quorum_since is not None:
+            return self.quorum_since + self.join_grace_s
         return None
 
     def receive(self, msg: Message, now: float) -> list[Effect]:
@@ -172,7 +182,8 @@ class Shepherd:
         self.roster[msg.worker] = msg
         self.misses[msg.worker] = 0
         if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum:
-            return self._announce(now)
+            if self.quorum_since is None:
+                self.quorum_since = now
         return []
 
     def on_submission(self, sub: Submission, now: float) -> list[Effect]:
@@ -209,8 +220,11 @@ class Shepherd:
 
     def tick(self, now: float) -> list[Effect]:
         agg = self.round_agg
-        if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum:
-            return self._announce(now)
+        if self.phase is Phase.WAITING:
+            wake = self.next_wakeup
+            if wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum:
+                return self._announce(now)
+            return []
         if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
             return []
         if len(agg.accepted) >= self.spec.round.min_quorum:
@@ -307,6 +321,7 @@ class Shepherd:
         if len(self.roster) >= self.spec.round.min_quorum:
             return effects + self._announce(now)
         self._set_phase(Phase.WAITING)
+        self.quorum_since = None
         return effects
 
     def _commit(self, now: float) -> list[Effect]:
@@ -364,4 +379,5 @@ class Shepherd:
         if len(self.roster) >= self.spec.round.min_quorum:
             return effects + self._announce(now)
         self._set_phase(Phase.WAITING)
+        self.quorum_since = None
         return effects

@@ -268,7 +268,11 @@ class Worker:
         self.inner_state = result.inner_state
         delta = {k: self.theta[k] - np.asarray(result.theta[k], dtype=np.float32) for k in self.theta}
         codec = self.spec.round.delta_codec
-        payload = codec_of(codec).encode(delta)
+        try:
+            payload = codec_of(codec).encode(delta)
+        except PcpError as exc:  # NaN/inf: the inner loop diverged; submit nothing
+            self.phase = WorkerPhase.IDLE
+            return [Rejected(self.peer_id, exc)]
         effects: list[Effect] = []
         if len(payload) <= INLINE_DELTA_LIMIT:
             delta_cid, inline = None, payload

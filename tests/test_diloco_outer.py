@@ -1,0 +1,91 @@
+"""Outer Nesterov step, tensor bundles, checkpoints, the norm bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pcp_p2p.diloco.aggregate import adam_step_bound, delta_norm_bound
+from pcp_p2p.diloco.checkpoint import (
+    Checkpoint,
+    checkpoint_theta_bytes,
+    decode_checkpoint,
+    encode_checkpoint,
+)
+from pcp_p2p.diloco.outer import OuterState, nesterov_step
+from pcp_p2p.diloco.spec import RunSpec
+from pcp_p2p.diloco.tensors import codec_of, global_norm, pack_tensors, params_cid, unpack_tensors
+from pcp_p2p.cid import cid_of
+from pcp_p2p.errors import ConfigError, MalformedMessage, ProtocolError
+
+RNG = np.random.default_rng(0)
+THETA = {"a": RNG.normal(size=(5, 7)).astype(np.float32), "b": RNG.normal(size=(300,)).astype(np.float32)}
+
+
+def test_nesterov_matches_the_formula_over_two_steps():
+    s0 = OuterState.initial(THETA)
+    d1 = {k: np.full_like(v, 0.1) for k, v in THETA.items()}
+    d2 = {k: np.full_like(v, -0.05) for k, v in THETA.items()}
+    lr, mu = 0.7, 0.9
+    s1 = nesterov_step(s0, d1, lr=lr, momentum=mu)
+    s2 = nesterov_step(s1, d2, lr=lr, momentum=mu)
+    v1 = 0.1
+    th1 = THETA["a"] - lr * (mu * v1 + 0.1)
+    v2 = mu * v1 - 0.05
+    th2 = th1 - lr * (mu * v2 - 0.05)
+    np.testing.assert_allclose(s1.theta["a"], th1, rtol=1e-6)
+    np.testing.assert_allclose(s2.theta["a"], th2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(s2.momentum["b"], v2, rtol=1e-6)
+    assert (s0.round, s1.round, s2.round) == (0, 1, 2)
+    np.testing.assert_array_equal(s0.theta["a"], THETA["a"])  # the old state is untouched
+
+
+def test_params_cid_is_a_function_of_values():
+    assert params_cid(THETA) == params_cid({k: v.copy() for k, v in THETA.items()})
+    bumped = dict(THETA, b=THETA["b"] + np.float32(1e-6))
+    assert params_cid(bumped) != params_cid(THETA)
+    assert unpack_tensors(pack_tensors(THETA))["a"].tobytes() == THETA["a"].tobytes()
+
+
+def test_int8_codec_error_is_within_half_a_scale_step():
+    codec = codec_of("int8")
+    data = codec.encode(THETA)
+    back = codec.decode(data)
+    for k, v in THETA.items():
+        bound = np.max(np.abs(v)) / 127 / 2 + 1e-6  # per-block scale <= global max / 127
+        assert np.max(np.abs(back[k] - v)) <= bound
+    big = {"w": RNG.normal(size=(256, 256)).astype(np.float32)}
+    assert len(codec.encode(big)) < 0.26 * len(pack_tensors(big))  # 1 byte + 4/256 per value
+    with pytest.raises(ConfigError):
+        codec_of("zip")
+
+
+def test_garbage_bundles_are_protocol_errors():
+    for junk in (b"", b"PCPT\x00\x00\x00\x05hello", pack_tensors(THETA)[:-3], b"\x93\x01\x02\x03"):
+        with pytest.raises(ProtocolError):
+            unpack_tensors(junk)
+
+
+def test_checkpoint_round_trip_and_theta_identity():
+    s = nesterov_step(OuterState.initial(THETA), {k: np.ones_like(v) for k, v in THETA.items()},
+                      lr=0.7, momentum=0.9)
+    data, theta_cid = encode_checkpoint(Checkpoint("run", 3, s, {"val_loss": 1.5}))
+    assert theta_cid == s.theta_cid == cid_of(checkpoint_theta_bytes(data))
+    back = decode_checkpoint(data)
+    assert (back.run_id, back.term, back.state.round, back.metrics) == ("run", 3, 1, {"val_loss": 1.5})
+    for k in THETA:
+        np.testing.assert_array_equal(back.state.momentum[k], s.momentum[k])
+    for junk in (b"", b"\x95\xa3abc", data[:-10]):
+        with pytest.raises(MalformedMessage):
+            decode_checkpoint(junk)
+
+
+def test_norm_bound_admits_real_adam_and_refuses_absurd():
+    spec = RunSpec()
+    assert 2.0 < adam_step_bound(0.9, 0.99) < 4.0
+    bound = delta_norm_bound(spec, THETA, steps=10)
+    n = sum(v.size for v in THETA.values())
+    # ten sign-like Adam steps of size lr on every coordinate: a worst honest case
+    worst_honest = 10 * spec.inner.lr * np.sqrt(n)
+    assert worst_honest < bound < 1e3 * worst_honest
+    assert global_norm({"x": np.array([3.0, 4.0])}) == 5.0

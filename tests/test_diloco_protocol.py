@@ -1,0 +1,386 @@
+"""The round state machines fed by hand: every bad input is refused with a typed
+error, and the round still commits with the honest submissions."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import numpy as np
+import pytest
+
+from pcp_p2p.cid import cid_of
+from pcp_p2p.diloco.checkpoint import decode_checkpoint
+from pcp_p2p.diloco.effects import (
+    CancelInner,
+    Committed,
+    Discarded,
+    FetchBlob,
+    Rejected,
+    RunInner,
+    Send,
+    StoreBlob,
+)
+from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.tensors import pack_tensors, params_cid
+from pcp_p2p.diloco.worker import InnerResult, Worker, WorkerPhase
+from pcp_p2p.errors import (
+    BadSignature,
+    HashMismatch,
+    QuorumError,
+    RejectedUpdate,
+    StaleMessage,
+)
+from pcp_p2p.node.identity import Identity
+
+SPEC = parse_spec(
+    """
+[inner]
+lr = 0.01
+batch_size = 2
+seq_len = 4
+[round]
+time_budget_s = 10.0
+deadline_s = 20.0
+max_inner_steps = 20
+rounds = 5
+min_quorum = 2
+delta_codec = "fp32"
+"""
+)
+BT = SPEC.tokens_per_step
+THETA0 = {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 10, "b": np.ones(4, np.float32)}
+
+
+def ident(i: int) -> Identity:
+    return Identity(bytes([i]) * 32)
+
+
+OWNER = ident(1)
+RUN_ID = run_id_of(sign_spec(SPEC, OWNER))
+
+
+def sent(effects, kind):
+    return [e.message for e in effects if isinstance(e, Send) and isinstance(e.message, kind)]
+
+
+def rejections(effects):
+    return [e.error for e in effects if isinstance(e, Rejected)]
+
+
+class Round:
+    """A shepherd with three joined workers and round 0 announced."""
+
+    def __init__(self, spec=SPEC, n=3, tokens_per_s=100.0):
+        self.spec = spec
+        self.shepherd = Shepherd(
+            spec=spec, run_id=RUN_ID, identity=OWNER, term=0, state=OuterState.initial(THETA0)
+        )
+        self.ids = [ident(10 + i) for i in range(n)]
+        effects = []
+        for i in self.ids:
+            join = sign(Join(run_id=RUN_ID, worker=i.peer_id, target="cpu", tokens_per_s=tokens_per_s), i)
+            effects += self.shepherd.on_join(join, now=0.0)
+        assert sent(effects, RoundAnnouncement) == []  # waits for more joiners first
+        assert self.shepherd.next_wakeup == self.shepherd.join_grace_s
+        effects += self.shepherd.tick(now=self.shepherd.join_grace_s)
+        anns = sent(effects, RoundAnnouncement)
+        assert anns, "the shepherd announces once the quorum has joined"
+        self.ann = anns[-1]
+
+    def submission(self, who: Identity, delta=None, steps=10, ann=None, **over) -> Submission:
+        ann = ann or self.ann
+        delta = delta if delta is not None else {k: np.full_like(v, 0.01) for k, v in THETA0.items()}
+        sub = Submission(
+            run_id=ann.run_id,
+            term=ann.term,
+            round=ann.round,
+            attempt=ann.attempt,
+            worker=who.peer_id,
+            base_theta_cid=ann.theta_cid,
+            codec="fp32",
+            delta_cid=None,
+            delta_inline=pack_tensors(delta, "fp32"),
+            steps=steps,
+            tokens=steps * BT,
+            losses=(1.0,) * steps,
+        )
+        return sign(dataclasses.replace(sub, **over), who)
+
+    def honest_rest_commits(self, skip: int = 0) -> CommitRecord:
+        """The other workers submit honestly and the round commits."""
+        effects = []
+        for who in self.ids[skip:]:
+            effects += self.shepherd.on_submission(self.submission(who), now=3.0)
+        effects += self.shepherd.tick(now=100.0)
+        commits = [e.record for e in effects if isinstance(e, Committed)]
+        assert len(commits) == 1, rejections(effects)
+        return commits[0]
+
+
+def nan_payload(value: float) -> bytes:
+    """An fp32 bundle with one value replaced by NaN/inf (the encoder refuses to make one)."""
+    good = pack_tensors({k: np.full_like(v, 0.5) for k, v in THETA0.items()}, "fp32")
+    needle = struct.pack("<f", 0.5)
+    i = good.rindex(needle)
+    return good[:i] + struct.pack("<f", value) + good[i + 4 :]
+
+
+# --- aggregator: each bad submission refused, round goes on ----------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_delta_is_rejected(bad):
+    r = Round()
+    sub = r.submission(r.ids[0])
+    sub = sign(dataclasses.replace(sub, delta_inline=nan_payload(bad)), r.ids[0])
+    errs = rejections(r.shepherd.on_submission(sub, now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate)
+    rec = r.honest_rest_commits(skip=1)
+    assert r.ids[0].peer_id not in rec.participants and len(rec.participants) == 2
+
+
+def test_absurd_norm_is_rejected():
+    r = Round()
+    huge = {k: np.full_like(v, 1e3) for k, v in THETA0.items()}
+    errs = rejections(r.shepherd.on_submission(r.submission(r.ids[0], delta=huge), now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate) and "bound" in str(errs[0])
+    r.honest_rest_commits(skip=1)
+
+
+@pytest.mark.parametrize(
+    "delta",
+    [
+        {"w": np.zeros((4, 3), np.float32), "b": np.zeros(4, np.float32)},  # transposed
+        {"w": np.zeros((3, 4), np.float32)},  # a tensor missing
+        {"w": np.zeros((3, 4), np.float32), "b": np.zeros(4, np.float32), "x": np.zeros(1, np.float32)},
+    ],
+    ids=["transposed", "missing", "extra"],
+)
+def test_wrong_shapes_are_rejected(delta):
+    r = Round()
+    errs = rejections(r.shepherd.on_submission(r.submission(r.ids[0], delta=delta), now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate)
+    r.honest_rest_commits(skip=1)
+
+
+def test_submission_replayed_from_an_earlier_round_is_stale():
+    r = Round()
+    old = r.submission(r.ids[0])
+    rec = r.honest_rest_commits()
+    assert rec.round == 0 and r.shepherd.state.round == 1
+    errs = rejections(r.shepherd.on_submission(old, now=150.0))
+    assert len(errs) == 1 and isinstance(errs[0], StaleMessage)
+    assert r.shepherd.state.round == 1 and r.shepherd.round_agg.accepted == {}
+
+
+def test_submission_for_another_run_is_rejected():
+    r = Round()
+    errs = rejections(r.shepherd.on_submission(r.submission(r.ids[0], run_id=cid_of(b"other")), now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate) and "another run" in str(errs[0])
+    r.honest_rest_commits(skip=1)
+
+
+def test_submission_from_an_unknown_peer_is_rejected():
+    r = Round()
+    stranger = ident(99)
+    errs = rejections(r.shepherd.on_submission(r.submission(stranger), now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate) and "not assigned" in str(errs[0])
+    rec = r.honest_rest_commits()
+    assert stranger.peer_id not in rec.participants
+
+
+def test_forged_submission_signature_is_rejected():
+    r = Round()
+    sub = r.submission(r.ids[0])
+    forged = dataclasses.replace(sub, tokens=sub.tokens)  # same content...
+    forged = dataclasses.replace(forged, signature=ident(98).sign(b"x"))  # ...wrong key
+    errs = rejections(r.shepherd.on_submission(forged, now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], BadSignature)
+
+
+def test_worker_claiming_more_tokens_than_its_speed_allows_is_rejected():
+    # 100 tokens/s x 10 s x slack 1.5 / 8 tokens per step -> at most 188 steps, capped at 20
+    r = Round(tokens_per_s=8.0)  # 8 tok/s x 10 s x 1.5 / 8 -> 15 steps
+    assert all(a.max_steps == 15 for a in r.ann.assignments)
+    errs = rejections(r.shepherd.on_submission(r.submission(r.ids[0], steps=20), now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate) and "speed" in str(errs[0])
+    # tokens that do not match steps x B x T are refused too
+    sub = r.submission(r.ids[1], steps=10, tokens=10 * BT * 100)
+    errs = rejections(r.shepherd.on_submission(sub, now=3.0))
+    assert len(errs) == 1 and isinstance(errs[0], RejectedUpdate)
+
+
+def test_duplicate_delivery_is_idempotent():
+    r = Round()
+    sub = r.submission(r.ids[0])
+    assert r.shepherd.on_submission(sub, now=3.0) == []
+    assert r.shepherd.on_submission(sub, now=1.1) == []
+    assert list(r.shepherd.round_agg.accepted) == [r.ids[0].peer_id]
+
+
+def test_token_weighted_mean_and_nesterov_step():
+    r = Round()
+    d1 = {k: np.full_like(v, 0.01) for k, v in THETA0.items()}
+    d2 = {k: np.full_like(v, 0.04) for k, v in THETA0.items()}
+    effects = r.shepherd.on_submission(r.submission(r.ids[0], delta=d1, steps=15), now=3.0)
+    effects += r.shepherd.on_submission(r.submission(r.ids[1], delta=d2, steps=5), now=3.0)
+    effects += r.shepherd.tick(now=100.0)  # third worker never reports
+    (rec,) = [e.record for e in effects if isinstance(e, Committed)]
+    mean = (15 * 0.01 + 5 * 0.04) / 20  # token-weighted
+    # first outer step from v = 0: v = d, theta = theta - lr (mu v + d) = theta - lr (1 + mu) d
+    expect = THETA0["w"] - 0.7 * (1 + 0.9) * mean
+    np.testing.assert_allclose(r.shepherd.state.theta["w"], expect, rtol=1e-6)
+    np.testing.assert_allclose(r.shepherd.state.momentum["w"], mean, rtol=1e-6)
+    assert rec.tokens == 20 * BT and rec.participants == tuple(sorted([r.ids[0].peer_id, r.ids[1].peer_id]))
+    assert rec.theta_cid == params_cid(r.shepherd.state.theta)
+    # the checkpoint blob holds exactly the committed state
+    blobs = {e.cid: e.data for e in effects if isinstance(e, StoreBlob)}
+    ckpt = decode_checkpoint(blobs[rec.checkpoint_cid])
+    assert ckpt.state.round == 1 and params_cid(ckpt.state.theta) == rec.theta_cid
+
+
+# --- quorum, deadline, retry -------------------------------------------------------
+
+
+def test_round_without_quorum_is_discarded_and_retried():
+    r = Round()
+    e = r.shepherd.on_submission(r.submission(r.ids[0]), now=3.0)
+    assert e == []
+    assert r.shepherd.tick(now=21.9) == []  # before the deadline nothing happens
+    effects = r.shepherd.tick(now=22.0)
+    (disc,) = [x for x in effects if isinstance(x, Discarded)]
+    assert isinstance(disc.error, QuorumError)
+    anns = sent(effects, RoundAnnouncement)
+    assert len({a.signature for a in anns}) == 1
+    ann = anns[0]
+    assert (ann.round, ann.attempt, ann.theta_cid) == (0, 1, r.ann.theta_cid)
+    assert r.shepherd.state.round == 0  # nothing applied
+    # a submission for the discarded attempt is stale now; the retry commits
+    errs = rejections(r.shepherd.on_submission(r.submission(r.ids[0]), now=23.0))
+    assert isinstance(errs[0], StaleMessage)
+    r.ann = ann
+    rec = r.honest_rest_commits()
+    assert (rec.round, rec.attempt) == (0, 1)
+
+
+def test_everyone_reported_commits_before_the_deadline():
+    r = Round()
+    effects = []
+    for who in r.ids:
+        effects += r.shepherd.on_submission(r.submission(who), now=3.0)
+    assert any(isinstance(e, Committed) for e in effects)
+    anns = sent(effects, RoundAnnouncement)
+    assert len({a.signature for a in anns}) == 1
+    ann = anns[0]
+    assert ann.round == 1
+
+
+def test_failover_shepherd_continues_from_the_checkpoint():
+    r = Round()
+    effects = []
+    for who in r.ids:
+        effects += r.shepherd.on_submission(r.submission(who), now=3.0)
+    (rec,) = [e.record for e in effects if isinstance(e, Committed)]
+    blobs = {e.cid: e.data for e in effects if isinstance(e, StoreBlob)}
+    new = Shepherd.from_checkpoint(
+        spec=SPEC, run_id=RUN_ID, identity=ident(2), term=1, checkpoint=blobs[rec.checkpoint_cid]
+    )
+    assert new.state.round == 1 and new.theta_cid == rec.theta_cid
+    for k in THETA0:
+        np.testing.assert_array_equal(new.state.momentum[k], r.shepherd.state.momentum[k])
+    with pytest.raises(StaleMessage):
+        Shepherd.from_checkpoint(spec=SPEC, run_id=RUN_ID, identity=ident(2), term=-1,
+                                 checkpoint=blobs[rec.checkpoint_cid])
+
+
+# --- worker side -------------------------------------------------------------------
+
+
+def make_worker(i: int = 10) -> Worker:
+    return Worker(spec=SPEC, run_id=RUN_ID, identity=ident(i), shepherds={0: OWNER.peer_id},
+                  target="cpu", tokens_per_s=100.0)
+
+
+def test_worker_round_trip_and_hash_checked_theta():
+    r = Round()
+    w = make_worker(10)
+    effects = w.on_announcement(r.ann, now=0.0)
+    (fetch,) = [e for e in effects if isinstance(e, FetchBlob)]
+    assert fetch.cid == r.ann.theta_cid and w.phase is WorkerPhase.FETCHING
+    good = pack_tensors(THETA0, "fp32")
+    tampered = pack_tensors({k: v + 1 for k, v in THETA0.items()}, "fp32")
+    effects = w.on_blob(fetch.cid, tampered, now=0.1)
+    assert isinstance(rejections(effects)[0], HashMismatch) and w.phase is WorkerPhase.FETCHING
+    assert any(isinstance(e, FetchBlob) for e in effects)  # asks again
+    (run,) = [e for e in w.on_blob(fetch.cid, good, now=0.2) if isinstance(e, RunInner)]
+    local = {k: v - 0.02 for k, v in run.theta.items()}
+    effects = w.on_inner_done(InnerResult(0, 0, local, 10, (1.0,) * 10, "adam-state"), now=10.0)
+    (sub,) = sent(effects, Submission)
+    assert w.inner_state == "adam-state"  # kept for the next round
+    assert r.shepherd.on_submission(sub, now=10.1) == []
+    assert r.shepherd.round_agg.accepted[w.peer_id].tokens == 10 * BT
+
+
+def test_announcement_not_signed_by_the_runs_shepherd_is_rejected():
+    r = Round()
+    w = make_worker(10)
+    impostor = ident(66)
+    fake = sign(dataclasses.replace(r.ann, shepherd=impostor.peer_id), impostor)
+    errs = rejections(w.on_announcement(fake, now=0.0))
+    assert len(errs) == 1 and isinstance(errs[0], BadSignature)
+    forged = dataclasses.replace(r.ann, deadline=r.ann.deadline + 1)  # the real shepherd's name, stale sig
+    errs = rejections(w.on_announcement(forged, now=0.0))
+    assert len(errs) == 1 and isinstance(errs[0], BadSignature)
+    assert w.phase is WorkerPhase.IDLE and w.current is None
+    assert any(isinstance(e, FetchBlob) for e in w.on_announcement(r.ann, now=0.0))
+
+
+def test_commit_with_a_lower_round_is_rejected():
+    r = Round()
+    rec0 = r.honest_rest_commits()
+    sh = r.shepherd
+    effects = []
+    for who in r.ids:
+        ann = sh.round_agg.announcement
+        effects += sh.on_submission(r.submission(who, ann=ann), now=200.0)
+    (rec1,) = [e.record for e in effects if isinstance(e, Committed)]
+    assert (rec0.round, rec1.round) == (0, 1)
+    w = make_worker(10)
+    w.on_commit(rec1, now=300.0)
+    errs = rejections(w.on_commit(rec0, now=301.0))
+    assert len(errs) == 1 and isinstance(errs[0], StaleMessage)
+    assert w.last_commit == rec1
+    # a second, different commit for the same round is refused too
+    other = sign(dataclasses.replace(rec1, theta_cid=rec0.theta_cid), OWNER)
+    assert isinstance(rejections(w.on_commit(other, now=302.0))[0], StaleMessage)
+    # and an announcement that does not start from the committed θ
+    ann2 = sh.round_agg.announcement
+    bad_ann = sign(dataclasses.replace(ann2, theta_cid=rec0.theta_cid), OWNER)
+    assert rejections(w.on_announcement(bad_ann, now=303.0))
+
+
+def test_newer_announcement_cancels_training_and_old_result_is_ignored():
+    r = Round()
+    w = make_worker(10)
+    w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+    w.held_artifacts = set()
+    assert any(isinstance(e, RunInner) for e in w.on_announcement(r.ann, now=0.0))
+    retry = sign(dataclasses.replace(r.ann, attempt=1), OWNER)
+    effects = w.on_announcement(retry, now=25.0)
+    assert any(isinstance(e, CancelInner) for e in effects)
+    assert any(isinstance(e, RunInner) and e.attempt == 1 for e in effects)
+    assert w.on_inner_done(InnerResult(0, 0, dict(THETA0), 5, (1.0,), None), now=26.0) == []
+
+
+def test_term_change_makes_old_shepherd_stale():
+    r = Round()
+    w = make_worker(10)
+    w.set_shepherd(1, ident(2).peer_id)
+    errs = rejections(w.on_announcement(r.ann, now=0.0))  # term 0 after term 1 was seen
+    assert len(errs) == 1 and isinstance(errs[0], StaleMessage)
+    ann1 = sign(dataclasses.replace(r.ann, term=1, shepherd=ident(2).peer_id), ident(2))
+    assert any(isinstance(e, FetchBlob) for e in w.on_announcement(ann1, now=3.0))
