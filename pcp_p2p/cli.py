@@ -19,6 +19,7 @@ from pcp_p2p.errors import PcpError
 # ``func`` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = (
     "pcp_p2p.node.commands",
+    "pcp_p2p.node.swarm_command",
     "pcp_p2p.compile.command",
 )
 

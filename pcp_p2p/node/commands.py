@@ -18,7 +18,8 @@ from pcp_p2p.errors import ConfigError
 from pcp_p2p.node.capabilities import BACKENDS
 from pcp_p2p.node.identity import default_data_dir
 
-ADDR_FILE = "node.addr"  # every running node writes its full multiaddr here, in its data dir
+ADDR_FILE = "node.addr"
+BOOTSTRAP_CONFIG_KEYS = frozenset({"listen", "data_dir", "swarm_key", "addr_file", "bootstrap"})  # every running node writes its full multiaddr here, in its data dir
 log = logging.getLogger("pcp.cli")
 
 
@@ -112,7 +113,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
             cfg = tomllib.loads(args.config.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read {args.config}: {exc}") from exc
-        unknown = set(cfg) - {"listen", "data_dir", "swarm_key", "addr_file", "bootstrap"}
+        unknown = set(cfg) - BOOTSTRAP_CONFIG_KEYS
         if unknown:
             raise ConfigError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
     listen = args.listen or _as_list(cfg.get("listen")) or ["/ip4/0.0.0.0/tcp/4001"]
