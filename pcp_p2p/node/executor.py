@@ -304,6 +304,8 @@ class Executor:
         return next(s for s in self._manifests[program].inputs if s.name == name)
 
     def _need(self, program: str) -> None:
+        if self._dead is not None:
+            raise ExecutorCrashed(f"executor is {self._dead}; start a new one")
         if program not in self._manifests:
             raise ExecutorError(f"no {program} program loaded")
 
