@@ -158,19 +158,17 @@ class Worker:
         return self.last_heard + self.spec.round.deadline_s
 
     def tick(self, now: float) -> list[Effect]:
-        """After a deadline of silence: look up the latest commit, and join (again) if unassigned.
+        """After a deadline of silence: look up the latest commit and join again.
 
         Covers a lost commit record, a lost Join, and eviction after missed rounds.
         """
         if now < self.next_wakeup or self.phase in (WorkerPhase.FETCHING, WorkerPhase.TRAINING):
             return []
         self.last_heard = now
-        effects: list[Effect] = [LookupCommit()]
-        ann = self.current
-        if ann is None or ann.assignment_for(self.peer_id) is None or self.phase is WorkerPhase.SUBMITTED:
-            self.joined_for = None
-            effects += self._join()
-        return effects
+        self.joined_for = None
+        # Joining again is idempotent for the shepherd, and after a deadline of
+        # silence this worker cannot know whether it is still on the roster.
+        return [LookupCommit(), *self._join()]
 
     def receive(self, msg: Message, now: float) -> list[Effect]:
         if isinstance(msg, RoundAnnouncement):
