@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import socket
@@ -47,6 +48,13 @@ from pcp_p2p.blob.store import BlobStore  # noqa: E402
 from pcp_p2p.node.identity import Identity  # noqa: E402
 
 MiB = 1024 * 1024
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def raw_child(port: int, size: int) -> None:
@@ -58,7 +66,7 @@ def raw_child(port: int, size: int) -> None:
                 s.sendall(view[i : i + MiB])
 
 
-def raw_runs(size: int, repeat: int) -> list[float]:
+def raw_runs(size: int, repeat: int, cpu: list[float]) -> list[float]:
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
     child = subprocess.Popen([sys.executable, __file__, "--raw-child", str(port), str(size)],
@@ -71,6 +79,7 @@ def raw_runs(size: int, repeat: int) -> list[float]:
         buf = bytearray(size)
         for _ in range(repeat):
             view = memoryview(buf)
+            c0 = time.process_time() + proc_cpu(child.pid)
             t0 = time.perf_counter()
             conn.sendall(b"g")
             got = 0
@@ -80,6 +89,7 @@ def raw_runs(size: int, repeat: int) -> list[float]:
                     raise RuntimeError("raw child closed early")
                 got += k
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() + proc_cpu(child.pid) - c0)
         conn.close()
         child.wait(timeout=30)
     finally:
@@ -88,6 +98,53 @@ def raw_runs(size: int, repeat: int) -> list[float]:
             os.killpg(child.pid, 9)
             child.wait()
     return times
+
+
+STREAM_PROTO = "/pcp/bench/stream/1.0.0"
+
+
+async def stream_child(size: int) -> None:
+    """Serve ``size`` bytes on a plain libp2p stream (the data path we did not choose)."""
+    host = libp2p.new_host(key_pair=Identity.generate().key_pair)
+    data = os.urandom(size)
+
+    async def handler(stream) -> None:  # type: ignore[no-untyped-def]
+        await stream.read(1)
+        for i in range(0, size, MiB):
+            await stream.write(data[i : i + MiB])
+        await stream.close()
+
+    host.set_stream_handler(STREAM_PROTO, handler)
+    async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        print(json.dumps({"peer_id": host.get_id().to_base58(),
+                          "addrs": [str(a) for a in host.get_addrs()]}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+
+
+async def stream_run(size: int) -> float:
+    """Seconds to read ``size`` bytes over one Noise + Yamux libp2p stream."""
+    child = subprocess.Popen([sys.executable, __file__, "--stream-child", str(size)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        meta = json.loads(child.stdout.readline())  # type: ignore[union-attr]
+        host = libp2p.new_host(key_pair=Identity.generate().key_pair)
+        async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            info = PeerInfo(ID.from_base58(meta["peer_id"]), [Multiaddr(a) for a in meta["addrs"]])
+            await host.connect(info)
+            stream = await host.new_stream(info.peer_id, [STREAM_PROTO])
+            t0 = time.perf_counter()
+            await stream.write(b"g")
+            got = 0
+            while got < size:
+                part = await stream.read(MiB)
+                if not part:
+                    raise RuntimeError("stream ended early")
+                got += len(part)
+            return time.perf_counter() - t0
+    finally:
+        os.killpg(child.pid, 9)
+        child.wait()
 
 
 class Provider:
@@ -115,7 +172,7 @@ class Provider:
             self.proc.wait()
 
 
-async def fetch_runs(provider: Provider, workdir: Path, repeat: int) -> list[float]:
+async def fetch_runs(provider: Provider, workdir: Path, repeat: int, cpu: list[float]) -> list[float]:
     ident = Identity.generate()
     host = libp2p.new_host(key_pair=ident.key_pair)
     times = []
@@ -124,10 +181,13 @@ async def fetch_runs(provider: Provider, workdir: Path, repeat: int) -> list[flo
         store = BlobStore(workdir / "fetcher", 1 << 40)
         svc = BlobService(host, store, MemoryRouting().for_peer(info), ident)
         for _ in range(repeat + 1):  # the first run warms the connection and is dropped
+            c0 = time.process_time() + proc_cpu(provider.proc.pid)
             t0 = time.perf_counter()
             await svc.fetch(provider.cid, providers=[provider.info])
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() + proc_cpu(provider.proc.pid) - c0)
             store.delete(provider.cid)
+    del cpu[0]
     return times[1:]
 
 
@@ -165,27 +225,35 @@ def main() -> None:
     ap.add_argument("--fanout-mb", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--stream-mb", type=int, default=64, help="size for the plain libp2p stream figure")
     ap.add_argument("--raw-child", nargs=2, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--stream-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_child:
         raw_child(*args.raw_child)
         return
-    import logging
-
+    if args.stream_child:
+        logging.getLogger("libp2p").setLevel(logging.ERROR)
+        trio.run(stream_child, args.stream_child)
+        return
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("libp2p").setLevel(logging.ERROR)
     size = args.size_mb * MiB
     workdir = Path(tempfile.mkdtemp(prefix="pcp-bench-transfer-"))
     providers: list[Provider] = []
     try:
-        raw = raw_runs(size, args.repeat)
+        raw_cpu: list[float] = []
+        pcp_cpu: list[float] = []
+        raw = raw_runs(size, args.repeat, raw_cpu)
         big = Provider(size, 1, workdir / "p1")
         providers.append(big)
-        pcp = trio.run(fetch_runs, big, workdir, args.repeat)
+        pcp = trio.run(fetch_runs, big, workdir, args.repeat, pcp_cpu)
         big.stop()
         small = Provider(args.fanout_mb * MiB, 2, workdir / "p2")
         providers.append(small)
         single, total = trio.run(fanout, small, workdir, args.nodes)
+        small.stop()
+        stream_s = trio.run(stream_run, args.stream_mb * MiB)
     finally:
         for p in providers:
             p.stop()
@@ -202,6 +270,12 @@ def main() -> None:
         "pcp_mb_s": round(size / pcp_t / 1e6, 1),
         "raw_s": [round(t, 3) for t in raw],
         "pcp_s": [round(t, 3) for t in pcp],
+        "raw_cpu_s": round(statistics.median(raw_cpu), 3),
+        "pcp_cpu_s": round(statistics.median(pcp_cpu), 3),
+        "cpu_ratio": round(statistics.median(raw_cpu) / statistics.median(pcp_cpu), 3),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "libp2p_stream_mb_s": round(args.stream_mb * MiB / stream_s / 1e6, 1),
         "fanout_nodes": args.nodes,
         "fanout_mb": args.fanout_mb,
         "fanout_single_s": round(single, 3),

@@ -351,11 +351,14 @@ class BlobService:
         token = trio.lowlevel.current_trio_token()
 
         def ok(index: int) -> None:
-            plan.chunk_ok(pid, index)
-            changed.fire()
+            # Runs as a run_sync_soon callback: it must never raise. Trio runs
+            # these in FIFO order, before the worker thread's own completion.
+            if plan.in_flight.get(index) == pid:
+                plan.chunk_ok(pid, index)
+                changed.fire()
 
-        def on_ok(index: int) -> None:  # called from the verifier thread
-            trio.from_thread.run_sync(ok, index, trio_token=token)
+        def on_ok(index: int) -> None:  # called from the verifier thread; never blocks it
+            token.run_sync_soon(ok, index)
 
         try:
             c2s = RecordCipher.for_direction(key, client_to_server=True)
