@@ -321,3 +321,21 @@ async def _background(dht: KadDHT) -> AsyncIterator[None]:
 
     async with background_trio_service(dht):
         yield
+
+
+async def test_upload_slots_queue_instead_of_refusing(tmp_path: Path) -> None:
+    data = os.urandom(6 * CS)
+    async with network(tmp_path) as net:
+        a = await net.node(max_uploads=1)
+        cid = await a.publish(data)
+        fetchers = [await net.node() for _ in range(3)]
+        results: list[bytes] = []
+
+        async def get(f: BlobService) -> None:
+            results.append((await f.fetch(cid, providers=[info(a)])).read_bytes())
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                for f in fetchers:
+                    nursery.start_soon(get, f)
+        assert results == [data] * 3

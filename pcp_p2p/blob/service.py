@@ -22,7 +22,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,7 +116,7 @@ class BlobService:
         self.identity = identity
         self.config = config or BlobConfig()
         self.peer_id = identity.peer_id
-        self._uploads = threading.BoundedSemaphore(self.config.max_uploads)
+        self._uploads = trio.Semaphore(self.config.max_uploads)
         self.last_fetch: FetchReport | None = None
 
     # --- public API ------------------------------------------------------------
@@ -402,7 +401,10 @@ class BlobService:
                     except Exception:
                         pass
             if upload is not None:
-                await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+                try:
+                    await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+                finally:
+                    self._uploads.release()
         except trio.TooSlowError:
             log.info("blob: request from %s timed out", client)
         except PcpError as exc:
@@ -425,7 +427,13 @@ class BlobService:
         manifest = self.store.manifest(req.cid)
         if req.first + req.count > manifest.count:
             raise MalformedMessage(f"chunks [{req.first}, {req.first + req.count}) of {manifest.count}")
-        if not self._uploads.acquire(blocking=False):
+        # Queue for an upload slot rather than refuse at once: a burst of
+        # fetchers (fan-out) then drains in turn instead of failing over.
+        acquired = False
+        with trio.move_on_after(self.config.request_timeout / 2):
+            await self._uploads.acquire()
+            acquired = True
+        if not acquired:
             await P.write_frame(stream, P.BlobReply(P.BUSY))
             return None
         try:
@@ -453,7 +461,6 @@ class BlobService:
             finally:
                 listener.close()
                 file.close()
-                self._uploads.release()
 
         return upload
 
