@@ -16,6 +16,7 @@ from pcp_p2p.diloco.effects import (
     Committed,
     Discarded,
     FetchBlob,
+    LookupCommit,
     Rejected,
     RunInner,
     Send,
@@ -23,7 +24,7 @@ from pcp_p2p.diloco.effects import (
 )
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
 from pcp_p2p.diloco.tensors import pack_tensors, params_cid
 from pcp_p2p.diloco.worker import InnerResult, Worker, WorkerPhase
@@ -384,3 +385,50 @@ def test_term_change_makes_old_shepherd_stale():
     assert len(errs) == 1 and isinstance(errs[0], StaleMessage)
     ann1 = sign(dataclasses.replace(r.ann, term=1, shepherd=ident(2).peer_id), ident(2))
     assert any(isinstance(e, FetchBlob) for e in w.on_announcement(ann1, now=3.0))
+
+
+def test_large_delta_travels_as_a_hash_checked_blob(monkeypatch):
+    import pcp_p2p.diloco.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "INLINE_DELTA_LIMIT", 16)
+    r = Round()
+    subs, blobs = [], {}
+    for i in (10, 11):
+        w = make_worker(i)
+        w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+        (run,) = [e for e in w.on_announcement(r.ann, now=2.0) if isinstance(e, RunInner)]
+        local = {k: v - 0.01 * (i - 9) for k, v in run.theta.items()}
+        effects = w.on_inner_done(InnerResult(0, 0, local, 10, (1.0,), None), now=12.0)
+        (sub,) = sent(effects, Submission)
+        assert sub.delta_inline is None and sub.delta_cid is not None
+        blobs.update({e.cid: e.data for e in effects if isinstance(e, StoreBlob)})
+        (fetch,) = [e for e in r.shepherd.on_submission(sub, now=12.1) if isinstance(e, FetchBlob)]
+        assert fetch.cid == sub.delta_cid and fetch.hint == w.peer_id
+        subs.append(sub)
+    # the first arrives intact, the second corrupted: refused with HashMismatch, round goes on
+    assert r.shepherd.on_blob(subs[0].delta_cid, blobs[subs[0].delta_cid], now=12.2) == []
+    corrupt = bytearray(blobs[subs[1].delta_cid])
+    corrupt[-1] ^= 1
+    errs = rejections(r.shepherd.on_blob(subs[1].delta_cid, bytes(corrupt), now=12.3))
+    assert len(errs) == 1 and isinstance(errs[0], HashMismatch)
+    assert list(r.shepherd.round_agg.accepted) == [subs[0].worker]
+
+
+def test_diverged_inner_loop_submits_nothing():
+    r = Round()
+    w = make_worker(10)
+    w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+    w.on_announcement(r.ann, now=2.0)
+    nan_theta = {k: np.full_like(v, np.nan) for k, v in THETA0.items()}
+    effects = w.on_inner_done(InnerResult(0, 0, nan_theta, 10, (1.0,), None), now=12.0)
+    assert sent(effects, Submission) == [] and len(rejections(effects)) == 1
+    assert w.phase is WorkerPhase.IDLE
+
+
+def test_silent_worker_looks_up_the_commit_and_joins_again():
+    w = make_worker(10)
+    (join,) = sent(w.start(now=0.0), Join)
+    assert w.tick(now=SPEC.round.deadline_s - 1) == []
+    effects = w.tick(now=SPEC.round.deadline_s)
+    assert any(isinstance(e, LookupCommit) for e in effects) and sent(effects, Join)
+    assert w.tick(now=SPEC.round.deadline_s + 1) == []  # once per deadline, not every tick

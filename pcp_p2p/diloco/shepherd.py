@@ -46,7 +46,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from pcp_p2p.cid import check_cid
+from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.diloco import data as data_mod
 from pcp_p2p.diloco.aggregate import RoundAggregator, max_steps_for_speed
 from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
@@ -337,8 +337,6 @@ class Shepherd:
         if val_loss is not None:
             metrics["val_loss"] = val_loss
         ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics))
-        from pcp_p2p.cid import cid_of
-
         ckpt_cid = cid_of(ckpt_bytes)
         participants = tuple(sorted(agg.accepted))
         record = sign(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.shepherd import Phase, Shepherd
 from pcp_p2p.diloco.spec import RunSpec, sign_spec, run_id_of
 from pcp_p2p.diloco.tensors import Params
-from pcp_p2p.diloco.worker import InnerResult, Worker, WorkerPhase
+from pcp_p2p.diloco.worker import InnerResult, Worker
 from pcp_p2p.errors import BlobNotFound, PcpError, ProtocolError
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message, decode, encode

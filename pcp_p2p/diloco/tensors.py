@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from pcp_p2p.blob.tensors import decode_tensors, encode_tensors
+from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import ConfigError
 
 Params = dict[str, np.ndarray]
@@ -97,8 +98,6 @@ def codec_of(name: str) -> Compressor:
 
 def params_cid(params: Mapping[str, np.ndarray]) -> str:
     """The CID of the exact fp32 bundle of ``params`` (what "θ hash" means everywhere)."""
-    from pcp_p2p.cid import cid_of
-
     return cid_of(pack_tensors(params, "fp32"))
 
 

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from pcp_p2p.cid import check_cid
+from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.diloco.effects import (
     CancelInner,
     Effect,
@@ -275,8 +275,6 @@ class Worker:
         if len(payload) <= INLINE_DELTA_LIMIT:
             delta_cid, inline = None, payload
         else:
-            from pcp_p2p.cid import cid_of
-
             delta_cid, inline = cid_of(payload), None
             effects.append(StoreBlob(delta_cid, payload))
         sub = sign(
