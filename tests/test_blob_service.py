@@ -211,13 +211,13 @@ async def test_malformed_request_gets_bad_request_and_server_keeps_serving(tmp_p
         for junk in (b"\x00\x00\x00\x05hello", struct.pack(">I", 3) + b"\x93\x01\xa3"):
             stream = await b.host.new_stream(a.host.get_id(), [P.PROTOCOL_ID])
             await stream.write(junk)
-            reply = await P.read_frame(stream, P.BlobReply)
+            reply = await P.read_frame(stream, P.BlobReply, timeout=5)
             assert reply.status == P.BAD_REQUEST
             await stream.close()
         # an oversized frame header is refused without reading the body
         stream = await b.host.new_stream(a.host.get_id(), [P.PROTOCOL_ID])
         await stream.write(struct.pack(">I", 1 << 30))
-        assert (await P.read_frame(stream, P.BlobReply)).status == P.BAD_REQUEST
+        assert (await P.read_frame(stream, P.BlobReply, timeout=5)).status == P.BAD_REQUEST
         await stream.close()
         assert (await b.fetch(cid, providers=[info(a)])).read_bytes() == data
 
@@ -270,12 +270,12 @@ async def test_peer_streaming_endless_garbage_on_the_side_channel(tmp_path: Path
         await net.stack.enter_async_context(evil.run(listen_addrs=LOCAL))
 
         async def handler(stream):  # type: ignore[no-untyped-def]
-            req = await P.read_frame(stream, P.BlobRequest)
+            req = await P.read_frame(stream, P.BlobRequest, timeout=5)
             if req.kind == "manifest":
-                await P.write_frame(stream, P.BlobReply(P.OK, manifest=manifest_bytes))
+                await P.write_frame(stream, P.BlobReply(P.OK, manifest=manifest_bytes), timeout=5)
             else:
                 await P.write_frame(stream, P.BlobReply(
-                    P.OK, port=lsock.getsockname()[1], secret=b"k" * 32, nonce=b"n" * 16))
+                    P.OK, port=lsock.getsockname()[1], secret=b"k" * 32, nonce=b"n" * 16), timeout=5)
             await stream.close()
 
         evil.set_stream_handler(P.PROTOCOL_ID, handler)

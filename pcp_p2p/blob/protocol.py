@@ -7,24 +7,21 @@ server answers with a :class:`BlobReply`, and the stream closes. A
 with a port and a fresh secret; the chunks then flow over the TCP side
 channel (:mod:`pcp_p2p.blob.sidechannel`), never over the libp2p stream.
 
-Frames are a 4-byte big-endian length and a wire message. Lengths are checked
-against the expected message's limit before reading the body, and the body is
-read with our own loop (py-libp2p's ``read_exactly`` gives up after 100 partial
-reads, i.e. around 6 MB over yamux).
+Frames are :mod:`pcp_p2p.wire.framing`'s: a 4-byte big-endian length and a
+wire message, the length checked against the expected message's limit before
+the body is read, every read and write under a deadline.
 """
 
 from __future__ import annotations
 
-import struct
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from pcp_p2p.blob.chunks import MANIFEST_MAX_SIZE
-from pcp_p2p.errors import MalformedMessage, OversizedMessage, PeerGone
-from pcp_p2p.wire import Message, decode, encode, wire_message
+from pcp_p2p.wire import Message, decode, encode, framing, wire_message
+from pcp_p2p.wire.framing import ByteStream
 
 PROTOCOL_ID = "/pcp/blob/1.0.0"
 NONCE_LEN = 16
-_LEN = struct.Struct(">I")
 M = TypeVar("M", bound=Message)
 
 # Reply statuses.
@@ -72,42 +69,11 @@ class BlobReply(Message):
             raise ValueError("bad port")
 
 
-class ByteStream(Protocol):
-    """The part of a libp2p ``INetStream`` the framing needs (fakes implement it)."""
-
-    async def read(self, n: int | None = None) -> bytes: ...
-
-    async def write(self, data: bytes) -> None: ...
+async def write_frame(stream: ByteStream, msg: Message, *, timeout: float) -> None:
+    """Send one message as a frame (:mod:`pcp_p2p.wire.framing`)."""
+    await framing.write_frame(stream, encode(msg), timeout=timeout)
 
 
-async def read_exact(stream: ByteStream, n: int) -> bytes:
-    parts: list[bytes] = []
-    got = 0
-    while got < n:
-        try:
-            part = await stream.read(n - got)
-        except Exception as exc:  # libp2p raises several stream-closed types
-            raise PeerGone(f"stream closed after {got} of {n} bytes: {exc}") from exc
-        if not part:
-            raise PeerGone(f"stream closed after {got} of {n} bytes")
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
-
-
-async def write_frame(stream: ByteStream, msg: Message) -> None:
-    data = encode(msg)
-    try:
-        await stream.write(_LEN.pack(len(data)) + data)
-    except Exception as exc:
-        raise PeerGone(f"stream broke while writing: {exc}") from exc
-
-
-async def read_frame(stream: ByteStream, kind: type[M]) -> M:
-    """Read one length-prefixed ``kind`` message; typed errors for anything else."""
-    (length,) = _LEN.unpack(await read_exact(stream, _LEN.size))
-    if length > kind.MAX_SIZE:
-        raise OversizedMessage(f"{kind.TAG} frame of {length} bytes > limit {kind.MAX_SIZE}")
-    if length == 0:
-        raise MalformedMessage("empty frame")
-    return decode(await read_exact(stream, length), kind)
+async def read_frame(stream: ByteStream, kind: type[M], *, timeout: float) -> M:
+    """Read one ``kind`` message; its size limit is checked before the body is read."""
+    return decode(await framing.read_frame(stream, max_size=kind.MAX_SIZE, timeout=timeout), kind)

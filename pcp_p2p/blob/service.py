@@ -224,8 +224,8 @@ class BlobService:
                 except Exception as exc:
                     raise PeerGone(f"cannot open a blob stream to {info.peer_id}: {exc}") from exc
                 try:
-                    await P.write_frame(stream, req)
-                    reply = await P.read_frame(stream, P.BlobReply)
+                    await P.write_frame(stream, req, timeout=self.config.request_timeout)
+                    reply = await P.read_frame(stream, P.BlobReply, timeout=self.config.request_timeout)
                     remote = stream.get_remote_address()
                 finally:
                     with trio.move_on_after(1):
@@ -387,12 +387,12 @@ class BlobService:
         try:
             try:
                 with trio.fail_after(self.config.request_timeout):
-                    req = await P.read_frame(stream, P.BlobRequest)
+                    req = await P.read_frame(stream, P.BlobRequest, timeout=self.config.request_timeout)
                     upload = await self._answer(stream, client, req)
             except ProtocolError as exc:
                 log.info("blob: bad request from %s: %s", client, exc)
                 with trio.move_on_after(self.config.request_timeout):
-                    await P.write_frame(stream, P.BlobReply(P.BAD_REQUEST, str(exc)[:200]))
+                    await P.write_frame(stream, P.BlobReply(P.BAD_REQUEST, str(exc)[:200]), timeout=self.config.request_timeout)
                 return
             finally:
                 with trio.move_on_after(1):
@@ -415,14 +415,14 @@ class BlobService:
     async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest):  # type: ignore[no-untyped-def]
         """Reply to ``req``; for a data request, return the upload to run (in a thread)."""
         if not self.store.has(req.cid):
-            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND))
+            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
         if req.kind == "manifest":
-            await P.write_frame(stream, P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid)))
+            await P.write_frame(stream, P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid)), timeout=self.config.request_timeout)
             return None
         mf_bytes = self.store.manifest_bytes(req.cid)
         if cid_of(mf_bytes) != req.manifest_cid:
-            await P.write_frame(stream, P.BlobReply(P.MISMATCH))
+            await P.write_frame(stream, P.BlobReply(P.MISMATCH), timeout=self.config.request_timeout)
             return None
         manifest = self.store.manifest(req.cid)
         if req.first + req.count > manifest.count:
@@ -434,7 +434,7 @@ class BlobService:
             await self._uploads.acquire()
             acquired = True
         if not acquired:
-            await P.write_frame(stream, P.BlobReply(P.BUSY))
+            await P.write_frame(stream, P.BlobReply(P.BUSY), timeout=self.config.request_timeout)
             return None
         try:
             listener = socket.create_server((self._side_host(), 0), backlog=1)
@@ -447,7 +447,9 @@ class BlobService:
         key = derive_key(secret, req.nonce, nonce, info)
         try:
             await P.write_frame(
-                stream, P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce)
+                stream,
+                P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce),
+                timeout=self.config.request_timeout,
             )
         except BaseException:
             listener.close()
