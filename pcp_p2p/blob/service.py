@@ -437,9 +437,15 @@ class BlobService:
             await P.write_frame(stream, P.BlobReply(P.BUSY), timeout=self.config.request_timeout)
             return None
         try:
-            listener = socket.create_server((self._side_host(), 0), backlog=1)
             file = open(self.store.path(req.cid), "rb")  # held open: eviction cannot pull it away
+        except (FileNotFoundError, BlobNotFound):  # evicted since the check above
+            self._uploads.release()
+            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
+            return None
+        try:
+            listener = socket.create_server((self._side_host(), 0), backlog=1)
         except BaseException:
+            file.close()
             self._uploads.release()
             raise
         secret, nonce = secrets.token_bytes(32), secrets.token_bytes(P.NONCE_LEN)
