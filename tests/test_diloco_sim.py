@@ -100,3 +100,20 @@ async def test_late_joiner_contributes_from_the_next_round(autojump_clock):
     check_invariants(r, 6)
     assert len(r.commits[0].participants) == 3
     assert all(len(c.participants) == 4 for c in r.commits[2:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(60))
+async def test_heavy_fault_sweep(autojump_clock, seed):
+    """30% loss, 30% duplicates, 0-5 s delays, one kill at a random phase, one late joiner."""
+    import random
+
+    rr = random.Random(seed)
+    plans = [WorkerPlan(tokens_per_s=s) for s in SPEEDS]
+    k = rr.randrange(4)
+    plans[k] = WorkerPlan(tokens_per_s=SPEEDS[k], kill_at=(rr.randrange(5), rr.choice(KILL_PHASES)))
+    plans.append(WorkerPlan(tokens_per_s=48.0, join_at=rr.uniform(0, 100)))
+    faults = Faults(drop=0.3, duplicate=0.3, delay=(0.0, 5.0))
+    r = await simulate(SimConfig(spec=spec(), workers=tuple(plans), faults=faults, seed=seed))
+    check_invariants(r, 6)
+    assert all(isinstance(e, StaleMessage) for _, _, e in r.rejected), r.rejected

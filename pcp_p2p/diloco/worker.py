@@ -22,8 +22,9 @@ The inner AdamW state is opaque here (``inner_state``), handed to the executor
 with each ``RunInner`` and taken back with its result: it survives across
 rounds, as DiLoCo intends, and dies with the worker process.
 
-A late joiner sends ``Join``; the first announcement that assigns it names the
-latest committed θ, which it fetches — it contributes from that round on. A
+A late joiner sends ``Join`` and looks up the latest commit record (the DHT's
+latest-checkpoint record), which makes it prefetch that θ; the first
+announcement that assigns it names the same θ — it contributes from that round on. A
 worker that finds itself missing from an announcement (evicted, or its Join was
 lost) joins again, at most once per announcement.
 
@@ -149,8 +150,9 @@ class Worker:
     # --- inputs --------------------------------------------------------------
 
     def start(self, now: float) -> list[Effect]:
+        """Join, and look up the latest commit so a late joiner prefetches its θ."""
         self.last_heard = now
-        return self._join()
+        return [*self._join(), LookupCommit()]
 
     @property
     def next_wakeup(self) -> float:
