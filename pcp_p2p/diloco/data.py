@@ -170,3 +170,23 @@ def validation_batches(
     return batches_for(
         val, shard=0, num_shards=1, seed=seed, steps=n_batches, batch_size=batch_size, seq_len=seq_len
     )
+
+
+def batches_for_assignment(
+    tokens: np.ndarray, assignment: object, *, steps: int | None = None, batch_size: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``(H, B, T)`` batches of a :class:`~pcp_p2p.diloco.messages.DataAssignment`.
+
+    ``steps`` defaults to the assignment's ``max_steps`` (an executor that stops
+    early on its time budget simply leaves the tail unused).
+    """
+    a = assignment
+    return batches_for(
+        tokens,
+        shard=a.shard,  # type: ignore[attr-defined]
+        num_shards=a.num_shards,  # type: ignore[attr-defined]
+        seed=a.seed,  # type: ignore[attr-defined]
+        steps=a.max_steps if steps is None else steps,  # type: ignore[attr-defined]
+        batch_size=batch_size,
+        seq_len=seq_len,
+    )
