@@ -158,3 +158,10 @@ def test_well_formed_msgpack_of_any_shape_raises_only_protocol_errors(value: obj
             decode(msgpack.packb(wrapped, use_bin_type=True))
         except ProtocolError:
             pass
+
+
+def test_int_in_a_float_field_encodes_identically_after_a_round_trip() -> None:
+    """Signatures cover encodings: decode(encode(m)) must re-encode to the same bytes."""
+    m = _Sample(7, 2, "x", b"", False, _Inner(()), {"k": 3})  # ints where floats are declared
+    data = encode(m)
+    assert encode(decode(data, _Sample)) == data

@@ -78,8 +78,7 @@ def wire_struct(cls: type[M]) -> type[M]:
 
 def encode(msg: Message) -> bytes:
     """Bytes for ``msg``; raises :class:`OversizedMessage` above its limit."""
-    body = {f.name: _to_wire(getattr(msg, f.name)) for f in dataclasses.fields(msg)}  # type: ignore[arg-type]
-    data = msgpack.packb([msg.VERSION, msg.TAG, body], use_bin_type=True)
+    data = msgpack.packb([msg.VERSION, msg.TAG, _to_wire(msg)], use_bin_type=True)
     if len(data) > msg.MAX_SIZE:
         raise OversizedMessage(f"{msg.TAG}: {len(data)} bytes > limit {msg.MAX_SIZE}")
     return data
@@ -144,14 +143,38 @@ def registered_types() -> dict[str, type[Message]]:
 # --- conversion ---------------------------------------------------------------
 
 
-def _to_wire(value: Any) -> Any:
+def _to_wire(value: Any, tp: Any = Any) -> Any:
+    """Plain msgpack-able data for ``value``, coerced to its annotation ``tp``.
+
+    The coercion matters for signatures: a Python ``int`` in a ``float`` field
+    would encode as a msgpack int, decode as a float, and re-encode as
+    different bytes, so a signature over the sender's bytes would not verify.
+    """
     if isinstance(value, Message):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        hints = _hints(type(value))
+        return {f.name: _to_wire(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+    if type(value) is int and _wants_float(tp):
+        return float(value)
     if isinstance(value, tuple):
+        args = get_args(tp) if get_origin(tp) is tuple else ()
+        if len(args) == 2 and args[1] is Ellipsis:
+            return [_to_wire(v, args[0]) for v in value]
+        if len(args) == len(value):
+            return [_to_wire(v, a) for v, a in zip(value, args)]
         return [_to_wire(v) for v in value]
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        vt = get_args(tp)[1] if get_origin(tp) is dict else Any
+        return {k: _to_wire(v, vt) for k, v in value.items()}
     return value
+
+
+def _wants_float(tp: Any) -> bool:
+    if tp is float:
+        return True
+    if get_origin(tp) in (Union, types.UnionType):
+        arms = get_args(tp)
+        return float in arms and int not in arms
+    return False
 
 
 @lru_cache(maxsize=None)
