@@ -20,9 +20,10 @@ from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from pcp_p2p.blob import protocol as P
+from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.routing import DhtRouting, MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
-from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordCipher, send_record
+from pcp_p2p.blob.sidechannel import KIND_CHUNK, send_record
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import (
@@ -33,6 +34,7 @@ from pcp_p2p.errors import (
     ProtocolError,
 )
 from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import encode
 
 CS = 64 * 1024
 LOCAL = [Multiaddr("/ip4/127.0.0.1/tcp/0")]
@@ -339,3 +341,48 @@ async def test_upload_slots_queue_instead_of_refusing(tmp_path: Path) -> None:
                 for f in fetchers:
                     nursery.start_soon(get, f)
         assert results == [data] * 3
+
+
+class ForgedStore(BlobStore):
+    """Claims to hold ``target`` but serves another blob under a manifest naming it."""
+
+    def __init__(self, root: Path, target: str, other: str) -> None:
+        super().__init__(root, 1 << 30, chunk_size=CS)
+        self.target, self.other = target, other
+
+    def has(self, cid: str) -> bool:
+        return cid == self.target or super().has(cid)
+
+    def _forged(self) -> ChunkManifest:
+        m = super().manifest(self.other)
+        return ChunkManifest(self.target, m.size, m.chunk_size, m.digests)
+
+    def manifest(self, cid: str) -> ChunkManifest:
+        return self._forged() if cid == self.target else super().manifest(cid)
+
+    def manifest_bytes(self, cid: str) -> bytes:
+        return encode(self._forged()) if cid == self.target else super().manifest_bytes(cid)
+
+    def path(self, cid: str) -> Path:
+        return super().path(self.other if cid == self.target else cid)
+
+
+async def test_a_forged_manifest_is_dropped_and_the_fetch_retried(tmp_path: Path) -> None:
+    data, other = os.urandom(5 * CS), os.urandom(5 * CS)
+    async with network(tmp_path) as net:
+        liar, good = await net.node(), await net.node()
+        cid = await good.publish(data)
+        forged = ForgedStore(tmp_path / "forged", cid, cid_of(other))
+        forged.put_bytes(other)
+        liar.store = forged
+        f = await net.node()
+        path = await f.fetch(cid, providers=[info(liar), info(good)])
+        assert path.read_bytes() == data
+        report = f.last_fetch
+        assert report is not None and report.manifest_source == good.peer_id
+        assert "manifest led to wrong content" in report.failures[liar.peer_id]
+        assert tmp_is_empty(f)
+        f2 = await net.node()
+        with pytest.raises(HashMismatch):  # nobody else to ask: nothing is stored
+            await f2.fetch(cid, providers=[info(liar)])
+        assert not f2.store.has(cid) and tmp_is_empty(f2)

@@ -166,10 +166,37 @@ class BlobService:
             raise NoProviders(f"nobody provides {cid}")
         report = FetchReport(cid)
         self.last_fetch = report
-        manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
-        report.manifest_source = source
+        # A manifest is the word of the provider that sent it until the whole
+        # blob hashes to the CID. If it does not, that provider lied (its chunks
+        # matched its own manifest): drop it and start over with another's.
+        while True:
+            manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
+            report.manifest_source = source
+            try:
+                return await self._fetch_with(cid, manifest, mcid, source, providers, report,
+                                              byte_range=byte_range, pin=pin)
+            except HashMismatch as exc:
+                rest = [p for p in providers if p.peer_id.to_base58() != source]
+                if not rest or byte_range is not None:
+                    raise
+                log.info("blob: manifest from %s did not lead to %s (%s); retrying", source, cid, exc)
+                report.failures[source] = f"HashMismatch: manifest led to wrong content: {exc}"
+                providers = rest
+
+    async def _fetch_with(
+        self,
+        cid: str,
+        manifest: ChunkManifest,
+        mcid: str,
+        source: str,
+        providers: list[PeerInfo],
+        report: FetchReport,
+        *,
+        byte_range: tuple[int, int] | None,
+        pin: bool,
+    ) -> Path | bytes:
         # The provider that gave the manifest goes first: it is known to be alive.
-        providers.sort(key=lambda p: p.peer_id.to_base58() != source)
+        providers = sorted(providers, key=lambda p: p.peer_id.to_base58() != source)
         if byte_range is not None:
             start, end = byte_range
             wanted = manifest.chunks_covering(start, end)
