@@ -149,3 +149,15 @@ def test_mutated_payloads_raise_only_pcp_errors(codec: str, pos: int, byte: int,
         decode_tensors(bytes(raw[: len(raw) - cut]), max_bytes=LIMIT)
     except PcpError:
         pass
+
+
+@pytest.mark.parametrize("block", [256, 1000])
+def test_int8_across_slabs_matches_the_per_block_definition(block: int) -> None:
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(2_500_003) * np.exp(rng.uniform(-5, 5, 2_500_003))).astype(np.float32)
+    y = decode_tensors(encode_tensors({"g": x}, "int8", block=block), max_bytes=1 << 26)["g"]
+    pad = np.zeros(-(-x.size // block) * block)
+    pad[: x.size] = x
+    scale = (np.abs(pad.reshape(-1, block)).max(axis=1) / 127).astype(np.float32).astype(np.float64)
+    bound = np.repeat(scale / 2, block)[: x.size] + np.abs(x) * 2.0**-23
+    assert np.all(np.abs(y.astype(np.float64) - x) <= bound)

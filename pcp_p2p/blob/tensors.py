@@ -110,16 +110,29 @@ def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes:
         if flat.size and float(np.max(np.abs(flat))) > _FP16_MAX:
             raise InvalidInput(f"{name}: values beyond the fp16 range (|x| > {_FP16_MAX})")
         return flat.astype("<f2").tobytes()
-    x = flat.astype(np.float64)
-    n = x.size
+    n = flat.size
     nblocks = -(-n // block)
-    padded = np.zeros(nblocks * block, dtype=np.float64)
-    padded[:n] = x
-    blocks = padded.reshape(nblocks, block)
-    scales = (np.max(np.abs(blocks), axis=1) / 127.0).astype(np.float32)
-    safe = np.where(scales > 0, scales.astype(np.float64), 1.0)
-    q = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
-    return scales.astype("<f4").tobytes() + q.reshape(-1)[:n].tobytes()
+    scales = np.empty(nblocks, dtype="<f4")
+    q = np.empty(n, dtype=np.int8)
+    step = _slab(block)
+    for start in range(0, n, step):  # slabs bound the float64 temporaries
+        seg = flat[start : start + step].astype(np.float64)
+        m = seg.size
+        nb = -(-m // block)
+        padded = np.zeros(nb * block, dtype=np.float64)
+        padded[:m] = seg
+        blocks = padded.reshape(nb, block)
+        sc = (np.max(np.abs(blocks), axis=1) / 127.0).astype(np.float32)
+        safe = np.where(sc > 0, sc.astype(np.float64), 1.0)
+        qs = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
+        scales[start // block : start // block + nb] = sc
+        q[start : start + m] = qs.reshape(-1)[:m]
+    return scales.tobytes() + q.tobytes()
+
+
+def _slab(block: int) -> int:
+    """Values per slab: a multiple of ``block`` near 1M, so temporaries stay ~8 MB."""
+    return block * max(1, (1 << 20) // block)
 
 
 def decode_tensors(data: bytes | bytearray | memoryview, *, max_bytes: int) -> dict[str, np.ndarray]:
@@ -184,9 +197,21 @@ def _decode_one(e: TensorEntry, view: memoryview, start: int, n: int) -> np.ndar
         if not np.all(np.isfinite(scales)) or np.any(scales < 0):
             raise MalformedMessage(f"{e.name}: negative or non-finite int8 scale")
         q = np.frombuffer(view, dtype=np.int8, count=n, offset=start + 4 * nblocks)
-        padded = np.zeros(nblocks * e.block, dtype=np.float64)
-        padded[:n] = q
-        vals = (padded.reshape(nblocks, e.block) * scales[:, None].astype(np.float64)).reshape(-1)[:n]
+        out = np.empty(n, dtype=dtype)
+        step = _slab(e.block)
+        for s0 in range(0, n, step):  # slabs bound the float64 temporaries
+            seg = q[s0 : s0 + step]
+            m = seg.size
+            nb = -(-m // e.block)
+            padded = np.zeros(nb * e.block, dtype=np.float64)
+            padded[:m] = seg
+            sc = scales[s0 // e.block : s0 // e.block + nb].astype(np.float64)
+            vals64 = (padded.reshape(nb, e.block) * sc[:, None]).reshape(-1)[:m]
+            with np.errstate(over="ignore", invalid="ignore"):
+                out[s0 : s0 + m] = vals64.astype(dtype)
+        if not np.all(np.isfinite(out)):
+            raise MalformedMessage(f"{e.name}: non-finite values (or beyond {e.dtype})")
+        return out.reshape(e.shape)
     with np.errstate(over="ignore", invalid="ignore"):
         out = vals.astype(dtype)
     if not np.all(np.isfinite(out)):
