@@ -31,12 +31,12 @@ async def raw_stream(target_addr: str):  # -> (host context, stream)
     return host, info
 
 
-async def open_raw(target_addr: str, payload: bytes | None) -> bytes:
-    """Open a status stream, write ``payload`` (or nothing), return what comes back before it closes."""
+async def open_raw(target_addr: str, payload: bytes | None, protocol: str = STATUS_PROTOCOL) -> bytes:
+    """Open a stream, write ``payload`` (or nothing), return what comes back before it closes."""
     host, info = await raw_stream(target_addr)
     async with host.run(listen_addrs=[]):
         await host.connect(info)
-        stream = await host.new_stream(info.peer_id, [TProtocol(STATUS_PROTOCOL)])
+        stream = await host.new_stream(info.peer_id, [TProtocol(protocol)])
         if payload is not None:
             await stream.write(payload)
         got = b""
@@ -156,3 +156,33 @@ async def test_restart_keeps_peer_id(tmp_path: Path, caps) -> None:
         first = node.peer_id
     async with open_node(config) as node:
         assert node.peer_id == first
+
+
+async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> None:
+    from pcp_p2p.errors import PcpError
+    from pcp_p2p.node.messaging import MSG_PROTOCOL
+    from pcp_p2p.node.status import StatusRequest
+
+    boot, a, b = swarm3
+    got: list[tuple[str, object]] = []
+
+    async def handler(sender: str, msg: object) -> None:
+        got.append((sender, msg))
+
+    b.messenger.register((StatusRequest,), handler)
+    await a.messenger.send(b.peer_id, StatusRequest(members=False))
+    assert got == [(a.peer_id, StatusRequest(members=False))]
+    # A type b does not take is refused, and a is told.
+    a.messenger.register((StatusRequest,), handler)
+    b.messenger.unregister((StatusRequest,))
+    with pytest.raises(PcpError):
+        await a.messenger.send(b.peer_id, StatusRequest())
+    assert b.rejected["message:ProtocolError"] == 1
+    # Garbage on the raw protocol: reset, counted, node fine.
+    try:  # the reset can reach the raw client during libp2p's lazy protocol negotiation
+        await open_raw(b.addrs()[0], struct.pack(">I", 3) + b"bad", MSG_PROTOCOL)
+    except BaseException as exc:  # noqa: BLE001 - an ExceptionGroup from the raw host's nursery
+        if isinstance(exc, trio.Cancelled):
+            raise
+    await b.wait_until(lambda: b.rejected["message:ProtocolError"] + b.rejected["message:MalformedMessage"] >= 2, timeout=10)
+    assert (await fetch_status(b.addrs()[0])).peer_id == b.peer_id

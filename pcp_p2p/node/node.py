@@ -63,6 +63,7 @@ from pcp_p2p.node.membership import (
     MemberRecord,
     Membership,
 )
+from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
 from pcp_p2p.node.status import (
     MAX_REQUEST,
     STATUS_PROTOCOL,
@@ -113,6 +114,17 @@ def parse_peer_addr(addr: str) -> PeerInfo:
         raise ConfigError(f"not a full multiaddr with /p2p/<peer id>: {addr!r}") from exc
 
 
+def transport_addrs(addrs: tuple[str, ...] | list[str]) -> list[multiaddr.Multiaddr]:
+    """The dialable part (``/p2p/<id>`` stripped) of each well-formed address."""
+    out = []
+    for a in addrs:
+        try:
+            out.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
+        except Exception:
+            continue
+    return out
+
+
 def _parse_listen(addr: str) -> multiaddr.Multiaddr:
     try:
         return multiaddr.Multiaddr(addr)
@@ -147,6 +159,7 @@ class Node:
         self._seq = 0
         self._record_seq = 0
         self.membership = Membership(self.peer_id, timeout=config.member_timeout)
+        self.messenger = Messenger(self)
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
         # Rejected inputs by reason ("heartbeat:StaleMessage", ...): for status and metrics.
@@ -356,12 +369,7 @@ class Node:
             return
         if len(self.host.get_network().connections) >= self.config.max_connections:
             return
-        maddrs = []
-        for a in addrs:
-            try:
-                maddrs.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
-            except Exception:
-                continue
+        maddrs = transport_addrs(addrs)
         if maddrs:
             await self._dial(PeerInfo(pid, maddrs))
 
@@ -487,6 +495,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
             async with trio.open_nursery() as nursery:
                 node = Node(config, identity, caps, host, dht, pubsub, nursery)
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
+                host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 nursery.start_soon(node._membership_loop)
                 nursery.start_soon(node._heartbeat_loop)
                 nursery.start_soon(node._tick_loop)
