@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import signal
 import sys
 import tomllib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +87,10 @@ def _common_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swarm-key", type=Path, metavar="FILE", help="join a private swarm with this pre-shared key")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address the metrics exporter binds (default 127.0.0.1; 0.0.0.0 exposes it)")
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
@@ -150,7 +156,7 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False) -
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_node(config) as node:
+            async with open_node(config) as node, _metrics(node, args):
                 addrs = node.addrs()
                 _write_addr(config.data_dir / ADDR_FILE, addrs[0])
                 if args.addr_file:
@@ -166,6 +172,31 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False) -
 
     trio.run(main)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _metrics(node: Any, args: argparse.Namespace) -> AsyncIterator[None]:
+    """The Prometheus exporter for ``--metrics-port``, serving until the node stops.
+
+    Scrapes run on the exporter's thread; the status is built on the node's
+    trio thread (``from_thread``), where its state lives.
+    """
+    if getattr(args, "metrics_port", None) is None:
+        yield
+        return
+    from pcp_p2p.node.metrics import serve_metrics
+    from pcp_p2p.node.status import to_json
+
+    token = trio.lowlevel.current_trio_token()
+    server = serve_metrics(
+        args.metrics_port,
+        lambda: trio.from_thread.run_sync(lambda: to_json(node.status()), trio_token=token),
+        host=args.metrics_host,
+    )
+    try:
+        yield
+    finally:
+        server.close()
 
 
 def _write_addr(path: Path, addr: str) -> None:
@@ -188,6 +219,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
         except OSError:
             raise ConfigError(f"no --connect given and no running node found ({path} is missing)") from None
     psk = read_swarm_key(args.swarm_key) if args.swarm_key else None
+    if not args.json and sys.stdout.isatty() and sys.stdin.isatty():
+        # A person at a terminal: the live dashboard. Scripts (a pipe) keep the text below.
+        from pcp_p2p.node.node import parse_peer_addr
+        from pcp_p2p.tui.app import run_tui
+
+        parse_peer_addr(addr)  # a typo fails here, before the screen is taken over
+        return run_tui(_addr_source(args, addr), target=addr, timeout=min(args.timeout, 5.0), swarm_key=psk)
     reply = trio.run(lambda: fetch_status(addr, timeout=args.timeout, swarm_key=psk))
     obj = to_json(reply)
     if args.json:
@@ -195,6 +233,22 @@ def _cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(render_text(obj))
     return 0
+
+
+def _addr_source(args: argparse.Namespace, first: str) -> Any:
+    """Where the TUI finds the node on each attempt: ``--connect``, or the data dir's
+    ``node.addr`` read again each time (a restarted node listens on a new port)."""
+    if args.connect is not None:
+        return lambda: first
+    path = (args.data_dir or default_data_dir()) / ADDR_FILE
+
+    def read() -> str:
+        try:
+            return path.read_text().strip() or first
+        except OSError:
+            return first
+
+    return read
 
 
 def render_text(obj: dict[str, Any]) -> str:
@@ -214,7 +268,19 @@ def render_text(obj: dict[str, Any]) -> str:
         lines.append(
             f"  {m['peer_id']}  {m['role']:<9} {','.join(c['backends']) or '-':<12} "
             f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
+            + (f"  {m['state']}" if m.get("state") else "")
         )
+    run = obj.get("run")
+    if isinstance(run, dict):  # sections later parts add; absent or null before a run starts
+        lines.append(
+            f"run      {run.get('run_id')} round {run.get('round')} ({run.get('phase')}), "
+            f"loss {run.get('loss')}, val {run.get('val_loss')}, "
+            f"{run.get('participants')}/{run.get('quorum')} participants/quorum, shepherd {run.get('shepherd')}"
+        )
+    else:
+        lines.append("run      none")
+    if obj.get("term") is not None:
+        lines.append(f"shepherd term {obj['term']}, lease expires in {obj.get('lease_expires_s')} s")
     return "\n".join(lines)
 
 

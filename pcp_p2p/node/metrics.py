@@ -1,0 +1,266 @@
+"""Prometheus metrics for a node, built from its status JSON.
+
+Why from the status dict and not from counters sprinkled through the code:
+``pcp status --json`` is already the one place where a node says what it
+knows, and other parts of PCP (DiLoCo rounds, shepherd leases, artifacts) add
+their sections to it. A collector that reads the same dict at scrape time
+exports every section the moment it appears, with no second bookkeeping that
+could drift from what ``pcp status`` shows. Sections a node does not have yet
+(no run, no lease) simply produce no samples.
+
+Scrapes happen on the exporter's HTTP thread; ``status_fn`` is called there,
+so a node passes a function that hops into its trio thread
+(``trio.from_thread.run_sync`` with the run's token, see
+``pcp_p2p.node.commands._serve``). A ``status_fn`` that raises gives
+``pcp_status_up 0`` instead of a failed scrape.
+
+Metric names are listed in ``docs/tui.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pcp_p2p.errors import ConfigError
+
+log = logging.getLogger("pcp.metrics")
+
+PREFIX = "pcp"
+# network.rejected keys are "<what>:<ErrorClass>"; these <what>s are submitted updates.
+SUBMISSION_KINDS = frozenset({"submission", "submit", "update", "delta", "pseudo_gradient"})
+StatusFn = Callable[[], Mapping[str, Any]]
+
+
+def _num(value: Any) -> float | None:
+    """A finite number from a status field, or None (absent, null, a string, NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    f = float(value)
+    return f if math.isfinite(f) else None
+
+
+def _section(obj: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = obj.get(name)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _split_reason(key: str) -> tuple[str, str]:
+    what, sep, reason = str(key).partition(":")
+    return (what, reason) if sep else ("", what)
+
+
+class StatusCollector(Collector):
+    """A prometheus_client collector that turns one status dict into metric families."""
+
+    def __init__(self, status_fn: StatusFn) -> None:
+        self.status_fn = status_fn
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            obj = self.status_fn()
+            if not isinstance(obj, Mapping):
+                raise TypeError(f"status_fn returned {type(obj).__name__}, not a mapping")
+        except Exception as exc:  # a scrape must never fail: report "down" instead
+            log.debug("status for metrics failed: %s", exc)
+            yield _gauge("status_up", "1 if the node answered its status for this scrape", 0.0)
+            return
+        yield _gauge("status_up", "1 if the node answered its status for this scrape", 1.0)
+        yield from families(obj)
+
+
+def _gauge(name: str, doc: str, value: float | None = None, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:
+    if labels:
+        return GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=list(labels))
+    return GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value if value is not None else 0.0)
+
+
+def families(obj: Mapping[str, Any]) -> Iterator[Metric]:
+    """The metric families for one status dict (pure: easy to test without HTTP)."""
+    info = _gauge("node_info", "constant 1, labelled with the node's identity", labels=("peer_id", "role", "version"))
+    info.add_metric([str(obj.get("peer_id", "")), str(obj.get("role", "")), str(obj.get("version", ""))], 1.0)
+    yield info
+    if (v := _num(obj.get("uptime_s"))) is not None:
+        yield _gauge("uptime_seconds", "seconds since the node started", v)
+    caps = _section(obj, "capabilities")
+    if (v := _num(caps.get("throughput_gflops"))) is not None:
+        yield _gauge("throughput_gflops", "measured fp32 matmul rate of this node", v)
+
+    members = obj.get("members")
+    if isinstance(members, list):
+        yield _gauge("members", "live members in this node's view (itself included)", float(len(members)))
+        by_state: Counter[str] = Counter()
+        for m in members:
+            if isinstance(m, Mapping):
+                by_state[str(m.get("state") or m.get("role") or "unknown")] += 1
+        fam = _gauge("members_by_state", "live members by state (role where no state is reported)", labels=("state",))
+        for state, n in sorted(by_state.items()):
+            fam.add_metric([state], float(n))
+        yield fam
+
+    yield from _network(_section(obj, "network"), obj)
+    yield from _run(_section(obj, "run"))
+    yield from _shepherd(obj)
+    yield from _artifacts(obj.get("artifacts"))
+
+
+def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]:
+    for key, name, doc in (
+        ("connected_peers", "connected_peers", "open libp2p connections"),
+        ("routing_table_size", "routing_table_size", "peers in the Kademlia routing table"),
+    ):
+        if (v := _num(net.get(key))) is not None:
+            yield _gauge(name, doc, v)
+    for key, name, doc in (
+        ("bytes_in", "network_received_bytes", "bytes received by this node"),
+        ("bytes_out", "network_sent_bytes", "bytes sent by this node"),
+    ):
+        if (v := _num(net.get(key))) is not None:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=v)
+
+    rejected = net.get("rejected")
+    rejected = rejected if isinstance(rejected, Mapping) else {}
+    fam = CounterMetricFamily(f"{PREFIX}_rejected_inputs", "bad inputs refused, by what they were and why",
+                              labels=["kind", "reason"])
+    for key, n in sorted(rejected.items()):
+        if (v := _num(n)) is not None:
+            fam.add_metric(list(_split_reason(key)), v)
+    yield fam
+
+    # Submissions: accepted ones are the participants of committed rounds (or
+    # run.accepted when the run reports a running total); rejected ones are the
+    # network.rejected entries about updates plus run.rejected when present.
+    run = _section(obj, "run")
+    accepted = _num(run.get("accepted"))
+    if accepted is None:
+        history = run.get("history")
+        if isinstance(history, list) and history:
+            accepted = sum(_num(h.get("participants")) or 0.0 for h in history if isinstance(h, Mapping))
+    sub_rejected: Counter[str] = Counter()
+    for key, n in rejected.items():
+        what, reason = _split_reason(key)
+        if what in SUBMISSION_KINDS and (v := _num(n)) is not None:
+            sub_rejected[reason] += v  # type: ignore[assignment]
+    run_rejected = run.get("rejected")
+    if isinstance(run_rejected, Mapping):
+        for reason, n in run_rejected.items():
+            if (v := _num(n)) is not None:
+                sub_rejected[str(reason)] += v  # type: ignore[assignment]
+    if accepted is not None or sub_rejected:
+        sub = CounterMetricFamily(f"{PREFIX}_submissions", "pseudo-gradient submissions by outcome and reason",
+                                  labels=["outcome", "reason"])
+        if accepted is not None:
+            sub.add_metric(["accepted", ""], accepted)
+        for reason, n in sorted(sub_rejected.items()):
+            sub.add_metric(["rejected", reason], float(n))
+        yield sub
+
+
+def _run(run: Mapping[str, Any]) -> Iterator[Metric]:
+    if not run:
+        return
+    info = _gauge("run_info", "constant 1, labelled with the current run, phase and shepherd",
+                  labels=("run_id", "phase", "shepherd"))
+    info.add_metric([str(run.get("run_id") or ""), str(run.get("phase") or ""), str(run.get("shepherd") or "")], 1.0)
+    yield info
+    for key, name, doc in (
+        ("round", "run_round", "current outer round"),
+        ("loss", "run_loss", "training loss of the last committed round"),
+        ("val_loss", "run_val_loss", "validation loss of the last committed round"),
+        ("tokens_per_s", "run_tokens_per_second", "tokens per second, swarm-wide"),
+        ("outer_lr", "run_outer_lr", "outer Nesterov learning rate"),
+        ("participants", "run_participants", "workers taking part in the current round"),
+        ("quorum", "run_quorum", "submissions needed to commit the round"),
+        ("deadline_s", "run_deadline_seconds", "seconds left until the round deadline"),
+    ):
+        if (v := _num(run.get(key))) is not None:
+            yield _gauge(name, doc, v)
+    history = run.get("history")
+    if isinstance(history, list) and history:
+        tokens = sum(_num(h.get("tokens")) or 0.0 for h in history if isinstance(h, Mapping))
+        yield CounterMetricFamily(f"{PREFIX}_run_tokens", "tokens processed in committed rounds", value=tokens)
+
+
+def _shepherd(obj: Mapping[str, Any]) -> Iterator[Metric]:
+    if (v := _num(obj.get("term"))) is not None:
+        yield _gauge("shepherd_term", "current shepherd term", v)
+    if (v := _num(obj.get("lease_expires_s"))) is not None:
+        yield _gauge("shepherd_lease_expires_seconds", "seconds until the shepherd's lease lapses", v)
+    history = obj.get("shepherd_history")
+    if isinstance(history, list):
+        ended: Counter[str] = Counter()
+        for h in history:
+            if isinstance(h, Mapping) and h.get("ended"):
+                ended[str(h["ended"])] += 1
+        fam = CounterMetricFamily(f"{PREFIX}_shepherd_terms_ended", "shepherd terms ended, by how (rotation, failover)",
+                                  labels=["ended"])
+        for how, n in sorted(ended.items()):
+            fam.add_metric([how], float(n))
+        yield fam
+
+
+def _artifacts(artifacts: Any) -> Iterator[Metric]:
+    if not isinstance(artifacts, list):
+        return
+    fam = _gauge("artifact_bytes", "size of each compiled artifact this node holds", labels=("target", "cid", "cache_hit"))
+    for a in artifacts:
+        if isinstance(a, Mapping) and (v := _num(a.get("size"))) is not None:
+            fam.add_metric([str(a.get("target", "")), str(a.get("cid", "")), "1" if a.get("cache_hit") else "0"], v)
+    yield fam
+
+
+@dataclass
+class MetricsServer:
+    """A running exporter; ``close()`` stops it."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    registry: CollectorRegistry
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    @property
+    def host(self) -> str:
+        return str(self.server.server_address[0])
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def build_registry(status_fn: StatusFn) -> CollectorRegistry:
+    """A registry of its own (not prometheus_client's global one: tests and nodes in one process stay apart)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatusCollector(status_fn))
+    return registry
+
+
+def serve_metrics(port: int, status_fn: StatusFn, host: str = "127.0.0.1") -> MetricsServer:
+    """Start the Prometheus HTTP exporter on ``host:port`` (port 0: any free one; see ``.port``).
+
+    ``host`` is 127.0.0.1 by default: metrics name peers and runs, so exposing
+    them beyond the machine (``0.0.0.0``) is a decision the operator makes.
+    Raises ConfigError when the port cannot be bound.
+    """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics port out of range: {port}")
+    registry = build_registry(status_fn)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+    log.info("metrics on http://%s:%d/metrics", host, int(server.server_address[1]))
+    return MetricsServer(server, thread, registry)

@@ -1,0 +1,335 @@
+"""The six panels of ``pcp status``: what each shows, and the box that scrolls it.
+
+Each panel is a pure function ``(status dict, Ctx, width, height) -> Content``:
+a few fixed lines (a table header, a summary) and a list of scrollable rows,
+as urwid text markup. Keeping them pure means every panel is tested from a
+recorded status snapshot without a terminal, and a section a node does not
+report (no run yet, no lease, no artifacts) turns into a "no run" line rather
+than an exception.
+
+:class:`Panel` is the urwid box around one of them: a titled border, the
+fixed lines, and as many rows as fit, scrolled with the arrow keys when it has
+the focus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import urwid
+
+from pcp_p2p.tui import fmt
+from pcp_p2p.tui.chart import line_chart
+from pcp_p2p.tui.fmt import UNICODE, Glyphs
+
+Markup = Any  # urwid text markup: str, (attr, str), or a list of those
+STATE_ORDER = {"shepherd": 0, "training": 1, "compiling": 2, "idle": 3}
+
+
+@dataclass(frozen=True)
+class Ctx:
+    """What a panel needs besides the status dict."""
+
+    glyphs: Glyphs = UNICODE
+    since_fetch_s: float = 0.0  # how old the status dict is
+    wall_now: float = 0.0  # unix time, for countdowns reported as absolute times
+
+
+@dataclass
+class Content:
+    fixed: list[Markup] = field(default_factory=list)
+    rows: list[Markup] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Col:
+    title: str
+    width: int | None  # None: takes what the others leave
+    align: str = "left"
+
+
+def table_line(cols: Sequence[Col], cells: Sequence[tuple[str | None, str]], width: int, g: Glyphs) -> list[Markup]:
+    """One table row as markup, each cell clipped or padded to its column's width."""
+    fixed = sum(c.width or 0 for c in cols) + len(cols) - 1
+    flex = max(1, width - fixed)
+    out: list[Markup] = []
+    for i, (col, (attr, value)) in enumerate(zip(cols, cells)):
+        w = col.width if col.width is not None else flex
+        s = fmt.clip(value, w, g)
+        s = s.rjust(w) if col.align == "right" else s.ljust(w)
+        out.append((attr, s) if attr else s)
+        if i < len(cols) - 1:
+            out.append(" ")
+    return out
+
+
+def header_line(cols: Sequence[Col], width: int, g: Glyphs) -> list[Markup]:
+    return table_line(cols, [("hdr", c.title) for c in cols], width, g)
+
+
+def note(message: str) -> Markup:
+    return ("dim", message)
+
+
+# -- swarm ---------------------------------------------------------------------------
+
+SWARM_COLS = (
+    Col("  peer", 11), Col("backend", 7), Col("device", None), Col("GFLOP/s", 8, "right"),
+    Col("state", 9), Col("seen", 6, "right"),
+)
+
+
+def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Members: peer id, backend and device, measured throughput, state, last seen."""
+    g = ctx.glyphs
+    me = obj.get("peer_id")
+    shepherd = fmt.section(obj, "run").get("shepherd")
+    members = fmt.items(obj, "members")
+    if not members:
+        return Content([header_line(SWARM_COLS, width, g)], [note("no members known yet")])
+
+    def state_of(m: Mapping[str, Any]) -> str:
+        if m.get("state"):
+            return str(m["state"])
+        return "shepherd" if shepherd and m.get("peer_id") == shepherd else fmt.text(m.get("role"))
+
+    def key(m: Mapping[str, Any]) -> tuple[int, float]:
+        return STATE_ORDER.get(state_of(m), 9), -(fmt.num(fmt.section(m, "capabilities").get("throughput_gflops")) or 0.0)
+
+    rows = []
+    for m in sorted(members, key=key):
+        caps = fmt.section(m, "capabilities")
+        backend, device = fmt.backend_and_device(caps)
+        seen = fmt.num(m.get("last_seen_s"))
+        is_me = m.get("peer_id") == me
+        state = state_of(m)
+        rows.append(table_line(SWARM_COLS, [
+            ("self" if is_me else None, ("* " if is_me else "  ") + fmt.short_id(m.get("peer_id"), g)),
+            (None, backend),
+            (None, device),
+            (None, fmt.si(caps.get("throughput_gflops"))),
+            ("ok" if state in ("training", "shepherd") else None, state),
+            ("warn" if seen is not None and seen > 3 else None, "-" if seen is None else f"{seen:.1f}s"),
+        ], width, g))
+    return Content([header_line(SWARM_COLS, width, g)], rows)
+
+
+# -- shepherd ------------------------------------------------------------------------
+
+def shepherd(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Holder, term, lease countdown, and past terms (newest first)."""
+    g = ctx.glyphs
+    run = fmt.section(obj, "run")
+    holder = run.get("shepherd")
+    history = fmt.items(obj, "shepherd_history")
+    term = obj.get("term")
+    if holder is None and history:
+        current = [h for h in history if h.get("ended") is None]
+        holder = current[-1].get("holder") if current else None
+    if holder is None and term is None and not history:
+        return Content([note("no shepherd (no run)")], [])
+    me = " (me)" if holder is not None and holder == obj.get("peer_id") else ""
+    left = fmt.remaining(obj.get("lease_expires_s"), since_fetch_s=ctx.since_fetch_s, wall_now=ctx.wall_now)
+    lease_attr = "bad" if left is not None and left < 0 else ("warn" if left is not None and left < 10 else None)
+    fixed: list[Markup] = [
+        [("label", "holder "), ("self" if me else None, fmt.short_id(holder, g) + me)],
+        [("label", "term "), "-" if fmt.num(term) is None else str(int(fmt.num(term) or 0)), ("label", "  lease "), (lease_attr, fmt.countdown(left)) if lease_attr else fmt.countdown(left)],
+    ]
+    rows: list[Markup] = []
+    for h in sorted(history, key=lambda h: -(fmt.num(h.get("term")) or 0)):
+        ended = h.get("ended")
+        attr = "warn" if ended == "failover" else ("ok" if ended is None else "dim")
+        n = fmt.num(h.get("rounds_served"))
+        line = f"t{fmt.text(h.get('term'))} {fmt.short_id(h.get('holder'), g)} {'-' if n is None else int(n)}r "
+        rows.append([line, (attr, fmt.text(ended, "current"))])
+    if not rows:
+        rows.append(note("no past terms"))
+    return Content(fixed, rows)
+
+
+# -- run -----------------------------------------------------------------------------
+
+def run(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Run id, round and phase, deadline countdown, participants against quorum."""
+    g = ctx.glyphs
+    r = fmt.section(obj, "run")
+    if not r:
+        return Content([note("no run")], [])
+    left = fmt.remaining(r.get("deadline_s"), since_fetch_s=ctx.since_fetch_s, wall_now=ctx.wall_now)
+    parts, quorum = fmt.num(r.get("participants")), fmt.num(r.get("quorum"))
+    if parts is not None and quorum is not None:
+        met = parts >= quorum
+        quorum_m: Markup = [f"{int(parts)}/{int(quorum)} ", ("ok" if met else "warn", g.ok if met else g.bad)]
+    else:
+        quorum_m = f"{fmt.si(parts, 0)}/{fmt.si(quorum, 0)}"
+    due_attr = "bad" if left is not None and left < 0 else ("warn" if left is not None and left < 10 else None)
+    rnd = fmt.num(r.get("round"))
+    rows: list[Markup] = [
+        [("label", "run    "), fmt.text(r.get("run_id"))],
+        [("label", "round  "), "-" if rnd is None else str(int(rnd)), " ", ("ok", fmt.text(r.get("phase")))],
+        [("label", "due    "), (due_attr, fmt.countdown(left)) if due_attr else fmt.countdown(left)],
+        [("label", "quorum "), quorum_m],
+        [("label", "theta  "), fmt.short_cid(r.get("theta"), g)],
+    ]
+    return Content([], rows)
+
+
+# -- training ------------------------------------------------------------------------
+
+def training(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Loss and validation loss over rounds, tokens per second, outer learning rate."""
+    g = ctx.glyphs
+    r = fmt.section(obj, "run")
+    if not r:
+        return Content([note("no run")], [])
+    history = sorted(fmt.items(r, "history"), key=lambda h: fmt.num(h.get("round")) or 0)
+    loss = fmt.num(r.get("loss"))
+    val = fmt.num(r.get("val_loss"))
+    if loss is None and history:
+        loss = fmt.num(history[-1].get("loss"))
+    if val is None and history:
+        val = fmt.num(history[-1].get("val_loss"))
+    lr = fmt.num(r.get("outer_lr"))
+    fixed: list[Markup] = [
+        [("loss", g.loss), " loss ", "-" if loss is None else f"{loss:.3f}",
+         "   ", ("val", g.val), " val ", "-" if val is None else f"{val:.3f}"],
+        [fmt.si(r.get("tokens_per_s")), " tokens/s   outer lr ", "-" if lr is None else f"{lr:g}"],
+    ]
+    chart_h = max(0, height - len(fixed))
+    if not history:
+        return Content(fixed, [note("no round committed yet")])
+    rounds = [fmt.num(h.get("round")) for h in history]
+    chart = line_chart([[fmt.num(h.get("loss")) for h in history], [fmt.num(h.get("val_loss")) for h in history]],
+                       width, chart_h, glyphs=g)
+    rows: list[Markup] = [_colour_chart_line(line, g) for line in chart]
+    if rounds and rounds[0] is not None and rounds[-1] is not None and chart_h >= 1:
+        fixed[1] = fixed[1] + [("dim", f"   r{int(rounds[0])}-{int(rounds[-1])}")]
+    return Content(fixed, rows)
+
+
+def _colour_chart_line(line: str, g: Glyphs) -> Markup:
+    attrs = {g.loss: "loss", g.val: "val", g.both: "loss"}
+    out: list[Markup] = []
+    for ch in line:
+        attr = attrs.get(ch)
+        if out and isinstance(out[-1], tuple) and out[-1][0] == attr:
+            out[-1] = (attr, out[-1][1] + ch)
+        else:
+            out.append((attr, ch))
+    return [(a, s) if a else s for a, s in out]
+
+
+# -- artifacts -----------------------------------------------------------------------
+
+ARTIFACT_COLS = (Col("target", None), Col("cid", 14), Col("size", 8, "right"), Col("cache", 5))
+
+
+def artifacts(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Compiled artifacts this node holds: target, CID, size, whether the cache had it."""
+    g = ctx.glyphs
+    arts = fmt.items(obj, "artifacts")
+    if not arts:
+        return Content([note("no artifacts")], [])
+    cols = ARTIFACT_COLS if width >= 40 else tuple(c for c in ARTIFACT_COLS if c.title != "size")
+    rows = []
+    for a in arts:
+        hit = bool(a.get("cache_hit"))
+        cells = [(None, fmt.text(a.get("target"))), (None, fmt.short_cid(a.get("cid"), g)),
+                 (None, fmt.human_bytes(a.get("size"))), ("ok" if hit else "dim", "hit" if hit else "miss")]
+        if len(cols) == 3:
+            del cells[2]
+        rows.append(table_line(cols, cells, width, g))
+    return Content([header_line(cols, width, g)], rows)
+
+
+# -- network -------------------------------------------------------------------------
+
+def network(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
+    """Connected peers, bytes in and out, rejected inputs by reason."""
+    net = fmt.section(obj, "network")
+    rejected = net.get("rejected") if isinstance(net.get("rejected"), Mapping) else {}
+    counts = sorted(((int(fmt.num(n) or 0), str(k)) for k, n in rejected.items()), reverse=True)
+    total = sum(n for n, _ in counts)
+    fixed: list[Markup] = [
+        [("label", "peers "), fmt.text(net.get("connected_peers"), "0"), ("label", "  table "),
+         fmt.text(net.get("routing_table_size"), "0"), ("dim", f" {fmt.text(net.get('dht_mode'), '')}")],
+        [("label", "in "), fmt.human_bytes(net.get("bytes_in")), ("label", "  out "), fmt.human_bytes(net.get("bytes_out"))],
+        [("label", "rejected "), ("warn" if total else None, str(total))],
+    ]
+    rows: list[Markup] = [[f"{n:>5} ", reason] for n, reason in counts]
+    return Content(fixed, rows)
+
+
+ContentFn = Callable[[Mapping[str, Any], Ctx, int, int], Content]
+# Tab order, and the name each panel is known by in the help and in tests.
+PANELS: tuple[tuple[str, ContentFn], ...] = (
+    ("swarm", swarm), ("shepherd", shepherd), ("run", run),
+    ("training", training), ("artifacts", artifacts), ("network", network),
+)
+
+
+class Panel(urwid.Widget):
+    """A titled box showing one panel's content, scrollable when it has the focus.
+
+    The content is recomputed on every render from the view's current status
+    (cheap: a few dozen lines), so the panel holds no copy that could go stale;
+    what it keeps is its scroll offset and whether it has the focus.
+    """
+
+    _sizing = frozenset([urwid.Sizing.BOX])
+    _selectable = True
+
+    def __init__(self, name: str, fn: ContentFn, source: Callable[[], tuple[Mapping[str, Any], Ctx]],
+                 title_extra: Callable[[Glyphs], Markup] | None = None) -> None:
+        super().__init__()
+        self.name = name
+        self.fn = fn
+        self.source = source
+        self.title_extra = title_extra
+        self.offset = 0
+        self.focused = False
+        self._visible = 1
+        self._total = 0
+
+    def content(self, width: int, height: int) -> Content:
+        obj, ctx = self.source()
+        return self.fn(obj, ctx, width, height)
+
+    def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]
+        maxcol, maxrow = size
+        obj, ctx = self.source()
+        g = ctx.glyphs
+        inner_w, inner_h = max(1, maxcol - 2), max(1, maxrow - 2)
+        c = self.fn(obj, ctx, inner_w, inner_h)
+        fixed = c.fixed[:inner_h]
+        visible = max(0, inner_h - len(fixed))
+        self._visible, self._total = visible, len(c.rows)
+        self.offset = max(0, min(self.offset, len(c.rows) - visible))
+        shown = c.rows[self.offset : self.offset + visible]
+        lines = [urwid.Text(m, wrap="clip") for m in fixed + shown] or [urwid.Text("")]
+        body = urwid.AttrMap(urwid.Filler(urwid.Pile(lines), valign="top"), "body")
+        # The focus is marked in text as well as colour: a NO_COLOR terminal or a
+        # `tmux capture-pane` still shows where tab has moved it.
+        title: list[Markup] = [(g.focus + " " if self.focused else "") + self.name]
+        if self.title_extra is not None:
+            title += [" ", self.title_extra(g)]
+        if len(c.rows) > visible > 0:
+            title.append(f" {self.offset + 1}-{self.offset + len(shown)}/{len(c.rows)}")
+        elif len(c.rows) > 0 and visible == 0:
+            title.append(f" ({len(c.rows)} hidden)")
+        box = urwid.LineBox(body, title=title, title_align="left",
+                            title_attr="title_focus" if self.focused else "title", **g.box)
+        return urwid.AttrMap(box, "border_focus" if self.focused else "border").render(size, focus)
+
+    def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]
+        page = max(1, self._visible - 1)
+        last = max(0, self._total - self._visible)
+        moves = {"up": self.offset - 1, "down": self.offset + 1, "page up": self.offset - page,
+                 "page down": self.offset + page, "home": 0, "end": last}
+        if key not in moves:
+            return key
+        self.offset = max(0, min(moves[key], last))
+        self._invalidate()
+        return None

@@ -1,0 +1,322 @@
+"""The status TUI rendered to text from recorded status snapshots: no terminal, no network.
+
+``tests/fixtures/status_worker_idle.json`` is a real ``pcp status --json`` of a
+worker in a 2-worker local swarm (no run yet); ``status_run.json`` adds the
+run, shepherd and artifact sections other parts of PCP report, in the schema
+they agreed on; ``status_nulls.json`` has those sections present but null.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urwid
+
+from pcp_p2p.errors import PeerGone
+from pcp_p2p.tui import fmt
+from pcp_p2p.tui.app import apply_result
+from pcp_p2p.tui.chart import bucket_means, line_chart
+from pcp_p2p.tui.fetcher import FetchResult, StatusFetcher, backoff
+from pcp_p2p.tui.fmt import ASCII, UNICODE, Style
+from pcp_p2p.tui.view import MIN_COLS, MIN_ROWS, StatusView
+
+FIXTURES = Path(__file__).parent / "fixtures"
+TARGET = "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWMYr4WpzmGz3vqtFWhdTFnqu4nspTu7eVku3G43ptDQgv"
+COLOUR = Style(colors=256, glyphs=UNICODE)
+
+
+def snapshot(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"status_{name}.json").read_text())
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_view(name: str | None = None, style: Style = COLOUR, clock: Clock | None = None) -> StatusView:
+    clock = clock or Clock()
+    view = StatusView(TARGET, style, clock=clock, wall=lambda: 1.7e9)
+    if name is not None:
+        view.apply_status(snapshot(name), at=clock())
+    return view
+
+
+def screen(view: StatusView, size: tuple[int, int] = (80, 24)) -> str:
+    rows = view.render(size).text
+    assert len(rows) == size[1]
+    lines = [r.decode("utf-8") for r in rows]
+    assert all(len(line) == size[0] for line in lines), "every row is exactly the terminal width"
+    return "\n".join(lines)
+
+
+# -- every panel from snapshots ------------------------------------------------------------
+
+def test_full_snapshot_shows_every_panel_at_80x24() -> None:
+    obj = snapshot("run")
+    text = screen(make_view("run"))
+    for title in ("swarm (7)", "run", "shepherd", "network", "training", "artifacts"):
+        assert title in text
+    # swarm: the GPU members with backend, device and throughput, states, last seen
+    assert "cuda" in text and "NVIDIA H100 80GB HBM3" in text and "51.2k" in text
+    assert "rocm" in text and "AMD Radeon RX 7900 XTX" in text
+    assert "training" in text and "shepherd" in text and "0.4s" in text
+    assert "* " + fmt.short_id(obj["peer_id"]) in text  # this node is marked
+    # run: round, phase, deadline countdown, participants against quorum
+    assert "shakespeare-gpt-s" in text and "31 collecting" in text and "1m27s" in text and "4/3 ✓" in text
+    # shepherd: holder (this node), term, lease countdown, history
+    assert "(me)" in text and "term 4" in text and "lease 42s" in text and "current" in text
+    # training: last losses, tokens/s, outer lr, a chart with both series
+    assert "loss 1.570" in text and "val 1.680" in text and "41.2k tokens/s" in text and "outer lr 0.7" in text
+    assert "r1-30" in text and "●" in text and "┤" in text
+    # artifacts: targets, CIDs, cache hits
+    assert "llvm-cpu-x86-64-" in text and "bafkrei…4s52zy" in text and "hit" in text and "miss" in text
+    # network: peers, bytes, rejected inputs
+    assert "peers 6" in text and "in 1.7 GiB" in text and "out 393.9 MiB" in text and "rejected 15" in text
+    assert "12 heartbeat:StaleMess" in text
+    assert "live" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("name", ["worker_idle", "nulls"])
+def test_node_without_a_run_shows_no_run_instead_of_failing(name: str) -> None:
+    obj = snapshot(name)
+    text = screen(make_view(name))
+    assert "swarm (2)" in text
+    for m in obj["members"]:
+        assert fmt.short_id(m["peer_id"]) in text
+    assert text.count("no run") == 3  # run, shepherd ("no shepherd (no run)"), training
+    assert "no artifacts" in text
+    assert "in -  out -" in text and "rejected 0" in text
+
+
+def test_garbage_sections_do_not_crash_the_screen() -> None:
+    obj = snapshot("worker_idle")
+    obj.update(run={"round": "x", "history": [None, 3, {"round": 1, "loss": "nan"}], "participants": None},
+               term=[], lease_expires_s="soon", shepherd_history={"a": 1}, artifacts=[1, "x", {"size": None}])
+    obj["members"].append({"peer_id": None, "capabilities": None})
+    obj["network"] = None
+    view = make_view()
+    view.apply_status(obj)
+    text = screen(view)
+    assert "swarm (3)" in text and "no data yet" in text and "term -" in text
+
+
+def test_countdowns_run_down_between_fetches_and_go_over() -> None:
+    clock = Clock()
+    view = make_view("run", clock=clock)
+    assert "1m27s" in screen(view) and "lease 42s" in screen(view)
+    clock.t += 50
+    text = screen(view)
+    assert "37s" in text and "lease 8s over" in text
+    assert "stale 50s" in text.splitlines()[0]
+
+
+def test_absolute_unix_times_are_understood_too() -> None:
+    assert fmt.remaining(1.7e9 + 30, since_fetch_s=5, wall_now=1.7e9) == 30
+    assert fmt.remaining(30, since_fetch_s=5, wall_now=1.7e9) == 25
+    assert fmt.remaining(None, since_fetch_s=5, wall_now=0) is None
+
+
+def test_larger_terminal_gives_the_tables_room() -> None:
+    text = screen(make_view("run"), (120, 40))
+    assert "swarm (7)" in text and "1-" not in text.split("\n")[1]  # all 7 members fit: no scroll range
+    for pid in [m["peer_id"] for m in snapshot("run")["members"]]:
+        assert fmt.short_id(pid) in text
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+def test_tab_moves_the_focus_through_every_panel_and_wraps() -> None:
+    view = make_view("run")
+    size = (80, 24)
+    seen = []
+    for _ in range(6):
+        seen.append(view.focused_panel.name)
+        assert f"▶ {view.focused_panel.name}" in screen(view)
+        assert view.keypress(size, "tab") is None
+    assert seen == ["swarm", "shepherd", "run", "training", "artifacts", "network"]
+    assert view.focused_panel.name == "swarm"
+    view.keypress(size, "shift tab")
+    assert view.focused_panel.name == "network"
+    view.keypress(size, "4")
+    assert view.focused_panel.name == "training"
+
+
+def test_arrows_scroll_the_focused_table() -> None:
+    view = make_view("run")
+    size = (80, 24)
+    assert "swarm (7) 1-4/7" in screen(view)
+    view.keypress(size, "down")
+    text = screen(view)
+    assert "swarm (7) 2-5/7" in text
+    view.keypress(size, "end")
+    assert "4-7/7" in screen(view)
+    view.keypress(size, "down")  # already at the bottom: stays
+    assert "4-7/7" in screen(view)
+    view.keypress(size, "home")
+    assert "1-4/7" in screen(view)
+    # the shepherd history scrolls on its own once focused
+    view.keypress(size, "tab")
+    before = screen(view)
+    view.keypress(size, "down")
+    assert "shepherd 2-3/4" in screen(view) and "shepherd 1-2/4" in before
+    assert "1-4/7" in screen(view)  # the swarm panel kept its own offset
+
+
+def test_question_mark_shows_help_and_esc_closes_it() -> None:
+    view = make_view("run")
+    size = (80, 24)
+    assert "help" not in screen(view).split("\n", 1)[1].replace("? help", "")
+    view.keypress(size, "?")
+    text = screen(view)
+    assert "tab         next panel" in text and "q           quit" in text
+    view.keypress(size, "tab")  # keys other than the closing ones do nothing while help shows
+    assert view.show_help and view.focused_panel.name == "swarm"
+    view.keypress(size, "esc")
+    assert not view.show_help and "next panel" not in screen(view)
+
+
+def test_q_quits() -> None:
+    view = make_view("run")
+    with pytest.raises(urwid.ExitMainLoop):
+        view.keypress((80, 24), "q")
+    quits = []
+    view = StatusView(TARGET, COLOUR, on_quit=lambda: quits.append(1))
+    view.keypress((80, 24), "?")
+    view.keypress((80, 24), "q")  # q quits from the help screen too
+    assert quits == [1]
+
+
+# -- connection state ---------------------------------------------------------------------------
+
+def test_before_the_first_answer_it_says_connecting() -> None:
+    text = screen(make_view())
+    assert "connecting to" in text and "Traceback" not in text
+
+
+def test_failed_fetch_shows_disconnected_retrying_and_keeps_the_last_status() -> None:
+    clock = Clock()
+    view = make_view("run", clock=clock)
+    clock.t += 2
+    view.apply_error("cannot reach the node: connection refused", retry_in_s=2.0)
+    text = screen(view)
+    assert "disconnected, retrying in 2s" in text.splitlines()[0]
+    assert "cannot reach the node: connection refused" in text.splitlines()[-1]
+    assert "NVIDIA H100" in text  # the last known status stays on screen
+    clock.t += 2
+    assert "disconnected, retrying " in screen(view)
+    # the node is back
+    view.apply_status(snapshot("run"))
+    text = screen(view)
+    assert "disconnected" not in text and "live" in text.splitlines()[0]
+
+
+def test_never_connected_and_failing() -> None:
+    view = make_view()
+    apply_result(view, FetchResult(None, "no status from the node within 5 s", 1000.0, 1.0))
+    apply_result(view, FetchResult(None, "no status from the node within 5 s", 1000.0, 2.0))
+    text = screen(view)
+    assert "disconnected, retrying in 2s (attempt 2)" in text
+    assert "no status from the node within 5 s" in text
+
+
+def test_too_small_terminal_says_so() -> None:
+    view = make_view("run")
+    for size in [(79, 24), (80, 23), (40, 10), (20, 3)]:
+        rows = [r.decode() for r in view.render(size).text]
+        assert len(rows) == size[1]
+        text = "\n".join(rows)
+        assert "too small" in text
+        if size[0] >= 40 and size[1] >= 5:
+            assert f"{size[0]}x{size[1]}" in text and f"{MIN_COLS}x{MIN_ROWS}" in text
+    assert "too small" not in screen(view, (MIN_COLS, MIN_ROWS))
+
+
+# -- plain terminals ------------------------------------------------------------------------
+
+def test_no_color_and_dumb_terminals_degrade() -> None:
+    assert Style.detect({"TERM": "xterm-256color"}) == Style(256, UNICODE)
+    assert Style.detect({"TERM": "xterm-256color", "NO_COLOR": "1"}) == Style(1, UNICODE)
+    assert Style.detect({"TERM": "xterm-256color", "NO_COLOR": ""}).colors == 256  # empty: not set (no-color.org)
+    assert Style.detect({"TERM": "dumb"}) == Style(1, ASCII)
+    assert Style.detect({"TERM": "xterm"}, encoding="ascii").glyphs is ASCII
+
+
+def test_ascii_rendering_is_pure_ascii() -> None:
+    view = make_view("run", style=Style(1, ASCII))
+    text = screen(view)
+    assert text.isascii()
+    assert "> swarm" in text and "+- " not in text[:0] and "|" in text and "4/3 +" in text
+    view.keypress((80, 24), "?")
+    assert screen(view).isascii()
+
+
+# -- pieces -------------------------------------------------------------------------------------
+
+def test_chart_plots_both_series_with_the_data_range() -> None:
+    loss = [4.0, 3.0, 2.0, 1.0]
+    val = [4.0, 3.5, 2.5, 1.5]
+    lines = line_chart([loss, val], width=16, height=4, glyphs=ASCII)
+    assert len(lines) == 4 and all(len(line) == 16 for line in lines)
+    assert lines[0].startswith(" 4.00+") and lines[-1].startswith(" 1.00+")
+    plot = [line[6:] for line in lines]
+    assert plot[0][0] == "@"  # both series at 4.0 in round 1
+    assert plot[3][3] == "*" and plot[2][3] == "o"  # loss 1.0 on the bottom row, val 1.5 above it
+
+
+def test_chart_squeezes_long_runs_and_handles_missing_values() -> None:
+    assert bucket_means([1.0, 3.0, 5.0, 7.0], 2) == [2.0, 6.0]
+    assert bucket_means([None, None, 1.0], 5) == [None, None, 1.0]
+    lines = line_chart([[float(i) for i in range(500)]], width=30, height=5)
+    assert all(len(line) == 30 for line in lines)
+    assert "●" in lines[0] and "●" in lines[-1]
+    assert "no data yet" in "".join(line_chart([[None, float("nan")]], width=30, height=3))
+    assert line_chart([[2.0, 2.0]], width=30, height=3)[1][6:8] == "●●"  # a flat line sits mid-chart
+
+
+def test_formatting() -> None:
+    assert fmt.si(41250) == "41.2k" and fmt.si(None) == "-" and fmt.si(3) == "3"
+    assert fmt.human_bytes(1873920512) == "1.7 GiB" and fmt.human_bytes(12) == "12 B"
+    assert fmt.duration(5523) == "1h32m" and fmt.duration(87.5) == "1m27s" and fmt.duration(3) == "3s"
+    assert fmt.countdown(-8) == "8s over"
+    assert fmt.short_id("12D3KooWMYr4WpzmGz3vqtFWhdTFnqu4nspTu7eVku3G43ptDQgv") == "…43ptDQgv"
+    assert fmt.backend_and_device({"backends": ["hip"], "devices": [{"name": "RX", "driver": "hip"}]}) == ("rocm", "RX")
+    assert fmt.backend_and_device({}) == ("-", "-")
+
+
+def test_fetcher_reports_failures_with_backoff_then_success() -> None:
+    assert [backoff(n, 1.0) for n in range(6)] == [1.0, 1.0, 2.0, 4.0, 5.0, 5.0]
+    outcomes = [PeerGone("connection refused"), RuntimeError("bug"), {"peer_id": "x"}]
+    results: list[FetchResult] = []
+    done = threading.Event()
+    addrs = []
+
+    async def fetch(addr: str) -> dict[str, Any]:
+        addrs.append(addr)
+        out = outcomes[min(len(addrs), len(outcomes)) - 1]
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def on_result(r: FetchResult) -> None:
+        results.append(r)
+        if len(results) == 3:
+            done.set()
+
+    fetcher = StatusFetcher(lambda: "addr", fetch, on_result, interval=0.01)
+    fetcher.start()
+    try:
+        assert done.wait(10)
+    finally:
+        fetcher.stop()
+    assert results[0].status is None and results[0].error == "connection refused"
+    assert results[1].status is None and "RuntimeError: bug" in (results[1].error or "")
+    assert results[2].status == {"peer_id": "x"} and results[2].error is None
+    assert fetcher._thread is not None and not fetcher._thread.is_alive()
