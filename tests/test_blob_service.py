@@ -386,3 +386,54 @@ async def test_a_forged_manifest_is_dropped_and_the_fetch_retried(tmp_path: Path
         with pytest.raises(HashMismatch):  # nobody else to ask: nothing is stored
             await f2.fetch(cid, providers=[info(liar)])
         assert not f2.store.has(cid) and tmp_is_empty(f2)
+
+
+async def test_unreachable_side_port_falls_back_to_the_libp2p_stream(tmp_path: Path) -> None:
+    data = os.urandom(9 * CS + 1)
+    async with network(tmp_path) as net:
+        # The side listener binds 127.0.0.2 while the fetcher dials the libp2p
+        # connection's address, 127.0.0.1: the side port is out of reach (as behind NAT).
+        natted = await net.node(side_host="127.0.0.2")
+        cid = await natted.publish(data)
+        f = await net.node()
+        with trio.fail_after(30):
+            path = await f.fetch(cid, providers=[info(natted)])
+            assert path.read_bytes() == data
+            assert natted.peer_id in f._side_unreachable
+            part = await f.fetch(cid_of(data), providers=[info(natted)], byte_range=(1, 2))
+        assert part == data[1:2]
+        g = await net.node()
+        g._side_unreachable.add(natted.peer_id)
+        with trio.fail_after(30):
+            assert (await g.fetch(cid, providers=[info(natted)], byte_range=(CS, 3 * CS))) == data[CS : 3 * CS]
+
+
+class SwappedFile(BlobStore):
+    """An honest manifest for ``target`` but the bytes of ``other`` on disk (bit rot, a liar)."""
+
+    target = other = ""
+
+    def path(self, cid: str) -> Path:
+        return super().path(self.other if cid == self.target else cid)
+
+
+async def test_stream_path_checks_every_chunk_too(tmp_path: Path) -> None:
+    data, other = os.urandom(3 * CS), os.urandom(3 * CS)
+    async with network(tmp_path) as net:
+        liar, good = await net.node(), await net.node()
+        store = SwappedFile(tmp_path / "swapped", 1 << 30, chunk_size=CS)
+        store.target, store.other = store.put_bytes(data), store.put_bytes(other)
+        liar.store = store
+        cid = await good.publish(data)
+        f = await net.node()
+        f._side_unreachable.add(liar.peer_id)
+        with trio.fail_after(30):
+            path = await f.fetch(cid, providers=[info(liar), info(good)])
+        assert path.read_bytes() == data
+        assert f.last_fetch is not None and "HashMismatch" in f.last_fetch.failures[liar.peer_id]
+        g = await net.node()
+        g._side_unreachable.add(liar.peer_id)
+        with trio.fail_after(30):
+            with pytest.raises(HashMismatch):
+                await g.fetch(cid, providers=[info(liar)])
+        assert not g.store.has(cid) and tmp_is_empty(g)

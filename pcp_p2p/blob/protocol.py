@@ -5,7 +5,11 @@ server answers with a :class:`BlobReply`, and the stream closes. A
 ``manifest`` request is answered with the chunk manifest inline (at most
 1 MiB). A ``data`` request for chunks ``[first, first + count)`` is answered
 with a port and a fresh secret; the chunks then flow over the TCP side
-channel (:mod:`pcp_p2p.blob.sidechannel`), never over the libp2p stream.
+channel (:mod:`pcp_p2p.blob.sidechannel`). When a client cannot reach the
+side port (NAT, firewall, a relayed connection) it asks again with
+``via="stream"`` and the chunks follow the reply on the same libp2p stream in
+frames of at most :data:`STREAM_PIECE` bytes: 2-3x slower, but it works
+wherever the libp2p connection does.
 
 Frames are :mod:`pcp_p2p.wire.framing`'s: a 4-byte big-endian length and a
 wire message, the length checked against the expected message's limit before
@@ -23,6 +27,10 @@ from pcp_p2p.wire.framing import ByteStream
 PROTOCOL_ID = "/pcp/blob/1.0.0"
 NONCE_LEN = 16
 M = TypeVar("M", bound=Message)
+STREAM_PIECE = 1024 * 1024
+"""On the ``stream`` fallback a chunk travels as frames of at most this many bytes
+(py-libp2p fails on single messages above ~6 MB; smaller frames also keep the
+receiver reading, so yamux never times out the sender's window)."""
 
 # Reply statuses.
 OK = "ok"
@@ -41,8 +49,11 @@ class BlobRequest(Message):
     manifest_cid: str = ""
     first: int = 0
     count: int = 0
+    via: str = "side"  # "side": TCP side channel; "stream": on this libp2p stream
 
     def __post_init__(self) -> None:
+        if self.via not in ("side", "stream"):
+            raise ValueError(f"unknown data path {self.via!r:.20}")
         if self.kind not in ("manifest", "data"):
             raise ValueError(f"unknown request kind {self.kind!r:.20}")
         if len(self.nonce) != NONCE_LEN:

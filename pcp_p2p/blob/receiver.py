@@ -115,6 +115,35 @@ class WholeHasher:
             self._cv.notify()
 
 
+def accept_chunk(
+    manifest: ChunkManifest,
+    index: int,
+    view: memoryview,
+    *,
+    fd: int,
+    chunks: dict[int, bytes] | None,
+    hasher: WholeHasher | None,
+) -> None:
+    """Verify one received chunk, then keep it (``chunks``) or write it (``fd``).
+
+    A mismatch raises :class:`HashMismatch` with ``.index`` and writes nothing.
+    """
+    try:
+        manifest.verify_chunk(index, view)
+    except HashMismatch as exc:
+        exc.index = index  # type: ignore[attr-defined]
+        raise
+    if chunks is not None:
+        chunks[index] = bytes(view)
+        return
+    offset = manifest.chunk_span(index)[0]
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    if hasher is not None:
+        hasher.written(index, bytes(view) if hasher.wants(index) else None)
+
+
 def receive_batch(
     sock: socket.socket,
     reader: RecordReader,
@@ -142,21 +171,7 @@ def receive_batch(
             while (item := work.get()) is not None:
                 index, buf, n = item
                 try:
-                    view = memoryview(buf)[:n]
-                    try:
-                        manifest.verify_chunk(index, view)
-                    except HashMismatch as exc:
-                        exc.index = index  # type: ignore[attr-defined]
-                        raise
-                    if chunks is not None:
-                        chunks[index] = bytes(view)
-                    else:
-                        offset = manifest.chunk_span(index)[0]
-                        done = 0
-                        while done < n:
-                            done += os.pwrite(fd, view[done:], offset + done)
-                        if hasher is not None:
-                            hasher.written(index, bytes(view) if hasher.wants(index) else None)
+                    accept_chunk(manifest, index, memoryview(buf)[:n], fd=fd, chunks=chunks, hasher=hasher)
                 finally:
                     pool.put(buf)
                 on_ok(index)

@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.chunks import ChunkManifest, parse_manifest
-from pcp_p2p.blob.receiver import ChunkPool, WholeHasher, receive_batch
+from pcp_p2p.blob.receiver import ChunkPool, WholeHasher, accept_chunk, receive_batch
 from pcp_p2p.blob.routing import ContentRouting
 from pcp_p2p.blob.sidechannel import (
     KIND_CHUNK,
@@ -62,6 +63,7 @@ from pcp_p2p.errors import (
     VerificationError,
 )
 from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import framing
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,14 @@ class FetchReport:
     chunks_from: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     requests: int = 0
+
+
+@dataclass
+class _Upload:
+    """What a data request leaves to do after the reply: one of the two paths."""
+
+    in_thread: Callable[[], None] | None = None
+    on_stream: Callable[[INetStream], Awaitable[None]] | None = None
 
 
 class _Changed:
@@ -118,6 +128,8 @@ class BlobService:
         self.peer_id = identity.peer_id
         self._uploads = trio.Semaphore(self.config.max_uploads)
         self.last_fetch: FetchReport | None = None
+        # Peers whose side port we could not reach: fetched over the stream path.
+        self._side_unreachable: set[str] = set()
 
     # --- public API ------------------------------------------------------------
 
@@ -240,6 +252,14 @@ class BlobService:
 
     async def _request(self, info: PeerInfo, req: P.BlobRequest) -> tuple[P.BlobReply, str]:
         """One control exchange; returns the reply and the server's IP address."""
+        stream, reply, ip = await self._open_exchange(info, req)
+        await _close_stream(stream)
+        return reply, ip
+
+    async def _open_exchange(
+        self, info: PeerInfo, req: P.BlobRequest
+    ) -> tuple[INetStream, P.BlobReply, str]:
+        """Send ``req``, read an ``ok`` reply; the stream stays open for the caller."""
         try:
             with trio.fail_after(self.config.request_timeout):
                 try:
@@ -254,25 +274,26 @@ class BlobService:
                     await P.write_frame(stream, req, timeout=self.config.request_timeout)
                     reply = await P.read_frame(stream, P.BlobReply, timeout=self.config.request_timeout)
                     remote = stream.get_remote_address()
-                finally:
-                    with trio.move_on_after(1):
-                        try:
-                            await stream.close()
-                        except Exception:
-                            pass
+                except BaseException:
+                    await _close_stream(stream)
+                    raise
         except trio.TooSlowError as exc:
             raise PeerTimeout(f"{info.peer_id} did not answer within {self.config.request_timeout}s") from exc
-        if reply.status == P.NOT_FOUND:
-            raise BlobNotFound(f"{info.peer_id} does not hold {req.cid}")
-        if reply.status == P.MISMATCH:
-            raise HashMismatch(f"{info.peer_id} has another manifest for {req.cid}")
-        if reply.status == P.BUSY:
-            raise PeerError(f"{info.peer_id} is busy")
-        if reply.status != P.OK:
-            raise MalformedMessage(f"{info.peer_id} refused the request: {reply.detail:.200}")
-        if remote is None:
-            raise PeerGone("stream has no remote address")
-        return reply, remote[0]
+        try:
+            if reply.status == P.NOT_FOUND:
+                raise BlobNotFound(f"{info.peer_id} does not hold {req.cid}")
+            if reply.status == P.MISMATCH:
+                raise HashMismatch(f"{info.peer_id} has another manifest for {req.cid}")
+            if reply.status == P.BUSY:
+                raise PeerError(f"{info.peer_id} is busy")
+            if reply.status != P.OK:
+                raise MalformedMessage(f"{info.peer_id} refused the request: {reply.detail:.200}")
+            if remote is None:
+                raise PeerGone("stream has no remote address")
+        except BaseException:
+            await _close_stream(stream)
+            raise
+        return stream, reply, remote[0]
 
     async def _pull(
         self,
@@ -364,6 +385,9 @@ class BlobService:
         hasher: WholeHasher | None,
         pool: ChunkPool,
     ) -> None:
+        if pid in self._side_unreachable:
+            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher)
+            return
         cid = manifest.cid
         nonce = secrets.token_bytes(P.NONCE_LEN)
         req = P.BlobRequest("data", cid, nonce, mcid, batch[0], len(batch))
@@ -373,7 +397,16 @@ class BlobService:
         info_bytes = transcript(self.peer_id, pid, cid, mcid, batch[0], len(batch))
         key = derive_key(reply.secret, nonce, reply.nonce, info_bytes)
         stall = self.config.stall_timeout
-        sock = await trio.to_thread.run_sync(_connect, ip, reply.port, stall)
+        try:
+            sock = await trio.to_thread.run_sync(_connect, ip, reply.port, stall)
+        except (PeerGone, PeerTimeout) as exc:
+            # Behind NAT or a firewall, or reached through a relay: the side
+            # port is out of reach but the libp2p connection works. Remember
+            # it and use the (slower) stream path for this peer from now on.
+            log.info("blob: side channel to %s unreachable (%s); using the libp2p stream", pid, exc)
+            self._side_unreachable.add(pid)
+            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher)
+            return
         token = trio.lowlevel.current_trio_token()
 
         def ok(index: int) -> None:
@@ -407,6 +440,45 @@ class BlobService:
         finally:
             _close(sock)
 
+    async def _fetch_batch_stream(
+        self,
+        info: PeerInfo,
+        pid: str,
+        plan: FetchPlan,
+        changed: _Changed,
+        manifest: ChunkManifest,
+        mcid: str,
+        batch: list[int],
+        fd: int,
+        chunks: dict[int, bytes] | None,
+        hasher: WholeHasher | None,
+    ) -> None:
+        """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""
+        req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), mcid,
+                            batch[0], len(batch), via="stream")
+        stream, _, _ = await self._open_exchange(info, req)
+        try:
+            for index in batch:
+                _, length = manifest.chunk_span(index)
+                buf = bytearray()
+                while len(buf) < length:  # each frame bounded by what is still due
+                    buf += await framing.read_frame(
+                        stream, max_size=min(P.STREAM_PIECE, length - len(buf)),
+                        timeout=self.config.stall_timeout,
+                    )
+                try:
+                    await trio.to_thread.run_sync(
+                        functools.partial(accept_chunk, manifest, index, memoryview(buf),
+                                          fd=fd, chunks=chunks, hasher=hasher)
+                    )
+                except HashMismatch:
+                    plan.chunk_bad(pid, index)
+                    raise
+                plan.chunk_ok(pid, index)
+                changed.fire()
+        finally:
+            await _close_stream(stream)
+
     # --- server side ------------------------------------------------------------
 
     async def _handle(self, stream: INetStream) -> None:
@@ -416,6 +488,12 @@ class BlobService:
                 with trio.fail_after(self.config.request_timeout):
                     req = await P.read_frame(stream, P.BlobRequest, timeout=self.config.request_timeout)
                     upload = await self._answer(stream, client, req)
+                if upload is not None and upload.on_stream is not None:
+                    try:
+                        await upload.on_stream(stream)
+                    finally:
+                        self._uploads.release()
+                    upload = None
             except ProtocolError as exc:
                 log.info("blob: bad request from %s: %s", client, exc)
                 with trio.move_on_after(self.config.request_timeout):
@@ -427,9 +505,9 @@ class BlobService:
                         await stream.close()
                     except Exception:
                         pass
-            if upload is not None:
+            if upload is not None and upload.in_thread is not None:
                 try:
-                    await trio.to_thread.run_sync(upload, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(upload.in_thread, abandon_on_cancel=True)
                 finally:
                     self._uploads.release()
         except trio.TooSlowError:
@@ -439,8 +517,11 @@ class BlobService:
         except Exception:  # a bug must not take the host down
             log.exception("blob: handler crashed serving %s", client)
 
-    async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest):  # type: ignore[no-untyped-def]
-        """Reply to ``req``; for a data request, return the upload to run (in a thread)."""
+    async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest) -> _Upload | None:
+        """Reply to ``req``; for a data request, return the upload to run.
+
+        The upload holds one of the ``max_uploads`` slots; ``_handle`` releases it.
+        """
         if not self.store.has(req.cid):
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
@@ -469,6 +550,21 @@ class BlobService:
             self._uploads.release()
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
+        if req.via == "stream":
+            try:
+                await P.write_frame(stream, P.BlobReply(P.OK), timeout=self.config.request_timeout)
+            except BaseException:
+                file.close()
+                self._uploads.release()
+                raise
+
+            async def on_stream(s: INetStream) -> None:
+                try:
+                    await self._stream_upload(s, file, manifest, req.first, req.count)
+                finally:
+                    file.close()
+
+            return _Upload(on_stream=on_stream)
         try:
             listener = socket.create_server((self._side_host(), 0), backlog=1)
         except BaseException:
@@ -497,7 +593,21 @@ class BlobService:
                 listener.close()
                 file.close()
 
-        return upload
+        return _Upload(in_thread=upload)
+
+    async def _stream_upload(
+        self, stream: INetStream, file: object, manifest: ChunkManifest, first: int, count: int
+    ) -> None:
+        fd = file.fileno()  # type: ignore[attr-defined]
+        for i in range(first, first + count):
+            offset, length = manifest.chunk_span(i)
+            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+            if len(data) != length:
+                raise PeerGone("blob file shorter than its manifest")
+            for j in range(0, length, P.STREAM_PIECE):
+                await framing.write_frame(
+                    stream, data[j : j + P.STREAM_PIECE], timeout=self.config.stall_timeout
+                )
 
     def _upload(
         self,
@@ -566,6 +676,14 @@ def _connect(ip: str, port: int, timeout: float) -> socket.socket:
         raise PeerGone(f"side channel to {ip}:{port} failed: {exc}") from exc
     tune(sock, timeout)
     return sock
+
+
+async def _close_stream(stream: INetStream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.close()
+        except Exception:
+            pass
 
 
 def _close(sock: socket.socket) -> None:
