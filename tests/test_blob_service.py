@@ -30,7 +30,9 @@ from pcp_p2p.errors import (
     BlobNotFound,
     HashMismatch,
     MalformedMessage,
+    NoProviders,
     OversizedMessage,
+    PeerError,
     ProtocolError,
 )
 from pcp_p2p.node.identity import Identity
@@ -437,3 +439,24 @@ async def test_stream_path_checks_every_chunk_too(tmp_path: Path) -> None:
             with pytest.raises(HashMismatch):
                 await g.fetch(cid, providers=[info(liar)])
         assert not g.store.has(cid) and tmp_is_empty(g)
+
+
+async def test_publish_keeps_the_blob_when_announcing_fails(tmp_path: Path) -> None:
+    class Down:
+        async def provide(self, cid: str) -> None:
+            raise PeerError("no DHT peers")
+
+        async def find_providers(self, cid: str) -> list[PeerInfo]:
+            return []
+
+    async with network(tmp_path) as net:
+        a = await net.node()
+        a.routing = Down()
+        with pytest.raises(PeerError) as err:
+            await a.publish(b"payload")
+        assert err.value.cid == cid_of(b"payload")  # type: ignore[attr-defined]
+        assert a.store.has(cid_of(b"payload"))
+        with pytest.raises(BlobNotFound):
+            await a.announce(cid_of(b"other"))
+        with pytest.raises(NoProviders):
+            await a.fetch(cid_of(b"other"))

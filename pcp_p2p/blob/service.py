@@ -138,13 +138,28 @@ class BlobService:
         self.host.set_stream_handler(P.PROTOCOL_ID, self._handle)  # type: ignore[arg-type]
 
     async def publish(self, data_or_path: bytes | Path, *, pin: bool = True) -> str:
-        """Store a blob, announce it, return its CID (announce errors propagate)."""
+        """Store a blob, announce it, return its CID.
+
+        If the announcement fails the blob stays stored and a :class:`PeerError`
+        carrying ``.cid`` is raised; :meth:`announce` can retry it later.
+        """
         if isinstance(data_or_path, (bytes, bytearray, memoryview)):
             cid = await trio.to_thread.run_sync(lambda: self.store.put_bytes(bytes(data_or_path), pin=pin))
         else:
             cid = await trio.to_thread.run_sync(lambda: self.store.put_file(Path(data_or_path), pin=pin))
-        await self.routing.provide(cid)
+        await self.announce(cid)
         return cid
+
+    async def announce(self, cid: str) -> None:
+        """(Re-)announce a held blob. Provider records expire (24 h in py-libp2p's
+        DHT), so a long-running node calls this periodically for what it serves."""
+        self.store.size(cid)  # BlobNotFound if we do not hold it
+        try:
+            await self.routing.provide(cid)
+        except PeerError as exc:
+            err = PeerError(f"{cid} is stored but could not be announced: {exc}")
+            err.cid = cid  # type: ignore[attr-defined]
+            raise err from exc
 
     async def fetch(
         self,
