@@ -142,10 +142,19 @@ class Worker:
     def shepherd(self) -> str | None:
         return self.shepherds.get(self.term)
 
-    def set_shepherd(self, term: int, peer_id: str) -> None:
-        """A new term's lease was seen (rotation or failover)."""
+    def set_shepherd(self, term: int, peer_id: str, now: float | None = None) -> list[Effect]:
+        """A new term's lease was seen (rotation or failover): join its shepherd.
+
+        From here on, announcements and commits of older terms are stale.
+        """
         self.shepherds[term] = peer_id
-        self.term = max(self.term, term)
+        if term < self.term:
+            return []
+        self.term = term
+        if now is not None:
+            self.last_heard = now
+        self.joined_for = None
+        return self._join()
 
     # --- inputs --------------------------------------------------------------
 
