@@ -66,7 +66,9 @@ def raw_child(port: int, size: int) -> None:
                 s.sendall(view[i : i + MiB])
 
 
-def raw_runs(size: int, repeat: int, cpu: list[float]) -> list[float]:
+def raw_runs(size: int, repeat: int, cpu: list[float], to_file: Path | None = None) -> list[float]:
+    """Raw copies into memory; with ``to_file``, each run also lands the bytes in a
+    file (fallocate, 4 MiB pwrites, fsync): the floor for any fetch into a store."""
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
     child = subprocess.Popen([sys.executable, __file__, "--raw-child", str(port), str(size)],
@@ -79,6 +81,10 @@ def raw_runs(size: int, repeat: int, cpu: list[float]) -> list[float]:
         buf = bytearray(size)
         for _ in range(repeat):
             view = memoryview(buf)
+            to_fd = None
+            if to_file is not None:
+                to_fd = os.open(to_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+                os.posix_fallocate(to_fd, 0, size)
             c0 = time.process_time() + proc_cpu(child.pid)
             t0 = time.perf_counter()
             conn.sendall(b"g")
@@ -88,8 +94,16 @@ def raw_runs(size: int, repeat: int, cpu: list[float]) -> list[float]:
                 if k == 0:
                     raise RuntimeError("raw child closed early")
                 got += k
+            if to_fd is not None:
+                for i in range(0, size, 4 * MiB):
+                    os.pwrite(to_fd, view[i : i + 4 * MiB], i)
+                os.fsync(to_fd)
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() + proc_cpu(child.pid) - c0)
+            if to_fd is not None:
+                os.close(to_fd)
+                assert to_file is not None
+                to_file.unlink()
         conn.close()
         child.wait(timeout=30)
     finally:
@@ -150,10 +164,10 @@ async def stream_run(size: int) -> float:
 class Provider:
     """A peerproc child serving one deterministic blob."""
 
-    def __init__(self, size: int, seed: int, workdir: Path) -> None:
+    def __init__(self, size: int, seed: int, workdir: Path, slots: int = 4) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pcp_p2p.blob.peerproc", "--data-dir", str(workdir),
-             "--size", str(size), "--seed", str(seed), "--max-uploads", "32"],
+             "--size", str(size), "--seed", str(seed), "--max-uploads", str(slots)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, start_new_session=True, text=True,
         )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
@@ -245,6 +259,7 @@ def main() -> None:
         raw_cpu: list[float] = []
         pcp_cpu: list[float] = []
         raw = raw_runs(size, args.repeat, raw_cpu)
+        raw_file = raw_runs(size, args.repeat, [], workdir / "raw.bin")
         big = Provider(size, 1, workdir / "p1")
         providers.append(big)
         pcp = trio.run(fetch_runs, big, workdir, args.repeat, pcp_cpu)
@@ -268,6 +283,7 @@ def main() -> None:
         "size_mb": args.size_mb,
         "raw_mb_s": round(size / raw_t / 1e6, 1),
         "pcp_mb_s": round(size / pcp_t / 1e6, 1),
+        "raw_to_file_mb_s": round(size / statistics.median(raw_file) / 1e6, 1),
         "raw_s": [round(t, 3) for t in raw],
         "pcp_s": [round(t, 3) for t in pcp],
         "raw_cpu_s": round(statistics.median(raw_cpu), 3),

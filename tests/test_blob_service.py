@@ -121,6 +121,7 @@ async def test_publish_then_fetch_whole_and_range(tmp_path: Path) -> None:
         path = await b.fetch(cid)  # providers found through routing
         assert isinstance(path, Path) and path.read_bytes() == data
         assert b.store.has(cid)
+        assert set(net.routing.table[cid]) == {a.peer_id, b.peer_id}  # b now provides it too
         c = await net.node()
         part = await c.fetch(cid, byte_range=(CS - 5, 3 * CS + 7))
         assert part == data[CS - 5 : 3 * CS + 7]

@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault", choices=["none", "midchunk"], default="none")
-    parser.add_argument("--max-uploads", type=int, default=16)
+    parser.add_argument("--max-uploads", type=int, default=4)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("libp2p").setLevel(logging.ERROR)

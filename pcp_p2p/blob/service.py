@@ -74,7 +74,7 @@ class BlobConfig:
     max_range: int = 256 * 1024**2  # byte-range fetches are held in memory
     request_timeout: float = 20.0  # one control exchange on the libp2p stream
     stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
-    max_uploads: int = 16  # concurrent side-channel uploads this node serves
+    max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
 
@@ -169,8 +169,12 @@ class BlobService:
         byte_range: tuple[int, int] | None = None,
         manifest_cid: str | None = None,
         pin: bool = False,
+        announce: bool = True,
     ) -> Path | bytes:
         """The blob's path in the store, or the bytes of ``byte_range = (start, end)``.
+
+        A fetched whole blob is announced (this node now provides it) unless
+        ``announce=False``; an announcement failure is logged, not raised.
 
         A whole blob is committed to the store only if it hashes to ``cid``. A
         range is checked chunk by chunk against the manifest (pass
@@ -200,8 +204,8 @@ class BlobService:
             manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
             report.manifest_source = source
             try:
-                return await self._fetch_with(cid, manifest, mcid, source, providers, report,
-                                              byte_range=byte_range, pin=pin)
+                got = await self._fetch_with(cid, manifest, mcid, source, providers, report,
+                                             byte_range=byte_range, pin=pin)
             except HashMismatch as exc:
                 rest = [p for p in providers if p.peer_id.to_base58() != source]
                 if not rest or byte_range is not None:
@@ -209,6 +213,13 @@ class BlobService:
                 log.info("blob: manifest from %s did not lead to %s (%s); retrying", source, cid, exc)
                 report.failures[source] = f"HashMismatch: manifest led to wrong content: {exc}"
                 providers = rest
+                continue
+            if announce and byte_range is None:
+                try:
+                    await self.announce(cid)
+                except PcpError as exc:
+                    log.warning("blob: fetched %s but could not announce it: %s", cid, exc)
+            return got
 
     async def _fetch_with(
         self,
