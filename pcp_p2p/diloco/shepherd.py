@@ -177,6 +177,8 @@ class Shepherd:
             if msg.run_id != self.run_id:
                 raise RejectedUpdate(f"join for another run {msg.run_id:.20}")
             verify(msg, msg.worker)
+            if self.artifacts and msg.target not in self.artifacts:
+                raise RejectedUpdate(f"no artifact for target {msg.target!r:.40} in this run")
         except PcpError as exc:
             return [Rejected(msg.worker, exc)]
         self.roster[msg.worker] = msg
