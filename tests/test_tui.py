@@ -191,7 +191,25 @@ def test_q_quits() -> None:
     view = StatusView(TARGET, COLOUR, on_quit=lambda: quits.append(1))
     view.keypress((80, 24), "?")
     view.keypress((80, 24), "q")  # q quits from the help screen too
-    assert quits == [1]
+    view.keypress((80, 24), "ctrl c")
+    assert quits == [1, 1]
+
+
+def test_the_data_dir_address_is_read_again_on_every_attempt(tmp_path: Path) -> None:
+    from argparse import Namespace
+
+    from pcp_p2p.node.commands import ADDR_FILE, _addr_source
+
+    addr_file = tmp_path / ADDR_FILE
+    addr_file.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n")
+    source = _addr_source(Namespace(connect=None, data_dir=tmp_path), "/ip4/127.0.0.1/tcp/1/p2p/A")
+    assert source() == "/ip4/127.0.0.1/tcp/1/p2p/A"
+    addr_file.write_text("/ip4/127.0.0.1/tcp/2/p2p/A\n")  # the node restarted on another port
+    assert source() == "/ip4/127.0.0.1/tcp/2/p2p/A"
+    addr_file.unlink()  # the node is down: keep trying the last address given
+    assert source() == "/ip4/127.0.0.1/tcp/1/p2p/A"
+    fixed = _addr_source(Namespace(connect="/ip4/127.0.0.1/tcp/9/p2p/B", data_dir=tmp_path), "/ip4/127.0.0.1/tcp/9/p2p/B")
+    assert fixed() == "/ip4/127.0.0.1/tcp/9/p2p/B"
 
 
 # -- connection state ---------------------------------------------------------------------------

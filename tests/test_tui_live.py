@@ -80,6 +80,12 @@ async def test_tui_in_tmux_shows_the_members_and_quits_on_q(tmp_path: Path) -> N
             await tmux.wait_for("next panel")
             tmux("send-keys", "-t", "tui", "Escape")
 
+            # a window made too small says so, and comes back when made larger
+            tmux("resize-window", "-t", "tui", "-x", "60", "-y", "20")
+            await tmux.wait_for("terminal too small: 60x20")
+            tmux("resize-window", "-t", "tui", "-x", "80", "-y", "24")
+            await tmux.wait_for(["swarm (2)", b.peer_id[-8:]])
+
             # the node goes away: the screen says so and keeps running
             await swarm.kill(a)
             text = await tmux.wait_for("disconnected, retrying")

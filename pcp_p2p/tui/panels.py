@@ -37,10 +37,27 @@ class Ctx:
     wall_now: float = 0.0  # unix time, for countdowns reported as absolute times
 
 
+class LazyRows(Sequence[Markup]):
+    """Rows formatted only when shown: a 1000-member swarm table formats the four
+    rows that fit, not all of them, on every frame."""
+
+    def __init__(self, items: Sequence[Any], format_row: Callable[[Any], Markup]) -> None:
+        self.items = items
+        self.format_row = format_row
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self.format_row(x) for x in self.items[index]]
+        return self.format_row(self.items[index])
+
+
 @dataclass
 class Content:
     fixed: list[Markup] = field(default_factory=list)
-    rows: list[Markup] = field(default_factory=list)
+    rows: Sequence[Markup] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -98,21 +115,22 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
     def key(m: Mapping[str, Any]) -> tuple[int, float]:
         return STATE_ORDER.get(state_of(m), 9), -(fmt.num(fmt.section(m, "capabilities").get("throughput_gflops")) or 0.0)
 
-    rows = []
-    for m in sorted(members, key=key):
+    def row(m: Mapping[str, Any]) -> Markup:
         caps = fmt.section(m, "capabilities")
         backend, device = fmt.backend_and_device(caps)
         seen = fmt.num(m.get("last_seen_s"))
         is_me = m.get("peer_id") == me
         state = state_of(m)
-        rows.append(table_line(SWARM_COLS, [
+        return table_line(SWARM_COLS, [
             ("self" if is_me else None, ("* " if is_me else "  ") + fmt.short_id(m.get("peer_id"), g)),
             (None, backend),
             (None, device),
             (None, fmt.si(caps.get("throughput_gflops"))),
             ("ok" if state in ("training", "shepherd") else None, state),
             ("warn" if seen is not None and seen > 3 else None, "-" if seen is None else f"{seen:.1f}s"),
-        ], width, g))
+        ], width, g)
+
+    rows = LazyRows(sorted(members, key=key), row)
     return Content([header_line(SWARM_COLS, width, g)], rows)
 
 
@@ -292,10 +310,22 @@ class Panel(urwid.Widget):
         self.focused = False
         self._visible = 1
         self._total = 0
+        self._built: tuple[Glyphs, urwid.AttrMap, urwid.LineBox, urwid.Pile] | None = None
+        self._texts: list[urwid.Text] = []
 
     def content(self, width: int, height: int) -> Content:
         obj, ctx = self.source()
         return self.fn(obj, ctx, width, height)
+
+    def _widgets(self, g: Glyphs) -> tuple[urwid.AttrMap, urwid.LineBox, urwid.Pile]:
+        """The border, box and line stack, built once (urwid widget construction is
+        the expensive part of a frame) and refilled on every render."""
+        if self._built is None or self._built[0] is not g:
+            pile = urwid.Pile([])
+            box = urwid.LineBox(urwid.AttrMap(urwid.Filler(pile, valign="top"), "body"),
+                                title=self.name, title_align="left", **g.box)
+            self._built = (g, urwid.AttrMap(box, "border"), box, pile)
+        return self._built[1], self._built[2], self._built[3]
 
     def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]
         maxcol, maxrow = size
@@ -305,23 +335,30 @@ class Panel(urwid.Widget):
         c = self.fn(obj, ctx, inner_w, inner_h)
         fixed = c.fixed[:inner_h]
         visible = max(0, inner_h - len(fixed))
-        self._visible, self._total = visible, len(c.rows)
-        self.offset = max(0, min(self.offset, len(c.rows) - visible))
-        shown = c.rows[self.offset : self.offset + visible]
-        lines = [urwid.Text(m, wrap="clip") for m in fixed + shown] or [urwid.Text("")]
-        body = urwid.AttrMap(urwid.Filler(urwid.Pile(lines), valign="top"), "body")
+        total = len(c.rows)
+        self._visible, self._total = visible, total
+        self.offset = max(0, min(self.offset, total - visible))
+        shown = list(c.rows[self.offset : self.offset + visible])
+        border, box, pile = self._widgets(g)
+        while len(self._texts) < inner_h:
+            self._texts.append(urwid.Text("", wrap="clip"))
+        lines = fixed + shown
+        for i, t in enumerate(self._texts[:inner_h]):
+            t.set_text(lines[i] if i < len(lines) else "")
+        if len(pile.contents) != inner_h:
+            pile.contents[:] = [(t, ("pack", None)) for t in self._texts[:inner_h]]
         # The focus is marked in text as well as colour: a NO_COLOR terminal or a
         # `tmux capture-pane` still shows where tab has moved it.
         title: list[Markup] = [(g.focus + " " if self.focused else "") + self.name]
         if self.title_extra is not None:
             title += [" ", self.title_extra(g)]
-        if len(c.rows) > visible > 0:
-            title.append(f" {self.offset + 1}-{self.offset + len(shown)}/{len(c.rows)}")
-        elif len(c.rows) > 0 and visible == 0:
-            title.append(f" ({len(c.rows)} hidden)")
-        box = urwid.LineBox(body, title=title, title_align="left",
-                            title_attr="title_focus" if self.focused else "title", **g.box)
-        return urwid.AttrMap(box, "border_focus" if self.focused else "border").render(size, focus)
+        if total > visible > 0:
+            title.append(f" {self.offset + 1}-{self.offset + len(shown)}/{total}")
+        elif total > 0 and visible == 0:
+            title.append(f" ({total} hidden)")
+        box.set_title(("title_focus" if self.focused else "title", title))
+        border.set_attr_map({None: "border_focus" if self.focused else "border"})
+        return border.render(size, focus)
 
     def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]
         page = max(1, self._visible - 1)

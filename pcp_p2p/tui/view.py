@@ -37,7 +37,7 @@ STALE_AFTER_S = 3.0
 HELP = """\
 pcp status: a live view of one PCP node, refreshed every second.
 
-  q           quit
+  q           quit (Ctrl+C too)
   tab         next panel   (shift-tab: previous)
   1-6         jump to a panel
   up / down   scroll the focused panel
@@ -166,7 +166,7 @@ class StatusView(urwid.Widget):
         self.refresh()
 
     def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]
-        if key in ("q", "Q"):
+        if key in ("q", "Q", "ctrl c"):  # urwid's raw mode delivers Ctrl+C as a key
             if self.on_quit is not None:
                 self.on_quit()
                 return None
