@@ -338,3 +338,12 @@ def test_fetcher_reports_failures_with_backoff_then_success() -> None:
     assert results[1].status is None and "RuntimeError: bug" in (results[1].error or "")
     assert results[2].status == {"peer_id": "x"} and results[2].error is None
     assert fetcher._thread is not None and not fetcher._thread.is_alive()
+
+
+def test_the_screenshot_in_the_docs_is_what_the_code_draws() -> None:
+    docs = (Path(__file__).parents[1] / "docs" / "tui.md").read_text()
+    clock = Clock(100.0)
+    view = StatusView(TARGET, COLOUR, clock=clock, wall=lambda: 1e9)
+    view.apply_status(snapshot("run"), at=100.0)
+    shot = "\n".join(line.rstrip() for line in screen(view).splitlines())
+    assert f"```\n{shot}\n```" in docs
