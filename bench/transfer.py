@@ -1,6 +1,6 @@
 """Blob transfer throughput against raw TCP, and fan-out, on loopback.
 
-    .venv/bin/python bench/transfer.py [--size-mb 256] [--fanout-mb 50] [--nodes 8] [--repeat 3]
+    .venv/bin/python bench/transfer.py [--size-mb 256] [--fanout-mb 50] [--nodes 8] [--repeat 5]
 
 1. raw: a child process sends the blob's bytes over a plain TCP socket
    (``sendall`` of 1 MiB slices; the parent ``recv_into`` a preallocated buffer).
@@ -66,52 +66,60 @@ def raw_child(port: int, size: int) -> None:
                 s.sendall(view[i : i + MiB])
 
 
-def raw_runs(size: int, repeat: int, cpu: list[float], to_file: Path | None = None) -> list[float]:
-    """Raw copies into memory; with ``to_file``, each run also lands the bytes in a
-    file (fallocate, 4 MiB pwrites, fsync): the floor for any fetch into a store."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    port = lsock.getsockname()[1]
-    child = subprocess.Popen([sys.executable, __file__, "--raw-child", str(port), str(size)],
-                             start_new_session=True)
-    times = []
-    try:
-        lsock.settimeout(60)
-        conn, _ = lsock.accept()
-        conn.settimeout(60)
-        buf = bytearray(size)
-        for _ in range(repeat):
-            view = memoryview(buf)
-            to_fd = None
-            if to_file is not None:
-                to_fd = os.open(to_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-                os.posix_fallocate(to_fd, 0, size)
-            c0 = time.process_time() + proc_cpu(child.pid)
-            t0 = time.perf_counter()
-            conn.sendall(b"g")
-            got = 0
-            while got < size:
-                k = conn.recv_into(view[got:], size - got)
-                if k == 0:
-                    raise RuntimeError("raw child closed early")
-                got += k
-            if to_fd is not None:
-                for i in range(0, size, 4 * MiB):
-                    os.pwrite(to_fd, view[i : i + 4 * MiB], i)
-                os.fsync(to_fd)
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() + proc_cpu(child.pid) - c0)
-            if to_fd is not None:
-                os.close(to_fd)
-                assert to_file is not None
-                to_file.unlink()
-        conn.close()
-        child.wait(timeout=30)
-    finally:
-        lsock.close()
-        if child.poll() is None:
-            os.killpg(child.pid, 9)
-            child.wait()
-    return times
+class RawPeer:
+    """A child process that sends ``size`` random bytes over plain TCP per "go" byte."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        lsock = socket.create_server(("127.0.0.1", 0))
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, "--raw-child", str(lsock.getsockname()[1]), str(size)],
+            start_new_session=True,
+        )
+        try:
+            lsock.settimeout(60)
+            self.conn, _ = lsock.accept()
+        finally:
+            lsock.close()
+        self.conn.settimeout(60)
+        self.buf = bytearray(size)
+
+    def run_once(self, to_file: Path | None = None) -> tuple[float, float]:
+        """(seconds, CPU seconds of both processes) for one copy into memory; with
+        ``to_file`` the bytes also land in a file (fallocate, 4 MiB pwrites, fsync):
+        the floor for any fetch into a store."""
+        view = memoryview(self.buf)
+        fd = None
+        if to_file is not None:
+            fd = os.open(to_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+            os.posix_fallocate(fd, 0, self.size)
+        c0 = time.process_time() + proc_cpu(self.child.pid)
+        t0 = time.perf_counter()
+        self.conn.sendall(b"g")
+        got = 0
+        while got < self.size:
+            k = self.conn.recv_into(view[got:], self.size - got)
+            if k == 0:
+                raise RuntimeError("raw child closed early")
+            got += k
+        if fd is not None:
+            for i in range(0, self.size, 4 * MiB):
+                os.pwrite(fd, view[i : i + 4 * MiB], i)
+            os.fsync(fd)
+        dt = time.perf_counter() - t0
+        cpu = time.process_time() + proc_cpu(self.child.pid) - c0
+        if fd is not None and to_file is not None:
+            os.close(fd)
+            to_file.unlink()
+        return dt, cpu
+
+    def stop(self) -> None:
+        self.conn.close()
+        try:
+            self.child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.child.pid, 9)
+            self.child.wait()
 
 
 STREAM_PROTO = "/pcp/bench/stream/1.0.0"
@@ -186,23 +194,30 @@ class Provider:
             self.proc.wait()
 
 
-async def fetch_runs(provider: Provider, workdir: Path, repeat: int, cpu: list[float]) -> list[float]:
+async def interleaved(raw: RawPeer, provider: Provider, workdir: Path, repeat: int) -> dict[str, list[float]]:
+    """Alternate raw copies and PCP fetches so both see the same machine load."""
     ident = Identity.generate()
     host = libp2p.new_host(key_pair=ident.key_pair)
-    times = []
+    out: dict[str, list[float]] = {k: [] for k in ("raw", "raw_cpu", "raw_file", "pcp", "pcp_cpu")}
     async with host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         info = PeerInfo(host.get_id(), host.get_addrs())
         store = BlobStore(workdir / "fetcher", 1 << 40)
         svc = BlobService(host, store, MemoryRouting().for_peer(info), ident)
-        for _ in range(repeat + 1):  # the first run warms the connection and is dropped
+        await svc.fetch(provider.cid, providers=[provider.info])  # warm-up: dial, page cache
+        store.delete(provider.cid)
+        for _ in range(repeat):
+            t, c = await trio.to_thread.run_sync(raw.run_once)
+            out["raw"].append(t)
+            out["raw_cpu"].append(c)
             c0 = time.process_time() + proc_cpu(provider.proc.pid)
             t0 = time.perf_counter()
             await svc.fetch(provider.cid, providers=[provider.info])
-            times.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() + proc_cpu(provider.proc.pid) - c0)
+            out["pcp"].append(time.perf_counter() - t0)
+            out["pcp_cpu"].append(time.process_time() + proc_cpu(provider.proc.pid) - c0)
             store.delete(provider.cid)
-    del cpu[0]
-    return times[1:]
+            t, _ = await trio.to_thread.run_sync(raw.run_once, workdir / "raw.bin")
+            out["raw_file"].append(t)
+    return out
 
 
 async def fanout(provider: Provider, workdir: Path, nodes: int) -> tuple[float, float]:
@@ -238,7 +253,7 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--fanout-mb", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--stream-mb", type=int, default=64, help="size for the plain libp2p stream figure")
     ap.add_argument("--raw-child", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", type=int, help=argparse.SUPPRESS)
@@ -256,13 +271,13 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="pcp-bench-transfer-"))
     providers: list[Provider] = []
     try:
-        raw_cpu: list[float] = []
-        pcp_cpu: list[float] = []
-        raw = raw_runs(size, args.repeat, raw_cpu)
-        raw_file = raw_runs(size, args.repeat, [], workdir / "raw.bin")
-        big = Provider(size, 1, workdir / "p1")
-        providers.append(big)
-        pcp = trio.run(fetch_runs, big, workdir, args.repeat, pcp_cpu)
+        raw_peer = RawPeer(size)
+        try:
+            big = Provider(size, 1, workdir / "p1")
+            providers.append(big)
+            m = trio.run(interleaved, raw_peer, big, workdir, args.repeat)
+        finally:
+            raw_peer.stop()
         big.stop()
         small = Provider(args.fanout_mb * MiB, 2, workdir / "p2")
         providers.append(small)
@@ -273,22 +288,23 @@ def main() -> None:
         for p in providers:
             p.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    raw_t, pcp_t = statistics.median(raw), statistics.median(pcp)
+    med = {k: statistics.median(v) for k, v in m.items()}
     print(json.dumps({
-        "headline": round(raw_t / pcp_t, 3),
+        "headline": round(med["raw"] / med["pcp"], 3),
         "target": 0.5,
         "better": "higher",
         "unit": "ratio",
         "metric": f"pcp blob fetch throughput / raw TCP throughput, {args.size_mb} MB, loopback, 2 processes",
         "size_mb": args.size_mb,
-        "raw_mb_s": round(size / raw_t / 1e6, 1),
-        "pcp_mb_s": round(size / pcp_t / 1e6, 1),
-        "raw_to_file_mb_s": round(size / statistics.median(raw_file) / 1e6, 1),
-        "raw_s": [round(t, 3) for t in raw],
-        "pcp_s": [round(t, 3) for t in pcp],
-        "raw_cpu_s": round(statistics.median(raw_cpu), 3),
-        "pcp_cpu_s": round(statistics.median(pcp_cpu), 3),
-        "cpu_ratio": round(statistics.median(raw_cpu) / statistics.median(pcp_cpu), 3),
+        "raw_mb_s": round(size / med["raw"] / 1e6, 1),
+        "pcp_mb_s": round(size / med["pcp"] / 1e6, 1),
+        "raw_to_file_mb_s": round(size / med["raw_file"] / 1e6, 1),
+        "vs_raw_to_file": round(med["raw_file"] / med["pcp"], 3),
+        "raw_s": [round(t, 3) for t in m["raw"]],
+        "pcp_s": [round(t, 3) for t in m["pcp"]],
+        "raw_cpu_s": round(med["raw_cpu"], 3),
+        "pcp_cpu_s": round(med["pcp_cpu"], 3),
+        "cpu_ratio": round(med["raw_cpu"] / med["pcp_cpu"], 3),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
         "libp2p_stream_mb_s": round(args.stream_mb * MiB / stream_s / 1e6, 1),
