@@ -461,3 +461,15 @@ async def test_publish_keeps_the_blob_when_announcing_fails(tmp_path: Path) -> N
             await a.announce(cid_of(b"other"))
         with pytest.raises(NoProviders):
             await a.fetch(cid_of(b"other"))
+
+
+@pytest.mark.parametrize("size", [0, 1, CS, CS + 1])
+async def test_edge_sizes_round_trip(tmp_path: Path, size: int) -> None:
+    data = os.urandom(size)
+    async with network(tmp_path) as net:
+        a, b = await net.node(), await net.node()
+        cid = await a.publish(data)
+        assert (await b.fetch(cid, providers=[info(a)])).read_bytes() == data
+        c = await net.node()
+        c._side_unreachable.add(a.peer_id)
+        assert (await c.fetch(cid, providers=[info(a)])).read_bytes() == data
