@@ -96,6 +96,19 @@ async def test_tui_in_tmux_shows_the_members_and_quits_on_q(tmp_path: Path) -> N
                 while not (rc_file.exists() and rc_file.read_text().strip()):
                     await trio.sleep(0.1)
             assert rc_file.read_text().strip() == "0"
+
+            # a dumb terminal without colours: plain ASCII, same content
+            rc_file.unlink()
+            cmd = (f"env TERM=dumb NO_COLOR=1 {shlex.join([*pcp_command(), 'status', '--connect', b.addr])}; "
+                   f"echo $? > {shlex.quote(str(rc_file))}")
+            tmux("new-session", "-d", "-s", "tui", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
+            text = await tmux.wait_for(["+ > swarm", "* " + "~" + b.peer_id[-8:], "live"])
+            assert text.isascii()
+            tmux("send-keys", "-t", "tui", "q")
+            with trio.fail_after(15):
+                while not (rc_file.exists() and rc_file.read_text().strip()):
+                    await trio.sleep(0.1)
+            assert rc_file.read_text().strip() == "0"
         finally:
             tmux.kill()
 

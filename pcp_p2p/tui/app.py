@@ -8,8 +8,10 @@ countdowns (round deadline, lease, "stale for") between results.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable
 
 import urwid
@@ -83,12 +85,18 @@ def run_tui(
 
     fetcher = StatusFetcher(addr_fn, fetch or default_fetch(timeout, swarm_key), on_result, interval=1.0)
     loop.set_alarm_in(TICK_S, tick)
-    fetcher.start()
-    try:
-        loop.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        fetcher.stop()
-        loop.remove_watch_pipe(wake_fd)
+    # stderr is the same terminal urwid draws on: a log line or a warning printed
+    # there would tear the screen, so both are off while it is up.
+    logging.disable(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fetcher.start()
+        try:
+            loop.run()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            fetcher.stop()
+            loop.remove_watch_pipe(wake_fd)
+            logging.disable(logging.NOTSET)
     return 0
