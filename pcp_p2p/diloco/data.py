@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pcp_p2p.compile.tokenizer import CharTokenizer  # numpy only: no JAX on workers
 from pcp_p2p.errors import ConfigError
 
 SHAKESPEARE = "shakespeare"
@@ -94,14 +95,12 @@ def load_corpus(dataset: str) -> str:
 class CharDataset:
     """A tokenised corpus split 90/10 into training and validation tokens."""
 
-    tokenizer: object  # CharTokenizer; typed loosely so this module imports without compile/
+    tokenizer: CharTokenizer
     train: np.ndarray  # int32, (N_train,)
     val: np.ndarray  # int32, (N_val,)
 
     @classmethod
     def from_text(cls, text: str) -> CharDataset:
-        from pcp_p2p.compile.tokenizer import CharTokenizer
-
         tok = CharTokenizer.from_text(text)
         ids = tok.encode(text)
         n = int(len(ids) * TRAIN_FRACTION)
@@ -113,7 +112,7 @@ class CharDataset:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.tokenizer.vocab_size)  # type: ignore[attr-defined]
+        return self.tokenizer.vocab_size
 
 
 @lru_cache(maxsize=4)
