@@ -30,6 +30,7 @@ from pcp_p2p.diloco.tensors import pack_tensors, params_cid
 from pcp_p2p.diloco.worker import InnerResult, Worker, WorkerPhase
 from pcp_p2p.errors import (
     BadSignature,
+    ConfigError,
     HashMismatch,
     QuorumError,
     RejectedUpdate,
@@ -452,3 +453,9 @@ def test_join_is_checked():
     assert sh.roster == {}
     ok = sign(Join(run_id=RUN_ID, worker=w.peer_id, target="llvm-cpu-x86-64-v3", tokens_per_s=1.0), w)
     assert sh.on_join(ok, now=0.0) == [] and list(sh.roster) == [w.peer_id]
+
+
+def test_artifacts_must_be_for_allowed_targets():
+    with pytest.raises(ConfigError, match="does not allow"):
+        Shepherd(spec=SPEC, run_id=RUN_ID, identity=OWNER, term=0, state=OuterState.initial(THETA0),
+                 artifacts={"metal-spirv": cid_of(b"vmfb")})

@@ -73,6 +73,7 @@ from pcp_p2p.diloco.outer import OuterState, nesterov_step
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, pack_tensors
 from pcp_p2p.errors import (
+    ConfigError,
     HashMismatch,
     LocalError,
     PcpError,
@@ -121,6 +122,9 @@ class Shepherd:
         self.term = term
         self.state = state
         self.artifacts = dict(artifacts or {})
+        stray = set(self.artifacts) - set(spec.targets)
+        if stray:
+            raise ConfigError(f"artifacts for targets the run spec does not allow: {sorted(stray)}")
         self.evaluate = evaluate
         self.phase = Phase.WAITING if state.round < spec.round.rounds else Phase.FINISHED
         self.roster: dict[str, Join] = {}

@@ -210,6 +210,7 @@ class World:
         self.kill_scopes: dict[str, trio.CancelScope] = {}
         self.done = trio.Event()
         self.finished_cid: str | None = None
+        self.target = cfg.spec.targets[0]
         owner = self._identity()
         self.signed_spec = sign_spec(cfg.spec, owner)
         self.run_id = run_id_of(self.signed_spec)
@@ -219,11 +220,11 @@ class World:
             identity=owner,
             term=0,
             state=OuterState.initial(self.problem.initial()),
-            artifacts={"sim-cpu": cid_of(SIM_ARTIFACT)},
+            artifacts={self.target: cid_of(SIM_ARTIFACT)},
             evaluate=self.problem.loss,
         )
         # the artifact is an ordinary blob too (its bytes are irrelevant to the sim)
-        self.blobs[self.shepherd.artifacts["sim-cpu"]] = SIM_ARTIFACT
+        self.blobs[self.shepherd.artifacts[self.target]] = SIM_ARTIFACT
 
     def _identity(self) -> Identity:
         return Identity(self.rng.randbytes(32))
@@ -393,7 +394,7 @@ class World:
                 run_id=self.run_id,
                 identity=self._identity(),
                 shepherds={0: self.shepherd.peer_id},
-                target="sim-cpu",
+                target=self.target,
                 tokens_per_s=plan.tokens_per_s,
             )
             self.plans[w.peer_id] = plan
