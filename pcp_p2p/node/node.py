@@ -77,7 +77,9 @@ from pcp_p2p.wire.framing import read_frame, write_frame
 
 log = logging.getLogger("pcp.node")
 
-ROLES = ("worker", "bootstrap")
+# worker: a member that trains; bootstrap: a DHT server that only introduces
+# peers; client: a short-lived node run by a command (pcp run create), not a member.
+ROLES = ("worker", "bootstrap", "client")
 
 
 @dataclass

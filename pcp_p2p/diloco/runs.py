@@ -1,0 +1,106 @@
+"""How runs travel: publishing a signed run spec, finding runs, and whom to trust.
+
+A run is created by its owner (``pcp run create SPEC.toml``), who signs the
+spec; the run id is the CID of the signed spec. The spec then reaches nodes
+three ways, so neither a dropped message nor a late start strands a node:
+
+1. the owner stores it in the DHT under ``/pcp/run/<run id>`` (a record only
+   the owner can sign, and only for the spec that hashes to that id);
+2. the owner sends it directly (``/pcp/msg/1.0.0``) to every live member it
+   sees within a few seconds of joining;
+3. every node taking part lists the run id in its member record, so a node
+   that joins later sees the id in a heartbeat and fetches the spec from the
+   DHT.
+
+A node acts on a spec only if it trusts the owner (``--trust PEER_ID``,
+repeatable); ``--trust-any`` accepts every owner and is meant for local demos:
+it lets anyone who can reach the node make it download and run their artifact.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pcp_p2p.dht.records import register_kind
+from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec, run_id_of, verify_spec
+from pcp_p2p.errors import BadSignature, PcpError, VerificationError
+from pcp_p2p.wire import Message, encode
+
+log = logging.getLogger("pcp.runs")
+
+
+def _owner_signs_its_run(name: str, signer: str, payload: Message) -> None:
+    assert isinstance(payload, SignedRunSpec)
+    if payload.owner != signer:
+        raise BadSignature("a run record must be signed by the run's owner")
+    if run_id_of(payload) != name:
+        raise VerificationError("run record stored under another run id")
+    verify_spec(payload)
+
+
+register_kind("run", SignedRunSpec, _owner_signs_its_run)
+
+
+class UntrustedOwner(VerificationError):
+    """A run whose owner this node does not trust."""
+
+
+@dataclass
+class TrustPolicy:
+    owners: frozenset[str] = frozenset()
+    any_owner: bool = False
+
+    def check(self, owner: str) -> None:
+        if not (self.any_owner or owner in self.owners):
+            raise UntrustedOwner(f"run owner {owner} is not in this node's --trust list")
+
+
+@dataclass
+class KnownRun:
+    run_id: str
+    signed: SignedRunSpec
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.signed.spec
+
+    @property
+    def owner(self) -> str:
+        return self.signed.owner
+
+
+@dataclass
+class RunBook:
+    """The runs this node knows and accepts (sans-IO: callers feed it specs)."""
+
+    trust: TrustPolicy
+    runs: dict[str, KnownRun] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # run id -> why
+
+    def offer(self, signed: SignedRunSpec) -> KnownRun | None:
+        """Check a signed spec; return it if it is new and acceptable, None if known.
+
+        Raises a PcpError (bad signature, bad values, untrusted owner) otherwise.
+        """
+        run_id = run_id_of(signed)
+        if run_id in self.runs:
+            return None
+        try:
+            verify_spec(signed)
+            self.trust.check(signed.owner)
+        except PcpError as exc:
+            self.refused[run_id] = str(exc)
+            raise
+        run = KnownRun(run_id, signed)
+        self.runs[run_id] = run
+        log.info("run %s from owner %s accepted", run_id, signed.owner)
+        return run
+
+    def unknown(self, run_ids: tuple[str, ...]) -> list[str]:
+        """Run ids worth looking up: neither known nor already refused."""
+        return [r for r in run_ids if r not in self.runs and r not in self.refused]
+
+
+def spec_bytes(signed: SignedRunSpec) -> bytes:
+    return encode(signed)
