@@ -14,7 +14,6 @@ import os
 import shlex
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 

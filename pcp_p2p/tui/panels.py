@@ -313,10 +313,6 @@ class Panel(urwid.Widget):
         self._built: tuple[Glyphs, urwid.AttrMap, urwid.LineBox, urwid.Pile] | None = None
         self._texts: list[urwid.Text] = []
 
-    def content(self, width: int, height: int) -> Content:
-        obj, ctx = self.source()
-        return self.fn(obj, ctx, width, height)
-
     def _widgets(self, g: Glyphs) -> tuple[urwid.AttrMap, urwid.LineBox, urwid.Pile]:
         """The border, box and line stack, built once (urwid widget construction is
         the expensive part of a frame) and refilled on every render."""
