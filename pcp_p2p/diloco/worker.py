@@ -241,7 +241,9 @@ class Worker:
         try:
             check_cid(cid, data)
         except HashMismatch as exc:
-            return [Rejected(None, exc), FetchBlob(cid)]
+            return [Rejected(None, exc), FetchBlob(cid)]  # ask again (another provider)
+        except PcpError as exc:
+            return [Rejected(None, exc)]
         ann = self.current
         is_theta = (ann is not None and cid == ann.theta_cid) or (
             self.last_commit is not None and cid == self.last_commit.theta_cid
@@ -249,11 +251,15 @@ class Worker:
         if is_theta:
             try:
                 self.theta = unpack_tensors(data)
-            except PcpError as exc:
+            except PcpError as exc:  # signed CID, undecodable bytes: this round is lost
+                if self.phase is WorkerPhase.FETCHING:
+                    self.phase = WorkerPhase.IDLE
                 return [Rejected(None, exc)]
             self.theta_cid = cid
+        elif cid in self.wanted:
+            self.held_artifacts.add(cid)  # the glue keeps the bytes; we only note the CID
         else:
-            self.held_artifacts.add(cid)
+            return []  # a late or duplicate delivery nobody asked for any more
         self.wanted.discard(cid)
         if self.phase is WorkerPhase.FETCHING and not self.wanted:
             return self._train()
