@@ -1,0 +1,282 @@
+"""The serving side of ``/pcp/blob/1.0.0``: answer requests, upload chunks.
+
+:class:`BlobServer` is the half of :class:`~pcp_p2p.blob.service.BlobService`
+that other peers talk to. A request is read and answered under the request
+deadline; a data upload then runs outside it, either in a worker thread over the
+TCP side channel (accept one connection, check the client's hello record, send
+AES-GCM chunk records from the file, which is held open so eviction cannot pull
+it away) or, on the ``stream`` fallback, as frames on the same libp2p stream.
+At most ``max_uploads`` uploads run at once; further data requests queue for a
+slot (up to half the request deadline) before being answered ``busy``.
+
+Faults are injected in tests by overriding :meth:`BlobServer._send_chunk`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from libp2p.abc import IHost, INetStream
+
+from pcp_p2p.blob import protocol as P
+from pcp_p2p.blob.chunks import ChunkManifest
+from pcp_p2p.blob.sidechannel import (
+    KIND_CHUNK,
+    KIND_HELLO,
+    TAG_LEN,
+    RecordCipher,
+    RecordReader,
+    derive_key,
+    hello_plaintext,
+    send_record,
+    transcript,
+    tune,
+)
+from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.cid import cid_of
+from pcp_p2p.errors import (
+    BlobNotFound,
+    MalformedMessage,
+    PcpError,
+    PeerGone,
+    PeerTimeout,
+    ProtocolError,
+    VerificationError,
+)
+from pcp_p2p.wire import framing
+
+log = logging.getLogger("pcp_p2p.blob.service")
+
+
+@dataclass(frozen=True)
+class BlobConfig:
+    """Limits and deadlines of the blob exchange (both the fetching and the serving end)."""
+
+    max_blob_size: int = 16 * 1024**3  # a fetch refuses manifests declaring more
+    max_range: int = 256 * 1024**2  # byte-range fetches are held in memory
+    request_timeout: float = 20.0  # one control exchange on the libp2p stream
+    stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
+    max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
+    side_host: str | None = None  # where side listeners bind; None: the host's listen IP
+
+
+@dataclass
+class _Upload:
+    """What a data request leaves to do after the reply: one of the two paths."""
+
+    in_thread: Callable[[], None] | None = None
+    on_stream: Callable[[INetStream], Awaitable[None]] | None = None
+
+
+class BlobServer:
+    """Answers ``/pcp/blob/1.0.0`` requests from the store (see the module docstring)."""
+
+    host: IHost
+    store: BlobStore
+    config: BlobConfig
+    peer_id: str
+    _uploads: trio.Semaphore
+
+    def register(self) -> None:
+        """Serve ``/pcp/blob/1.0.0`` on the host."""
+        self.host.set_stream_handler(P.PROTOCOL_ID, self._handle)  # type: ignore[arg-type]
+
+    async def _handle(self, stream: INetStream) -> None:
+        client = stream.muxed_conn.peer_id.to_base58()
+        try:
+            try:
+                with trio.fail_after(self.config.request_timeout):
+                    req = await P.read_frame(stream, P.BlobRequest, timeout=self.config.request_timeout)
+                    upload = await self._answer(stream, client, req)
+                if upload is not None and upload.on_stream is not None:
+                    try:
+                        await upload.on_stream(stream)
+                    finally:
+                        self._uploads.release()
+                    upload = None
+            except ProtocolError as exc:
+                log.info("blob: bad request from %s: %s", client, exc)
+                with trio.move_on_after(self.config.request_timeout):
+                    await P.write_frame(stream, P.BlobReply(P.BAD_REQUEST, str(exc)[:200]), timeout=self.config.request_timeout)
+                return
+            finally:
+                with trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception:
+                        pass
+            if upload is not None and upload.in_thread is not None:
+                try:
+                    await trio.to_thread.run_sync(upload.in_thread, abandon_on_cancel=True)
+                finally:
+                    self._uploads.release()
+        except trio.TooSlowError:
+            log.info("blob: request from %s timed out", client)
+        except PcpError as exc:
+            log.info("blob: serving %s failed: %s", client, exc)
+        except Exception:  # a bug must not take the host down
+            log.exception("blob: handler crashed serving %s", client)
+
+    async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest) -> _Upload | None:
+        """Reply to ``req``; for a data request, return the upload to run.
+
+        The upload holds one of the ``max_uploads`` slots; ``_handle`` releases it.
+        """
+        if not self.store.has(req.cid):
+            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
+            return None
+        if req.kind == "manifest":
+            await P.write_frame(stream, P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid)), timeout=self.config.request_timeout)
+            return None
+        mf_bytes = self.store.manifest_bytes(req.cid)
+        if cid_of(mf_bytes) != req.manifest_cid:
+            await P.write_frame(stream, P.BlobReply(P.MISMATCH), timeout=self.config.request_timeout)
+            return None
+        manifest = self.store.manifest(req.cid)
+        if req.first + req.count > manifest.count:
+            raise MalformedMessage(f"chunks [{req.first}, {req.first + req.count}) of {manifest.count}")
+        # Queue for an upload slot rather than refuse at once: a burst of
+        # fetchers (fan-out) then drains in turn instead of failing over.
+        acquired = False
+        with trio.move_on_after(self.config.request_timeout / 2):
+            await self._uploads.acquire()
+            acquired = True
+        if not acquired:
+            await P.write_frame(stream, P.BlobReply(P.BUSY), timeout=self.config.request_timeout)
+            return None
+        try:
+            file = open(self.store.path(req.cid), "rb")  # held open: eviction cannot pull it away
+        except (FileNotFoundError, BlobNotFound):  # evicted since the check above
+            self._uploads.release()
+            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
+            return None
+        if req.via == "stream":
+            try:
+                await P.write_frame(stream, P.BlobReply(P.OK), timeout=self.config.request_timeout)
+            except BaseException:
+                file.close()
+                self._uploads.release()
+                raise
+
+            async def on_stream(s: INetStream) -> None:
+                try:
+                    await self._stream_upload(s, file, manifest, req.first, req.count)
+                finally:
+                    file.close()
+
+            return _Upload(on_stream=on_stream)
+        try:
+            listener = socket.create_server((self._side_host(), 0), backlog=1)
+        except BaseException:
+            file.close()
+            self._uploads.release()
+            raise
+        secret, nonce = secrets.token_bytes(32), secrets.token_bytes(P.NONCE_LEN)
+        info = transcript(client, self.peer_id, req.cid, req.manifest_cid, req.first, req.count)
+        key = derive_key(secret, req.nonce, nonce, info)
+        try:
+            await P.write_frame(
+                stream,
+                P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce),
+                timeout=self.config.request_timeout,
+            )
+        except BaseException:
+            listener.close()
+            file.close()
+            self._uploads.release()
+            raise
+
+        def upload() -> None:
+            try:
+                self._upload(listener, file, key, info, manifest, req.first, req.count)
+            finally:
+                listener.close()
+                file.close()
+
+        return _Upload(in_thread=upload)
+
+    async def _stream_upload(
+        self, stream: INetStream, file: object, manifest: ChunkManifest, first: int, count: int
+    ) -> None:
+        fd = file.fileno()  # type: ignore[attr-defined]
+        for i in range(first, first + count):
+            offset, length = manifest.chunk_span(i)
+            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+            if len(data) != length:
+                raise PeerGone("blob file shorter than its manifest")
+            for j in range(0, length, P.STREAM_PIECE):
+                await framing.write_frame(
+                    stream, data[j : j + P.STREAM_PIECE], timeout=self.config.stall_timeout
+                )
+
+    def _upload(
+        self,
+        listener: socket.socket,
+        file: object,
+        key: bytes,
+        info: bytes,
+        manifest: ChunkManifest,
+        first: int,
+        count: int,
+    ) -> None:
+        """Runs in a worker thread: accept the client, check its hello, send the chunks."""
+        listener.settimeout(self.config.request_timeout)
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError as exc:
+            raise PeerTimeout("client never connected to the side channel") from exc
+        listener.close()
+        try:
+            tune(sock, self.config.stall_timeout)
+            c2s = RecordCipher.for_direction(key, client_to_server=True)
+            s2c = RecordCipher.for_direction(key, client_to_server=False)
+            hello = RecordReader(sock, c2s, len(hello_plaintext(info))).read(KIND_HELLO)
+            if hello != hello_plaintext(info):
+                raise VerificationError("side-channel hello does not match the transfer")
+            fd = file.fileno()  # type: ignore[attr-defined]
+            plain = bytearray(manifest.chunk_size)
+            out = bytearray(manifest.chunk_size + TAG_LEN)
+            for i in range(first, first + count):
+                offset, length = manifest.chunk_span(i)
+                view = memoryview(plain)[:length]
+                if os.preadv(fd, [view], offset) != length:
+                    raise PeerGone("blob file shorter than its manifest")
+                self._send_chunk(sock, s2c, i, view, out)
+            sock.shutdown(socket.SHUT_WR)
+            # Wait for the client to close so its last bytes are not cut by a reset.
+            sock.recv(1)
+        except OSError as exc:
+            raise PeerGone(f"side channel broke: {exc}") from exc
+        finally:
+            sock.close()
+
+    def _send_chunk(
+        self, sock: socket.socket, cipher: RecordCipher, index: int, data: memoryview, out: bytearray
+    ) -> None:
+        """Send one chunk record (tests override this to inject faults)."""
+        send_record(sock, cipher, KIND_CHUNK, data, out)
+
+    def _side_host(self) -> str:
+        if self.config.side_host is not None:
+            return self.config.side_host
+        for addr in self.host.get_addrs():
+            try:
+                return addr.value_for_protocol("ip4")  # type: ignore[no-any-return]
+            except Exception:
+                continue
+        return "0.0.0.0"
+
+
+
+async def close_stream(stream: INetStream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.close()
+        except Exception:
+            pass
