@@ -459,3 +459,25 @@ def test_artifacts_must_be_for_allowed_targets():
     with pytest.raises(ConfigError, match="does not allow"):
         Shepherd(spec=SPEC, run_id=RUN_ID, identity=OWNER, term=0, state=OuterState.initial(THETA0),
                  artifacts={"metal-spirv": cid_of(b"vmfb")})
+
+
+def test_identical_delta_blobs_from_two_workers_are_both_counted(monkeypatch):
+    import pcp_p2p.diloco.worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "INLINE_DELTA_LIMIT", 16)
+    r = Round(n=2)
+    blobs, fetches = {}, []
+    for i in (10, 11):
+        w = make_worker(i)
+        w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+        w.on_announcement(r.ann, now=2.0)
+        local = {k: v - 0.01 for k, v in THETA0.items()}  # the same Δ from both
+        effects = w.on_inner_done(InnerResult(0, 0, local, 10, (1.0,), None), now=12.0)
+        blobs.update({e.cid: e.data for e in effects if isinstance(e, StoreBlob)})
+        fetches += [e for e in r.shepherd.on_submission(sent(effects, Submission)[0], now=12.1)
+                    if isinstance(e, FetchBlob)]
+    assert len(blobs) == 1 and len(fetches) == 1  # one CID, fetched once
+    effects = r.shepherd.on_blob(fetches[0].cid, blobs[fetches[0].cid], now=12.2)
+    (rec,) = [e.record for e in effects if isinstance(e, Committed)]
+    assert len(rec.participants) == 2
+    assert r.shepherd.round_agg.accepted == {}  # nothing leaked into the next round

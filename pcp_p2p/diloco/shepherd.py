@@ -131,7 +131,7 @@ class Shepherd:
         self.misses: dict[str, int] = {}
         self.attempt = 0
         self.round_agg: RoundAggregator | None = None
-        self.pending: dict[str, Submission] = {}  # Δ blob CID -> its submission
+        self.pending: dict[str, list[Submission]] = {}  # Δ blob CID -> submissions naming it
         self.theta_bytes = pack_tensors(state.theta, "fp32")
         self.theta_cid = state.theta_cid
         self.commits: list[CommitRecord] = []
@@ -204,25 +204,32 @@ class Shepherd:
         if sub.delta_inline is not None:
             return self._admit(sub, sub.delta_inline, now)
         assert sub.delta_cid is not None
-        self.pending[sub.delta_cid] = sub
-        return [FetchBlob(sub.delta_cid, hint=sub.worker)]
+        waiting = self.pending.setdefault(sub.delta_cid, [])
+        waiting.append(sub)
+        return [FetchBlob(sub.delta_cid, hint=sub.worker)] if len(waiting) == 1 else []
 
     def on_blob(self, cid: str, data: bytes, now: float) -> list[Effect]:
         """A Δ blob asked for with ``FetchBlob`` arrived."""
-        sub = self.pending.pop(cid, None)
-        if sub is None or self.phase is not Phase.COLLECTING:
-            return []  # late, or for an attempt already decided
+        subs = self.pending.pop(cid, [])
+        effects: list[Effect] = []
         try:
             check_cid(cid, data)
         except HashMismatch as exc:
-            return self._refuse(sub, exc, now)
-        return self._admit(sub, data, now)
+            for sub in subs:
+                if self._is_current(sub):
+                    effects += self._refuse(sub, exc, now)
+            return effects
+        for sub in subs:  # (two workers may send byte-identical Δs)
+            if self._is_current(sub):  # the first may have closed the round
+                effects += self._admit(sub, data, now)
+        return effects
 
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
-        sub = self.pending.pop(cid, None)
-        if sub is None:
-            return []
-        return self._refuse(sub, error, now)
+        effects: list[Effect] = []
+        for sub in self.pending.pop(cid, []):
+            if self._is_current(sub):
+                effects += self._refuse(sub, error, now)
+        return effects
 
     def tick(self, now: float) -> list[Effect]:
         agg = self.round_agg
@@ -238,6 +245,14 @@ class Shepherd:
         return self._discard(now)
 
     # --- internals -----------------------------------------------------------
+
+    def _is_current(self, sub: Submission) -> bool:
+        """Whether ``sub`` (already header-checked) belongs to the attempt now open."""
+        agg = self.round_agg
+        if self.phase is not Phase.COLLECTING or agg is None:
+            return False
+        a = agg.announcement
+        return (sub.term, sub.round, sub.attempt) == (a.term, a.round, a.attempt)
 
     def _set_phase(self, phase: Phase) -> None:
         if phase not in TRANSITIONS[self.phase]:
