@@ -64,6 +64,22 @@ from pcp_p2p.node import executor_child as proto
 from pcp_p2p.node.cpu import CpuInfo, cpu_can_run, local_cpu
 
 CHILD_SCRIPT = Path(proto.__file__).resolve()
+
+# glibc malloc settings for the child. IREE's CPU driver mallocs every call's
+# results and transients; glibc serves blocks above its mmap threshold (at
+# most 32 MiB) with fresh mmaps and unmaps them on free, so every call
+# page-faults its whole working set again and the kernel zeroes it. For the
+# 10.7M-parameter train step (a 129 MB result block and a 168 MB transient
+# block) that was ~80k faults and ~150 ms of system time per call. Serving
+# everything from one brk heap that is never trimmed (no mmap, one arena)
+# makes later calls reuse warm pages: ~500 faults and no system time per call,
+# for ~15% more peak memory. Other C libraries ignore the variable.
+MALLOC_TUNABLES = (
+    "glibc.malloc.mmap_max=0:"
+    "glibc.malloc.arena_max=1:"
+    "glibc.malloc.trim_threshold=68719476736:"
+    "glibc.malloc.top_pad=67108864"
+)
 _ERRORS = {"InvalidInput": InvalidInput, "IncompatibleArtifact": IncompatibleArtifact,
            "ExecutorError": ExecutorError}
 _STATE_GROUPS = ("param", "m", "v")
@@ -138,6 +154,8 @@ class Executor:
     @classmethod
     def _spawn(cls, target: Target) -> Executor:
         stderr_file = tempfile.TemporaryFile(prefix="pcp-executor-")
+        env = dict(os.environ)
+        env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES)))
         try:
             proc = subprocess.Popen(
                 [sys.executable, str(CHILD_SCRIPT)],
@@ -145,6 +163,7 @@ class Executor:
                 stdout=subprocess.PIPE,
                 stderr=stderr_file,
                 close_fds=True,
+                env=env,
             )
         except OSError as exc:
             stderr_file.close()
