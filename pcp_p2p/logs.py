@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict
 _configured = False
 
 # Loggers that are noisy at INFO/WARNING during normal operation.
-NOISY_LOGGERS = ("libp2p", "multiaddr", "async_service", "libp2p.kad_dht", "libp2p.pubsub")
+NOISY_LOGGERS = ("libp2p", "multiaddr", "async_service", "libp2p.kad_dht", "libp2p.pubsub", "jax._src.xla_bridge")
 
 
 class JsonFormatter(logging.Formatter):

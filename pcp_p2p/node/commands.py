@@ -43,6 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                       help="compute backend to offer (default: every one the IREE runtime finds)")
     join.add_argument("--client-mode", action="store_true",
                       help="DHT client mode, for nodes that cannot accept incoming connections")
+    join.add_argument("--trust", action="append", default=[], metavar="OWNER_PEER_ID",
+                      help="train for runs created by this owner (peer id printed by `pcp run create`); repeatable")
+    join.add_argument("--trust-any", action="store_true",
+                      help="train for ANY run owner: anyone who can reach this node can make it download and run "
+                      "their compiled code. For local demos only")
     join.set_defaults(func=_cmd_join)
 
     boot = sub.add_parser(
@@ -107,7 +112,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         swarm_key=args.swarm_key,
         backend=args.backend,
     )
-    return _serve(config, args, print_addr=True)
+    return _serve(config, args, print_addr=True, training=True)
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -148,15 +153,29 @@ def _as_list(value: Any) -> list[str]:
     raise ConfigError(f"expected a string or a list of strings, got {value!r}")
 
 
-def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False) -> int:
+def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, training: bool = False) -> int:
     """Run a node until SIGINT/SIGTERM."""
     from pcp_p2p.node.node import open_node
 
     logs.configure(args.log_level.upper(), json_lines=args.log_json)
+    trust = None
+    if training:
+        from pcp_p2p.diloco.runs import TrustPolicy
+
+        trust = TrustPolicy(frozenset(args.trust), any_owner=args.trust_any)
+        if args.trust_any:
+            log.warning("--trust-any: this node will download and run compiled code from ANY run owner "
+                        "who can reach it. Use it only in a swarm you control.")
+        elif not args.trust:
+            log.info("no --trust given: this node keeps the swarm company but trains for nobody")
 
     async def main() -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_node(config) as node, _metrics(node, args):
+                if trust is not None:
+                    from pcp_p2p.diloco.service import install_training
+
+                    install_training(node, trust)
                 addrs = node.addrs()
                 _write_addr(config.data_dir / ADDR_FILE, addrs[0])
                 if args.addr_file:

@@ -50,6 +50,8 @@ class MemberRecord(Message):
     role: str  # "worker" or "bootstrap"
     started_at: float  # unix seconds
     capabilities: Capabilities
+    runs: tuple[str, ...] = ()  # ids of the runs this node takes part in (how late joiners find runs)
+    state: str = "idle"  # what it is doing: idle, training, shepherd, ...
 
 
 register_kind("member", MemberRecord)

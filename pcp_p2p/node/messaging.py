@@ -63,6 +63,7 @@ class Messenger:
         """Deliver ``msg`` to ``peer_id``; raises PeerGone/PeerTimeout/ProtocolError."""
         timeout = timeout or self.node.config.op_timeout
         data = encode(msg)
+        log.debug("send %s (%d bytes) to %s", msg.TAG, len(data), peer_id)
         pid = ID.from_base58(peer_id)
         with trio.move_on_after(timeout) as scope:
             await self._ensure_route(peer_id, pid)
@@ -77,6 +78,7 @@ class Messenger:
                 ack = await read_exact(stream, 1)
                 if ack != _ACK:
                     raise ProtocolError(f"{peer_id} refused {msg.TAG}")
+                log.debug("sent %s to %s", msg.TAG, peer_id)
             finally:
                 with trio.move_on_after(1):
                     try:
@@ -117,6 +119,7 @@ class Messenger:
                 raise ProtocolError("this node takes no direct messages now")
             limit = max(t.MAX_SIZE for t in types)
             msg = decode(await read_frame(stream, max_size=limit, timeout=self.node.config.op_timeout), *types)
+            log.debug("received %s from %s", msg.TAG, sender)
             await self._handlers[type(msg)](sender, msg)
             await stream.write(_ACK)
             await stream.close()

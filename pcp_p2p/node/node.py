@@ -47,6 +47,10 @@ from libp2p.records.validator import NamespacedValidator
 from libp2p.tools.anyio_service import background_trio_service
 
 from pcp_p2p import __version__
+from pcp_p2p.blob.routing import DhtRouting
+from pcp_p2p.blob.service import BlobService
+from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.dht.kinds import register_all as register_all_kinds
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
@@ -97,6 +101,7 @@ class NodeConfig:
     record_ttl: float = 600.0
     benchmark_s: float = 0.25
     max_connections: int = 64
+    max_storage_bytes: int = 10 * 1024**3  # blob store (artifacts, θ, checkpoints); pinned content is never evicted
     # Pre-measured capabilities (tests, or a restart within one process).
     capabilities: Capabilities | None = None
     extra_status: dict[str, Callable[[], Any]] = field(default_factory=dict)
@@ -145,6 +150,7 @@ class Node:
         host: IHost,
         dht: KadDHT,
         pubsub: Pubsub,
+        blobs: BlobService,
         nursery: trio.Nursery,
     ) -> None:
         self.config = config
@@ -153,6 +159,7 @@ class Node:
         self.host = host
         self.dht = dht
         self.pubsub = pubsub
+        self.blobs = blobs
         self.nursery = nursery
         self.peer_id = identity.peer_id
         self.started_at = time.time()
@@ -161,6 +168,8 @@ class Node:
         self._seq = 0
         self._record_seq = 0
         self.membership = Membership(self.peer_id, timeout=config.member_timeout)
+        self.runs: set[str] = set()  # runs this node takes part in (advertised in its member record)
+        self.state = "idle"
         self.messenger = Messenger(self)
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
@@ -213,6 +222,8 @@ class Node:
             role=self.config.role,
             started_at=self.started_at,
             capabilities=self.capabilities,
+            runs=tuple(sorted(self.runs)),
+            state=self.state,
         )
 
     def _signed_member_record(self) -> SignedRecord:
@@ -259,9 +270,9 @@ class Node:
         except PcpError as exc:
             self.log_once("self", exc, "member record put failed")
 
-    async def put_record(self, signed: SignedRecord) -> None:
+    async def put_record(self, signed: SignedRecord, *, timeout: float | None = None) -> None:
         """Store a signed record in the DHT (with a deadline)."""
-        with trio.move_on_after(self.config.op_timeout) as scope:
+        with trio.move_on_after(timeout or self.config.op_timeout) as scope:
             try:
                 await self.dht.put_value(signed.key, encode(signed))
             except trio.Cancelled:
@@ -398,6 +409,7 @@ class Node:
                 addrs=m.record.addrs,
                 role=m.record.role,
                 capabilities=m.record.capabilities,
+                state=m.record.state,
                 last_seen_s=round(max(0.0, now - m.last_seen), 3),
             )
             for m in self.membership.live()
@@ -463,6 +475,7 @@ def _local_ipv4s() -> list[str]:
 @asynccontextmanager
 async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> AsyncIterator[Node]:
     """Start a node; it runs until the ``async with`` block ends."""
+    register_all_kinds()
     identity = identity or load_or_create_identity(config.data_dir)
     listen = [_parse_listen(a) for a in config.listen]
     for a in config.bootstrap:
@@ -491,11 +504,14 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         spam_protection_enabled=False,
     )
     pubsub = Pubsub(host, gossipsub, strict_signing=True)
+    store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
+    blobs = BlobService(host, store, DhtRouting(dht), identity)
     async with host.run(listen_addrs=listen):
         async with background_trio_service(dht), background_trio_service(pubsub), background_trio_service(gossipsub):
             await pubsub.wait_until_ready()
             async with trio.open_nursery() as nursery:
-                node = Node(config, identity, caps, host, dht, pubsub, nursery)
+                node = Node(config, identity, caps, host, dht, pubsub, blobs, nursery)
+                blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 nursery.start_soon(node._membership_loop)

@@ -41,6 +41,7 @@ class MemberStatus(Message):
     role: str
     capabilities: Capabilities
     last_seen_s: float
+    state: str = "idle"
 
 
 @wire_message("status.reply", max_size=MAX_REPLY)

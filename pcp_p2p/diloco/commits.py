@@ -1,0 +1,25 @@
+"""The ``commit`` record kind: the latest committed round of a run, in the DHT.
+
+Stored under ``/pcp/commit/<run id>`` by the shepherd that signed the commit;
+a late joiner or a worker that missed a commit looks it up there. Newest wins
+(``issued_at``), so the record follows the run forward.
+"""
+
+from __future__ import annotations
+
+from pcp_p2p.dht.records import register_kind
+from pcp_p2p.diloco.messages import CommitRecord, verify
+from pcp_p2p.errors import BadSignature, VerificationError
+from pcp_p2p.wire import Message
+
+
+def _commit_rule(name: str, signer: str, payload: Message) -> None:
+    assert isinstance(payload, CommitRecord)
+    if payload.run_id != name:
+        raise VerificationError("commit record stored under another run id")
+    if payload.shepherd != signer:
+        raise BadSignature("a commit record must be stored by the shepherd that signed it")
+    verify(payload, signer)
+
+
+register_kind("commit", CommitRecord, _commit_rule)

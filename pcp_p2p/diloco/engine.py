@@ -1,0 +1,167 @@
+"""The heavy work behind the round machines' effects: build, train, evaluate.
+
+The round machines (:mod:`~pcp_p2p.diloco.shepherd`, :mod:`~pcp_p2p.diloco.worker`)
+only *ask* for work. This module does it:
+
+- :func:`build_train_artifacts` (shepherd): the run's ``train`` program lowered
+  from JAX and compiled by IREE for each target the workers need, with signed
+  manifests. A compiled call does :data:`CHUNK_STEPS` AdamW steps; a round is as
+  many calls as the worker's time budget allows, so one artifact serves fast and
+  slow hardware alike.
+- :class:`InnerEngine` (worker): runs a ``RunInner`` on the IREE executor. θ is
+  uploaded each round; the AdamW moments and step stay on the device across
+  rounds (DiLoCo keeps inner optimiser state local) and come back only when asked.
+- :class:`Evaluator` (shepherd): validation loss of a θ with ``jax.jit``.
+
+Only the shepherd side imports JAX and the compiler (lazily); a worker runs
+with the IREE runtime and numpy alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pcp_p2p.diloco.data import CharDataset, batches_for_assignment, validation_batches
+from pcp_p2p.diloco.effects import RunInner
+from pcp_p2p.diloco.spec import RunSpec
+from pcp_p2p.diloco.worker import InnerResult
+from pcp_p2p.errors import ConfigError, ExecutorError
+
+if TYPE_CHECKING:
+    from pcp_p2p.compile.manifest import Manifest
+    from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.node.executor import Executor
+    from pcp_p2p.node.identity import Identity
+
+CHUNK_STEPS = 5
+"""AdamW steps per executor call: small enough that a time budget is met within
+one chunk's time, large enough that the per-call overhead stays negligible."""
+
+ON_DEVICE = "on-device"
+"""The worker's ``inner_state`` once AdamW moments live in the executor."""
+
+
+def program_options(spec: RunSpec) -> Any:
+    from pcp_p2p.compile.programs import ProgramOptions
+
+    i = spec.inner
+    return ProgramOptions(
+        inner_steps=CHUNK_STEPS, batch=i.batch_size, seq=i.seq_len,
+        beta1=i.beta1, beta2=i.beta2, weight_decay=i.weight_decay, grad_clip=i.grad_clip,
+    )
+
+
+def model_config(spec: RunSpec, vocab_size: int) -> Any:
+    from pcp_p2p.compile.model import preset
+
+    cfg = preset(spec.model, vocab_size=vocab_size)
+    if spec.inner.seq_len > cfg.block_size:
+        raise ConfigError(f"inner.seq_len {spec.inner.seq_len} exceeds the {spec.model} model's context {cfg.block_size}")
+    return cfg
+
+
+def initial_theta(spec: RunSpec, vocab_size: int) -> dict[str, np.ndarray]:
+    from pcp_p2p.compile.model import init_params
+
+    return init_params(model_config(spec, vocab_size), seed=spec.seed)
+
+
+def build_train_artifacts(
+    spec: RunSpec, vocab_size: int, targets: Sequence[str], identity: Identity, cache_dir: Path
+) -> list[Artifact]:
+    """Compile (or take from the on-disk cache) the train program for ``targets``."""
+    from pcp_p2p.compile.cache import ArtifactCache
+    from pcp_p2p.compile.pipeline import build_artifacts
+    from pcp_p2p.compile.targets import get_target
+
+    return build_artifacts(
+        spec.model, model_config(spec, vocab_size), program_options(spec), ["train"],
+        [get_target(t) for t in targets], identity, cache=ArtifactCache(cache_dir),
+    )
+
+
+class Evaluator:
+    """Validation loss of θ on a fixed set of held-out batches (shepherd side, JAX)."""
+
+    def __init__(self, spec: RunSpec, dataset: CharDataset, n_batches: int = 4) -> None:
+        import jax
+
+        from pcp_p2p.compile.programs import build_program
+
+        from pcp_p2p.compile.model import param_names
+
+        cfg = model_config(spec, dataset.vocab_size)
+        opts = program_options(spec)
+        self._names = param_names(cfg)
+        self._fn = jax.jit(build_program("eval", cfg, opts).fn)
+        self._vx, self._vy = validation_batches(
+            dataset.val, n_batches=n_batches, batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len
+        )
+
+    def __call__(self, theta: dict[str, np.ndarray]) -> float:
+        args = [theta[k] for k in self._names]
+        losses = [float(np.asarray(self._fn(*args, self._vx[i], self._vy[i])[0])) for i in range(len(self._vx))]
+        return float(np.mean(losses))
+
+
+class InnerEngine:
+    """Runs a worker's inner steps on the IREE executor (call from a thread)."""
+
+    def __init__(self, executor: Executor, spec: RunSpec, dataset: CharDataset) -> None:
+        self.executor = executor
+        self.spec = spec
+        self.dataset = dataset
+        self.busy_s = 0.0  # time spent inside train calls (compute utilisation)
+        self.tokens = 0
+
+    def run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
+        """Train from ``eff.theta`` for the round's time budget (whole chunks, up to max_steps)."""
+        if eff.inner_state == ON_DEVICE:
+            self.executor.load_params(eff.theta)
+        else:  # first round on this node: fresh AdamW moments
+            self.executor.load_state(eff.theta)
+        # Whole chunks only, and never more steps than the assignment allows: the
+        # shepherd refuses a claim above what this worker's announced speed permits.
+        max_steps = (eff.assignment.max_steps // CHUNK_STEPS) * CHUNK_STEPS
+        if max_steps == 0:
+            raise ExecutorError(
+                f"the round allows {eff.assignment.max_steps} steps, less than one compiled chunk of {CHUNK_STEPS}"
+            )
+        xs, ys = batches_for_assignment(
+            self.dataset.train, eff.assignment, steps=max_steps,
+            batch_size=self.spec.inner.batch_size, seq_len=self.spec.inner.seq_len,
+        )
+        lr = self.spec.inner.lr
+        t_end = time.monotonic() + eff.time_budget_s
+        losses: list[float] = []
+        steps = 0
+        per_chunk = 0.0
+        while steps + CHUNK_STEPS <= max_steps and not cancelled.is_set():
+            # Stop when another chunk would overrun the budget (first chunk always runs).
+            if steps and time.monotonic() + per_chunk > t_end:
+                break
+            t0 = time.monotonic()
+            out = self.executor.train(lr, xs[steps : steps + CHUNK_STEPS], ys[steps : steps + CHUNK_STEPS])
+            dt = time.monotonic() - t0
+            per_chunk = dt if not per_chunk else 0.5 * (per_chunk + dt)
+            self.busy_s += dt
+            losses.extend(float(x) for x in out)
+            steps += CHUNK_STEPS
+        if not np.all(np.isfinite(losses)):
+            raise ExecutorError("inner training diverged (non-finite loss)")
+        self.tokens += steps * self.spec.tokens_per_step
+        theta = self.executor.read_params()
+        return InnerResult(eff.round, eff.attempt, theta, steps, tuple(losses), ON_DEVICE)
+
+
+def start_executor(vmfb_path: Path, manifest: Manifest, shepherd: str) -> Executor:
+    """An executor for a train artifact whose manifest the run's shepherd signed."""
+    from pcp_p2p.node.executor import Executor
+
+    return Executor.start(vmfb_path, manifest, expected_signer=shepherd)

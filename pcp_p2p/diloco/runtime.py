@@ -1,0 +1,533 @@
+"""One run on one node, over the real network: the trio glue around the round machines.
+
+The :class:`~pcp_p2p.diloco.worker.Worker` (every trusting node) and the
+:class:`~pcp_p2p.diloco.shepherd.Shepherd` (the node that ranks first for the
+run) are sans-IO; this module carries out their effects:
+
+=============  =====================================================================
+effect         carried out by
+=============  =====================================================================
+Send           ``/pcp/msg/1.0.0`` (direct, acknowledged); to ourselves: the inbox
+StoreBlob      the node's blob store, announced as a DHT provider record
+FetchBlob      the blob exchange (any provider, hash-checked); for an artifact:
+               manifest → signature check → vmfb → IREE executor started
+RunInner       :class:`~pcp_p2p.diloco.engine.InnerEngine` in a thread
+LookupCommit   the DHT record ``/pcp/commit/<run id>``
+Committed      stored as that DHT record (signed by the shepherd)
+=============  =====================================================================
+
+One task owns both machines and feeds them one input at a time from an inbox
+(messages, fetched blobs, finished inner runs, lookups); slow effects run in
+tasks of their own and post their results to the inbox, so a machine never
+sees two inputs at once. Time is the wall clock (``time.time``): deadlines in
+round announcements are compared across nodes.
+
+Who is shepherd: the live member that accepted the run, can compile, and ranks
+first by ``sha256(run id | peer id)`` — every node computes the same answer
+without talking. Failover and rotation (terms, leases) are the election layer's
+job; this runtime keeps term 0 and reports a lost shepherd in its status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+import pcp_p2p.diloco.commits  # noqa: F401  (registers the commit record kind)
+from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+from pcp_p2p.diloco.checkpoint import decode_checkpoint
+from pcp_p2p.diloco.data import CharDataset
+from pcp_p2p.diloco.effects import (
+    CancelInner,
+    Committed,
+    Discarded,
+    Effect,
+    FetchBlob,
+    Finished,
+    LookupCommit,
+    Rejected,
+    RunInner,
+    Send,
+    StoreBlob,
+)
+from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
+from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.runs import KnownRun
+from pcp_p2p.diloco.shepherd import Shepherd
+from pcp_p2p.diloco.worker import Worker
+from pcp_p2p.errors import PcpError, PeerError, VerificationError
+from pcp_p2p.wire import Message, decode
+
+if TYPE_CHECKING:
+    from pcp_p2p.blob.service import BlobService
+    from pcp_p2p.diloco.engine import InnerEngine
+    from pcp_p2p.node.node import Node
+
+log = logging.getLogger("pcp.run")
+
+FETCH_ATTEMPTS = 6
+FINISH_GRACE_S = 30.0
+SETTLE_S = 3.0  # at start, how long to let members advertise the run before ranking
+HISTORY = 1000
+
+
+def shepherd_rank(run_id: str, peer_id: str) -> bytes:
+    """Every member's rank for a run; the lowest that is alive and eligible leads."""
+    return hashlib.sha256(f"pcp-shepherd|{run_id}|{peer_id}".encode()).digest()
+
+
+@dataclass
+class RunStats:
+    history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    rejected: dict[str, int] = field(default_factory=dict)
+    first_contribution_s: float | None = None
+
+
+class RunRuntime:
+    """Drives one run on one node until the run finishes or the node stops."""
+
+    def __init__(self, node: Node, blobs: BlobService, run: KnownRun, work_dir: Path) -> None:
+        self.node = node
+        self.blobs = blobs
+        self.run = run
+        self.run_id = run.run_id
+        self.spec = run.spec
+        self.work_dir = work_dir
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.worker: Worker | None = None
+        self.shepherd: Shepherd | None = None
+        self.shepherd_peer: str | None = None
+        self.engine: InnerEngine | None = None
+        self.dataset: CharDataset | None = None
+        self.stats = RunStats()
+        self.phase = "starting"
+        self.started_at = time.time()
+        self._send, self._inbox = trio.open_memory_channel[tuple](1000)
+        self._cancel: dict[tuple[int, int], threading.Event] = {}
+        self._artifact_ready: dict[str, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+        self._seen_commit: str | None = None
+        self._early: list[tuple] = []
+        self._storing: dict[str, trio.Event] = {}  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
+        self.finished = trio.Event()
+
+    # -- inputs from the network -------------------------------------------------------
+
+    async def deliver(self, sender: str, msg: Message) -> None:
+        """A round message from ``sender`` (called by the node's messenger)."""
+        getattr(msg, "run_id", None) == self.run_id and self._send.send_nowait(("msg", sender, msg))
+
+    # -- main loop ----------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self._start()
+            while not self.finished.is_set():
+                wake = self._next_wakeup()
+                with trio.move_on_after(max(0.0, wake - time.time()) if wake is not None else 3600):
+                    item = await self._inbox.receive()
+                    self._dispatch(item)
+                    continue
+                now = time.time()
+                if self.shepherd is not None:
+                    self._carry_out("shepherd", self.shepherd.tick(now))
+                if self.worker is not None:
+                    self._carry_out("worker", self.worker.tick(now))
+            # Finished: let in-flight work (the final commit's sends, announcements)
+            # complete, but not forever.
+            nursery.cancel_scope.deadline = trio.current_time() + FINISH_GRACE_S
+
+    def _next_wakeup(self) -> float | None:
+        wakes = [w for w in (
+            self.shepherd.next_wakeup if self.shepherd else None,
+            self.worker.next_wakeup if self.worker else None,
+        ) if w is not None]
+        return min(wakes) if wakes else None
+
+    async def _start(self) -> None:
+        from pcp_p2p.node.cpu import best_cpu_target
+
+        self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
+        # Let the other members advertise the run before ranking candidates.
+        await trio.sleep(SETTLE_S)
+        self.shepherd_peer = self._choose_shepherd()
+        if self.shepherd_peer is None:
+            raise VerificationError("no member that accepted this run can compile artifacts")
+        log.info("run %s: shepherd is %s%s", self.run_id[:16], self.shepherd_peer,
+                 " (this node)" if self.shepherd_peer == self.node.peer_id else "")
+        if self.shepherd_peer == self.node.peer_id:
+            await self._become_shepherd()
+        target = best_cpu_target().name
+        if target not in self.spec.targets:
+            self.phase = "idle: no allowed target for this machine"
+            log.warning("run %s: this machine's best target %s is not allowed by the run", self.run_id[:16], target)
+            return
+        # Measured now rather than at node start-up, when a local swarm's processes
+        # all start at once and measure each other's load.
+        from pcp_p2p.node.capabilities import measure_gflops
+
+        gflops = max(self.node.capabilities.throughput_gflops, await trio.to_thread.run_sync(measure_gflops, 0.5))
+        self.worker = Worker(
+            spec=self.spec, run_id=self.run_id, identity=self.node.identity,
+            shepherds={0: self.shepherd_peer}, target=target,
+            tokens_per_s=self._speed_estimate(gflops),
+        )
+        self.phase = "joining"
+        self._carry_out("worker", self.worker.start(time.time()))
+
+    def _speed_estimate(self, gflops: float) -> float:
+        """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
+
+        Deliberately generous (twice the matmul-rate figure): the aggregator
+        refuses claims above it, and an IREE step never reaches the benchmark's
+        rate, so an honest worker is never refused.
+        """
+        from pcp_p2p.compile.model import num_params, preset
+
+        n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))
+        return max(1.0, 2 * gflops * 1e9 / (6 * n))
+
+    def _choose_shepherd(self) -> str | None:
+        candidates = [
+            m.record.peer_id for m in self.node.membership.live()
+            if m.record.role == "worker" and m.record.capabilities.can_compile and self.run_id in m.record.runs
+        ]
+        return min(candidates, key=lambda p: shepherd_rank(self.run_id, p), default=None)
+
+    async def _become_shepherd(self) -> None:
+        """Build the artifacts and the initial state (or resume from the last commit)."""
+        from pcp_p2p.compile.manifest import Manifest  # noqa: F401  (compile extra present)
+        from pcp_p2p.diloco import engine
+        from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
+        from pcp_p2p.wire import encode
+
+        assert self.dataset is not None
+        self.phase = "compiling"
+        wanted: set[str] = set()
+        for m in self.node.membership.live():
+            if self.run_id not in m.record.runs:
+                continue
+            caps = m.record.capabilities
+            runnable = [t.name for t in runnable_cpu_targets(cpu_of(caps.cpu_arch, caps.cpu_flags))]
+            allowed = [t for t in runnable if t in self.spec.targets]
+            if allowed:
+                wanted.add(allowed[0])
+        log.info("run %s: compiling the train program for %s", self.run_id[:16], ", ".join(sorted(wanted)))
+        arts = await trio.to_thread.run_sync(
+            engine.build_train_artifacts, self.spec, self.dataset.vocab_size, sorted(wanted),
+            self.node.identity, self.node.config.data_dir / "artifact-cache",
+        )
+        artifacts: dict[str, str] = {}
+        for art in arts:
+            await self._keep(art.vmfb)
+            artifacts[art.manifest.target] = await self._keep(encode(art.manifest))
+        evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
+        state = OuterState.initial(engine.initial_theta(self.spec, self.dataset.vocab_size))
+        latest = await self._lookup_commit()
+        if latest is not None:
+            ckpt = decode_checkpoint(await self._fetch_bytes(latest.checkpoint_cid))
+            state = ckpt.state
+            log.info("run %s: resuming from round %d", self.run_id[:16], state.round)
+        self.shepherd = Shepherd(
+            spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=0,
+            state=state, artifacts=artifacts, evaluate=evaluate,
+        )
+        # The initial θ must be fetchable by the workers.
+        self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
+        for item in self._early:
+            self._dispatch(item)
+        self._early.clear()
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    def _dispatch(self, item: tuple) -> None:
+        kind = item[0]
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("input %s %s", kind, _describe(item[-1]))
+        now = time.time()
+        if kind == "msg":
+            _, sender, msg = item
+            if isinstance(msg, (Join, Submission)):
+                if self.shepherd is None and self.shepherd_peer == self.node.peer_id:
+                    self._early.append(item)  # still compiling: answer once the shepherd exists
+                    return
+                if self.shepherd is None:
+                    self._reject(sender, VerificationError("this node is not the run's shepherd"))
+                    return
+                self._carry_out("shepherd", self.shepherd.receive(msg, now))
+            elif isinstance(msg, (RoundAnnouncement, CommitRecord)) and self.worker is not None:
+                self._carry_out("worker", self.worker.receive(msg, now))
+                self._after_worker_input()
+        elif kind == "blob":
+            _, who, cid, data = item
+            machine = self.shepherd if who == "shepherd" else self.worker
+            if machine is not None:
+                self._carry_out(who, machine.on_blob(cid, data, now))
+        elif kind == "blob_failed":
+            _, who, cid, err = item
+            machine = self.shepherd if who == "shepherd" else self.worker
+            if machine is not None:
+                self._carry_out(who, machine.on_blob_failed(cid, err, now))
+        elif kind == "inner_done" and self.worker is not None:
+            result = item[1]
+            self._carry_out("worker", self.worker.on_inner_done(result, now))
+            if self.stats.first_contribution_s is None:
+                self.stats.first_contribution_s = round(time.time() - self.started_at, 2)
+        elif kind == "inner_failed" and self.worker is not None:
+            _, round_, attempt, err = item
+            self._carry_out("worker", self.worker.on_inner_failed(round_, attempt, err, now))
+        elif kind == "commit_lookup" and self.worker is not None and item[1] is not None:
+            self._carry_out("worker", self.worker.on_commit(item[1], now))
+            self._after_worker_input()
+        if self.worker is not None and self.phase != "finished":
+            self.phase = self.worker.phase.value
+            rec = self.worker.last_commit
+            if rec is not None and rec.round + 1 >= self.spec.round.rounds and self.worker.theta_cid == rec.theta_cid:
+                # The last round is committed and we hold its θ: nothing more to do here.
+                self.phase = "finished"
+                self.finished.set()
+
+    def _after_worker_input(self) -> None:
+        assert self.worker is not None
+        rec = self.worker.last_commit
+        if rec is not None and rec.theta_cid != self._seen_commit:
+            self._seen_commit = rec.theta_cid
+            self.stats.history.append({
+                "round": rec.round, "theta": rec.theta_cid, "loss": rec.mean_loss,
+                "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
+                "term": rec.term,
+            })
+            log.info("run %s: round %d committed, loss %.4f, val %.4s, %d workers",
+                     self.run_id[:16], rec.round, rec.mean_loss,
+                     f"{rec.val_loss:.4f}" if rec.val_loss is not None else "-", len(rec.participants))
+
+    def _carry_out(self, who: str, effects: list[Effect]) -> None:
+        assert self._nursery is not None
+        for e in effects:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s effect %s", who, _describe(e))
+            if isinstance(e, Send):
+                if e.to == self.node.peer_id:
+                    self._send.send_nowait(("msg", self.node.peer_id, e.message))
+                else:
+                    self._nursery.start_soon(self._send_to, e.to, e.message)
+            elif isinstance(e, StoreBlob):
+                # Registered now, not when the task starts: our own worker may ask
+                # for this blob (local delivery) before the store task has run.
+                self._storing.setdefault(e.cid, trio.Event())
+                self._nursery.start_soon(self._store, e.cid, e.data)
+            elif isinstance(e, FetchBlob):
+                self._nursery.start_soon(self._fetch, who, e.cid, e.hint)
+            elif isinstance(e, RunInner):
+                cancel = threading.Event()
+                self._cancel[(e.round, e.attempt)] = cancel
+                self._nursery.start_soon(self._inner, e, cancel)
+            elif isinstance(e, CancelInner):
+                ev = self._cancel.pop((e.round, e.attempt), None)
+                if ev is not None:
+                    ev.set()
+            elif isinstance(e, LookupCommit):
+                self._nursery.start_soon(self._lookup_for_worker)
+            elif isinstance(e, Rejected):
+                self._reject(e.peer or "?", e.error)
+            elif isinstance(e, Committed):
+                self._nursery.start_soon(self._publish_commit, e.record)
+            elif isinstance(e, Discarded):
+                log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round, e.attempt, e.error)
+            elif isinstance(e, Finished):
+                log.info("run %s finished at round %d (θ %s)", self.run_id[:16], e.round, e.theta_cid)
+                if self.worker is None:
+                    self.phase = "finished"
+                    self.finished.set()
+
+    def _reject(self, peer: str, exc: PcpError) -> None:
+        key = type(exc).__name__
+        self.stats.rejected[key] = self.stats.rejected.get(key, 0) + 1
+        self.node._reject(peer, exc, "round")
+
+    # -- effect workers -----------------------------------------------------------------
+
+    async def _send_to(self, peer: str, msg: Message) -> None:
+        try:
+            await self.node.messenger.send(peer, msg)
+        except PcpError as exc:
+            self.node.log_once(peer, exc, f"sending {msg.TAG} failed")
+
+    async def _store(self, cid: str, data: bytes) -> None:
+        try:
+            got = await self._keep(data)
+            if got != cid:
+                log.error("stored blob hashes to %s, expected %s", got, cid)
+        finally:
+            done = self._storing.pop(cid, None)
+            if done is not None:
+                done.set()
+
+    async def _keep(self, data: bytes) -> str:
+        """Store and pin a blob now; announce it in the background.
+
+        Peers that need it get the hint of who holds it (the shepherd), so they
+        need not wait for a provider record, and a DHT announcement on a busy
+        swarm can take tens of seconds.
+        """
+        cid = await trio.to_thread.run_sync(lambda: self.blobs.store.put_bytes(data, pin=True))
+        self._announce_later(cid)
+        return cid
+
+    def _announce_later(self, cid: str) -> None:
+        async def announce() -> None:
+            try:
+                await self.blobs.announce(cid)
+            except PcpError as exc:
+                self.node.log_once("self", exc, "announcing a blob failed")
+
+        assert self._nursery is not None
+        self._nursery.start_soon(announce)
+
+    async def _fetch_bytes(self, cid: str, hint: str | None = None) -> bytes:
+        """A blob, from the hinted peer first (a blob just published may not have a
+        provider record in the DHT yet), then from any provider, retrying a few
+        times while provider records propagate."""
+        storing = self._storing.get(cid)
+        if storing is not None:
+            await storing.wait()
+        if not self.blobs.store.has(cid):
+            hinted = self._peer_info(hint or self.shepherd_peer)
+            delay = 0.5
+            for attempt in range(FETCH_ATTEMPTS):
+                try:
+                    await self.blobs.fetch(
+                        cid, pin=True, providers=[hinted] if hinted and attempt % 2 == 0 else None, announce=False,
+                    )
+                    self._announce_later(cid)
+                    break
+                except PeerError as exc:
+                    if attempt == FETCH_ATTEMPTS - 1:
+                        raise
+                    log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 8.0)
+        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+
+    def _peer_info(self, peer_id: str | None) -> PeerInfo | None:
+        from pcp_p2p.node.node import transport_addrs
+
+        member = self.node.membership.get(peer_id) if peer_id else None
+        if member is None or peer_id == self.node.peer_id:
+            return None
+        return PeerInfo(ID.from_base58(peer_id), transport_addrs(member.record.addrs))
+
+    async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
+        try:
+            data = await self._fetch_bytes(cid, hint)
+            if who == "worker" and self._is_artifact(cid):
+                await self._prepare_artifact(data)
+        except PcpError as exc:
+            self._send.send_nowait(("blob_failed", who, cid, exc))
+            return
+        self._send.send_nowait(("blob", who, cid, data))
+
+    def _is_artifact(self, cid: str) -> bool:
+        ann = self.worker.current if self.worker is not None else None
+        return ann is not None and cid in ann.artifacts.values()
+
+    async def _prepare_artifact(self, manifest_bytes: bytes) -> None:
+        """Verify a train manifest against the shepherd, fetch its vmfb, start the executor."""
+        from pcp_p2p.compile.manifest import Manifest
+        from pcp_p2p.diloco import engine
+
+        assert self.dataset is not None and self.shepherd_peer is not None
+        manifest = decode(manifest_bytes, Manifest)
+        if self.engine is not None:
+            return
+        await self._fetch_bytes(manifest.artifact_cid)
+        vmfb_path = self.blobs.store.path(manifest.artifact_cid)
+        executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, self.shepherd_peer)
+        self.engine = engine.InnerEngine(executor, self.spec, self.dataset)
+        log.info("run %s: executor started for %s (artifact %s)", self.run_id[:16], manifest.target, manifest.artifact_cid[:20])
+
+    async def _inner(self, eff: RunInner, cancel: threading.Event) -> None:
+        try:
+            if self.engine is None:
+                raise VerificationError("no verified artifact is loaded")
+            result = await trio.to_thread.run_sync(self.engine.run, eff, cancel)
+        except PcpError as exc:
+            self._send.send_nowait(("inner_failed", eff.round, eff.attempt, exc))
+            return
+        finally:
+            self._cancel.pop((eff.round, eff.attempt), None)
+        self._send.send_nowait(("inner_done", result))
+
+    async def _lookup_commit(self) -> CommitRecord | None:
+        try:
+            rec = await self.node.get_record("commit", self.run_id)
+        except PcpError as exc:
+            log.debug("commit lookup failed: %s", exc)
+            return None
+        return rec if isinstance(rec, CommitRecord) else None
+
+    async def _lookup_for_worker(self) -> None:
+        self._send.send_nowait(("commit_lookup", await self._lookup_commit()))
+
+    async def _publish_commit(self, rec: CommitRecord) -> None:
+        signed = sign_record(self.node.identity, "commit", self.run_id, rec, ttl_s=MAX_TTL_S)
+        try:
+            # Generous deadline: a swarm busy training answers DHT requests slowly.
+            await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
+        except PcpError as exc:
+            self.node.log_once("self", exc, "storing the commit record failed")
+
+    # -- status -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        w = self.worker
+        rec = w.last_commit if w is not None else None
+        shepherd_live = self.shepherd_peer is not None and self.shepherd_peer in self.node.membership
+        busy = self.engine.busy_s if self.engine else 0.0
+        tokens = self.engine.tokens if self.engine else 0
+        return {
+            "run_id": self.run_id,
+            "owner": self.run.owner,
+            "name": self.spec.name,
+            "round": (rec.round + 1) if rec is not None else 0,
+            "rounds": self.spec.round.rounds,
+            "phase": self.phase if shepherd_live or self.shepherd_peer is None else f"{self.phase} (shepherd lost)",
+            "shepherd": self.shepherd_peer,
+            "is_shepherd": self.shepherd is not None,
+            "theta": w.theta_cid if w is not None else None,
+            "participants": len(rec.participants) if rec is not None else 0,
+            "quorum": self.spec.round.min_quorum,
+            "loss": rec.mean_loss if rec is not None else None,
+            "val_loss": rec.val_loss if rec is not None else None,
+            "tokens_per_s": round(tokens / busy, 1) if busy else None,
+            "busy_s": round(busy, 2),
+            "outer_lr": self.spec.outer.lr,
+            "first_contribution_s": self.stats.first_contribution_s,
+            "rejected": dict(self.stats.rejected),
+            "history": list(self.stats.history),
+        }
+
+
+def _describe(x: Any) -> str:
+    """A short one-line description of an effect or input, for debug logs."""
+    name = type(x).__name__
+    fields = []
+    for attr in ("to", "cid", "round", "attempt", "worker", "theta_cid", "hint"):
+        v = getattr(x, attr, None)
+        if v is not None:
+            fields.append(f"{attr}={str(v)[-12:]}")
+    msg = getattr(x, "message", None)
+    if msg is not None:
+        fields.append(f"msg={type(msg).__name__}")
+    return f"{name}({', '.join(fields)})"

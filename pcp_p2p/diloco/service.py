@@ -1,0 +1,99 @@
+"""Training on a node: accept runs from trusted owners and drive each with a :class:`RunRuntime`.
+
+Installed on a running node by ``pcp node join`` (:func:`install_training`). It
+takes signed run specs handed to it directly (``pcp run create``) and finds
+the runs its peers advertise in their member records (a node that starts
+after a run was created learns of it within a heartbeat and fetches the spec
+from the DHT). Round messages go to the runtime of the run they name; a
+message for a run this node does not take part in is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from pcp_p2p.diloco.messages import ROUND_MESSAGES
+from pcp_p2p.diloco.runs import KnownRun, RunBook, TrustPolicy
+from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.diloco.spec import SignedRunSpec
+from pcp_p2p.errors import PcpError, VerificationError
+from pcp_p2p.node.node import Node
+from pcp_p2p.wire import Message
+
+log = logging.getLogger("pcp.training")
+
+DISCOVERY_PERIOD_S = 2.0
+
+
+class TrainingService:
+    def __init__(self, node: Node, trust: TrustPolicy) -> None:
+        self.node = node
+        self.book = RunBook(trust)
+        self.runtimes: dict[str, RunRuntime] = {}
+
+    def install(self) -> None:
+        self.node.messenger.register((SignedRunSpec,), self._on_spec)
+        self.node.messenger.register(ROUND_MESSAGES, self._on_round_message)
+        self.node.config.extra_status["run"] = self.run_status
+        self.node.nursery.start_soon(self._discovery_loop)
+
+    async def _on_spec(self, sender: str, msg: Message) -> None:
+        assert isinstance(msg, SignedRunSpec)
+        run = self.book.offer(msg)  # raises (untrusted, bad signature): the messenger refuses it
+        if run is not None:
+            self._start(run)
+
+    async def _on_round_message(self, sender: str, msg: Message) -> None:
+        runtime = self.runtimes.get(getattr(msg, "run_id", ""))
+        if runtime is None:
+            raise VerificationError("a message for a run this node does not take part in")
+        await runtime.deliver(sender, msg)
+
+    def _start(self, run: KnownRun) -> None:
+        runtime = RunRuntime(self.node, self.node.blobs, run, self.node.config.data_dir / "runs" / run.run_id)
+        self.runtimes[run.run_id] = runtime
+        self.node.runs.add(run.run_id)
+        self.node.state = "training"
+        self.node.nursery.start_soon(self._run, runtime)
+
+    async def _run(self, runtime: RunRuntime) -> None:
+        try:
+            await runtime.run_forever()
+        except PcpError as exc:
+            runtime.phase = f"stopped: {exc}"
+            log.error("run %s stopped: %s", runtime.run_id, exc)
+        finally:
+            self.node.runs.discard(runtime.run_id)
+            if not self.node.runs:
+                self.node.state = "idle"
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            for member in self.node.membership.live():
+                for run_id in self.book.unknown(member.record.runs):
+                    await self._look_up(run_id)
+            await trio.sleep(DISCOVERY_PERIOD_S)
+
+    async def _look_up(self, run_id: str) -> None:
+        try:
+            signed = await self.node.get_record("run", run_id)
+            if isinstance(signed, SignedRunSpec):
+                run = self.book.offer(signed)
+                if run is not None:
+                    self._start(run)
+        except PcpError as exc:
+            self.node.log_once(run_id, exc, "run lookup")
+
+    def run_status(self) -> dict[str, Any] | None:
+        if not self.runtimes:
+            return None
+        return list(self.runtimes.values())[-1].status()
+
+
+def install_training(node: Node, trust: TrustPolicy) -> TrainingService:
+    service = TrainingService(node, trust)
+    service.install()
+    return service
