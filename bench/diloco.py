@@ -168,7 +168,7 @@ def main() -> None:
     workers = {}
     for _ in range(WORKERS):
         w = Worker(spec=spec, run_id=run_id, identity=Identity(rng.bytes(32)),
-                   shepherds={0: owner.peer_id}, target="llvm-cpu-x86-64-v3", tokens_per_s=1e9)
+                   shepherds={0: owner.peer_id}, target="cpu-x86_64-v3", tokens_per_s=1e9)
         workers[w.peer_id] = w
     blobs: dict[str, bytes] = {}
     queue: list[tuple[str, object]] = []  # (node, input) in delivery order

@@ -438,20 +438,20 @@ def test_silent_worker_looks_up_the_commit_and_joins_again():
 
 def test_join_is_checked():
     sh = Shepherd(spec=SPEC, run_id=RUN_ID, identity=OWNER, term=0, state=OuterState.initial(THETA0),
-                  artifacts={"llvm-cpu-x86-64-v3": cid_of(b"vmfb")})
+                  artifacts={"cpu-x86_64-v3": cid_of(b"vmfb")})
     w = ident(10)
     cases = [
-        (sign(Join(run_id=cid_of(b"other"), worker=w.peer_id, target="llvm-cpu-x86-64-v3", tokens_per_s=1.0), w),
+        (sign(Join(run_id=cid_of(b"other"), worker=w.peer_id, target="cpu-x86_64-v3", tokens_per_s=1.0), w),
          RejectedUpdate),
         (sign(Join(run_id=RUN_ID, worker=w.peer_id, target="cuda-sm_80", tokens_per_s=1.0), w), RejectedUpdate),
-        (sign(Join(run_id=RUN_ID, worker=w.peer_id, target="llvm-cpu-x86-64-v3", tokens_per_s=1.0), ident(11)),
+        (sign(Join(run_id=RUN_ID, worker=w.peer_id, target="cpu-x86_64-v3", tokens_per_s=1.0), ident(11)),
          BadSignature),
     ]
     for join, err in cases:
         errs = rejections(sh.on_join(join, now=0.0))
         assert len(errs) == 1 and isinstance(errs[0], err)
     assert sh.roster == {}
-    ok = sign(Join(run_id=RUN_ID, worker=w.peer_id, target="llvm-cpu-x86-64-v3", tokens_per_s=1.0), w)
+    ok = sign(Join(run_id=RUN_ID, worker=w.peer_id, target="cpu-x86_64-v3", tokens_per_s=1.0), w)
     assert sh.on_join(ok, now=0.0) == [] and list(sh.roster) == [w.peer_id]
 
 

@@ -45,7 +45,7 @@ delta_codec = "int8"
 [data]
 dataset = "/tmp/corpus"
 [targets]
-allowed = ["llvm-cpu-x86-64-v3"]
+allowed = ["cpu-x86_64-v3"]
 """
 
 
@@ -62,7 +62,7 @@ def test_full_spec_parses():
     assert spec.inner.batch_size == 32 and spec.inner.lr == 6e-4
     assert spec.round.time_budget_s == 30.0 and isinstance(spec.round.time_budget_s, float)
     assert spec.round.min_quorum == 3 and spec.dataset == "/tmp/corpus"
-    assert spec.targets == ("llvm-cpu-x86-64-v3",) and spec.tokens_per_step == 32 * 128
+    assert spec.targets == ("cpu-x86_64-v3",) and spec.tokens_per_step == 32 * 128
 
 
 def test_load_spec_from_file(tmp_path):

@@ -83,7 +83,7 @@ def test_full_status_over_http() -> None:
     assert s[("pcp_shepherd_lease_expires_seconds", ())] == 42
     assert s[("pcp_shepherd_terms_ended_total", (("ended", "failover"),))] == 1
     assert s[("pcp_shepherd_terms_ended_total", (("ended", "rotation"),))] == 2
-    hit = ("pcp_artifact_bytes", (("cache_hit", "1"), ("cid", obj["artifacts"][0]["cid"]), ("target", "llvm-cpu-x86-64-v4")))
+    hit = ("pcp_artifact_bytes", (("cache_hit", "1"), ("cid", obj["artifacts"][0]["cid"]), ("target", "cpu-x86_64-v4")))
     assert s[hit] == obj["artifacts"][0]["size"]
 
 

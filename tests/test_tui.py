@@ -77,7 +77,7 @@ def test_full_snapshot_shows_every_panel_at_80x24() -> None:
     assert "loss 1.570" in text and "val 1.680" in text and "41.2k tokens/s" in text and "outer lr 0.7" in text
     assert "r1-30" in text and "●" in text and "┤" in text
     # artifacts: targets, CIDs, cache hits
-    assert "llvm-cpu-x86-64-" in text and "bafkrei…4s52zy" in text and "hit" in text and "miss" in text
+    assert "cpu-x86_64-" in text and "bafkrei…4s52zy" in text and "hit" in text and "miss" in text
     # network: peers, bytes, rejected inputs
     assert "peers 6" in text and "in 1.7 GiB" in text and "out 393.9 MiB" in text and "rejected 15" in text
     assert "12 heartbeat:StaleMess" in text

@@ -41,8 +41,8 @@ Example (every key optional; these are the defaults)::
     [data]
     dataset = "shakespeare"  # or a path to a text file or a folder of .txt files
 
-    [targets]
-    allowed = ["llvm-cpu-x86-64-v3", "llvm-cpu-generic"]
+    [targets]            # compile targets (see `pcp compile --help`) workers may run
+    allowed = ["cpu-x86_64-v4", "cpu-x86_64-v3", "cpu-x86_64-generic", "cpu-aarch64", "cpu-apple-m1"]
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class RunSpec(Message):
     outer: OuterOptimizer = dataclasses.field(default_factory=OuterOptimizer)
     round: RoundPolicy = dataclasses.field(default_factory=RoundPolicy)
     dataset: str = "shakespeare"
-    targets: tuple[str, ...] = ("llvm-cpu-x86-64-v3", "llvm-cpu-generic")
+    targets: tuple[str, ...] = ("cpu-x86_64-v4", "cpu-x86_64-v3", "cpu-x86_64-generic", "cpu-aarch64", "cpu-apple-m1")
 
     @property
     def tokens_per_step(self) -> int:
@@ -154,6 +154,10 @@ class RunSpec(Message):
             "targets.allowed",
             "must list 1-64 target names",
         )
+        from pcp_p2p.compile.targets import TARGETS
+
+        unknown = [t for t in self.targets if t not in TARGETS]
+        need(not unknown, "targets.allowed", f"names unknown targets {unknown}; known: {', '.join(TARGETS)}")
         return self
 
 
