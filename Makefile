@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/pcp swarm --workers 4
+	$(VENV)/bin/pcp swarm --workers 4 --rounds 20
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest

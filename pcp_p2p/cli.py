@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "pcp_p2p.node.swarm_command",
     "pcp_p2p.compile.command",
     "pcp_p2p.diloco.command",
+    "pcp_p2p.diloco.generate",
 )
 
 

@@ -1,16 +1,24 @@
-"""``pcp swarm``: a whole local swarm with one command (the demo behind ``make demo``).
+"""``pcp swarm``: a whole training swarm on one machine with one command (``make demo``).
 
-Starts a bootstrap server and N nodes as separate processes on 127.0.0.1,
-waits until every node sees every other, prints each node's view, keeps the
-swarm up for ``--seconds`` and stops it, leaving nothing running (also on
-Ctrl+C or on failure: every node runs in a process group of its own, killed
-when the swarm ends).
+Starts a bootstrap server and N worker nodes as separate processes on
+127.0.0.1, creates a run (``pcp run create``, as an owner would), and follows
+it: one progress line per committed round, optional churn (workers killed with
+SIGKILL mid-run and restarted with their data dir), and a summary at the end —
+rounds committed, loss and validation loss per round, time to first
+contribution of rejoining workers, whether every live node holds the same
+committed θ, and a sample of text from the final θ.
+
+Every node runs in a process group of its own and all of them are killed when
+the swarm ends, also on Ctrl+C or on failure: nothing is left running.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,20 +26,28 @@ from typing import Any
 
 import trio
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.errors import ConfigError, PcpError
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "swarm",
-        help="run a local swarm: a bootstrap server and N nodes as processes on 127.0.0.1",
-        description="Start a bootstrap server and N nodes as separate processes on 127.0.0.1, wait "
-        "until they all see each other, print what each sees, and stop after --seconds. Nothing is "
-        "left running, also on Ctrl+C.",
+        help="run a local training swarm: a bootstrap server and N nodes as processes on 127.0.0.1",
+        description="Start a bootstrap server and N nodes as separate processes on 127.0.0.1, create a "
+        "DiLoCo run on Shakespeare and train it, printing a line per committed round and a summary. "
+        "Nothing is left running afterwards, also on Ctrl+C.",
     )
-    p.add_argument("--workers", type=int, default=4, help="number of nodes (default 4)")
-    p.add_argument("--seconds", type=float, default=10.0, help="how long to keep the swarm up once formed (default 10)")
-    p.add_argument("--dir", type=Path, default=None, help="keep the nodes' data dirs and logs here (default: a temporary dir)")
+    p.add_argument("--workers", type=int, default=4, help="number of worker nodes (default 4)")
+    p.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
+    p.add_argument("--model", default="tiny", choices=["tiny", "small", "medium"], help="model preset (default tiny)")
+    p.add_argument("--time-budget", type=float, default=5.0, help="seconds of inner training per round (default 5)")
+    p.add_argument("--churn", type=float, default=0.0,
+                   help="per committed round, the chance that a random worker is SIGKILLed (it is restarted "
+                   "with its data dir a round later); default 0")
+    p.add_argument("--kill-shepherd-every", type=int, default=0, metavar="N",
+                   help="SIGKILL the shepherd every N rounds (needs shepherd failover)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the churn schedule")
+    p.add_argument("--dir", type=Path, default=None, help="keep data dirs and logs here (default: a temporary dir)")
     p.add_argument("--json", action="store_true", help="end with one JSON line summarising the run")
     p.set_defaults(func=_cmd_swarm)
 
@@ -41,48 +57,157 @@ def _say(msg: str) -> None:
 
 
 def _cmd_swarm(args: argparse.Namespace) -> int:
-    if not 1 <= args.workers <= 64:
-        raise ConfigError("--workers must be between 1 and 64")
+    if not 1 <= args.workers <= 32:
+        raise ConfigError("--workers must be between 1 and 32")
+    if not 1 <= args.rounds <= 10_000:
+        raise ConfigError("--rounds must be between 1 and 10000")
+    if not 0.0 <= args.churn <= 1.0:
+        raise ConfigError("--churn is a probability between 0 and 1")
+    if args.kill_shepherd_every:
+        raise ConfigError("--kill-shepherd-every needs shepherd failover (terms and leases), which this "
+                          "version does not have yet")
     summary = trio.run(_run, args)
     if args.json:
         print(json.dumps(summary))
-    return 0 if summary["converged"] else 1
+    return 0 if summary["rounds_committed"] == args.rounds and summary["final_theta_hash_agreement"] else 1
+
+
+def _spec_toml(args: argparse.Namespace) -> str:
+    quorum = max(1, (args.workers + 1) // 2) if args.churn else max(1, args.workers - 1)
+    return f"""name = "local-swarm"
+seed = {args.seed}
+[model]
+preset = "{args.model}"
+[inner]
+lr = 3e-3
+batch_size = 16
+seq_len = 64
+[round]
+time_budget_s = {args.time_budget}
+max_inner_steps = 500
+deadline_s = {args.time_budget * 3 + 10}
+rounds = {args.rounds}
+min_quorum = {quorum}
+"""
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from pcp_p2p.node.local_swarm import local_swarm
+    from pcp_p2p.node.local_swarm import NodeProcess, local_swarm, pcp_command
     from pcp_p2p.node.status import to_json
 
+    rng = random.Random(args.seed)
     t0 = time.monotonic()
-    async with local_swarm(args.dir) as swarm:
+    async with local_swarm(args.dir, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
         _say(f"bootstrap server  {boot.addr}")
         async with trio.open_nursery() as n:
             for _ in range(args.workers):
                 n.start_soon(swarm.add_worker)
-        for w in swarm.workers:
-            _say(f"node up           {w.peer_id}")
         ids = {w.peer_id for w in swarm.workers}
-        _say(f"waiting until all {len(ids)} nodes see each other ...")
-        took = await swarm.wait_views(ids, deadline_s=120)
-        _say(f"swarm formed in {took:.1f} s; what each node sees:")
-        for w in swarm.workers:
-            st = to_json(await swarm.status(w))
-            net = st["network"]
-            _say(f"  {w.peer_id[-12:]}: {len(st['members'])} members, {net['connected_peers']} connections, "
-                 f"{net['routing_table_size']} in routing table")
-            for m in st["members"]:
-                c = m["capabilities"]
-                _say(f"      {m['peer_id'][-12:]}  {','.join(c['backends'])}  {c['throughput_gflops']:.0f} GFLOP/s  "
-                     f"seen {m['last_seen_s']:.1f} s ago")
-        _say(f"keeping the swarm up for {args.seconds:.0f} s (Ctrl+C stops it) ...")
-        await trio.sleep(args.seconds)
-        final = await swarm.views()
-        converged = all(v == ids for v in final.values())
-        _say("stopping the swarm")
+        await swarm.wait_views(ids, deadline_s=120)
+        _say(f"{len(ids)} nodes up and in each other's view after {time.monotonic() - t0:.1f} s")
+
+        spec_path = swarm.root / "run.toml"
+        spec_path.write_text(_spec_toml(args))
+        created = await trio.to_thread.run_sync(lambda: subprocess.run(
+            [*pcp_command(), "run", "create", str(spec_path), "--bootstrap", boot.addr,
+             "--data-dir", str(swarm.root / "owner"), "--json"],
+            capture_output=True, text=True, timeout=120,
+        ))
+        if created.returncode != 0:
+            raise ConfigError(f"pcp run create failed: {created.stderr.strip()[-500:]}")
+        run_id = json.loads(created.stdout.strip().splitlines()[-1])["run_id"]
+        _say(f"run {run_id} created: {args.rounds} rounds of {args.time_budget:.0f} s, model {args.model}")
+
+        history: dict[int, dict[str, Any]] = {}
+        killed: dict[str, tuple[NodeProcess, int]] = {}  # peer id -> (process, round killed at)
+        rejoined: list[str] = []
+        first_contribution: dict[str, float] = {}
+        deadline = time.monotonic() + 120 + args.rounds * (args.time_budget * 3 + 15) * (2 if args.churn else 1)
+        statuses: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            await trio.sleep(1.0)
+            statuses = {}
+            for w in swarm.workers:
+                if not w.running:
+                    continue
+                try:
+                    statuses[w.peer_id] = to_json(await swarm.status(w, timeout=5)).get("run") or {}
+                except PcpError:
+                    continue
+            for st in statuses.values():
+                for h in st.get("history", []):
+                    if h["round"] not in history:
+                        history[h["round"]] = h
+                        val = f"{h['val_loss']:.4f}" if h.get("val_loss") is not None else "-"
+                        _say(f"round {h['round'] + 1:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
+                             f"workers {h['participants']}  ({time.monotonic() - t0:.0f} s)")
+                        await _churn(args, rng, swarm, statuses, killed, rejoined, h["round"])
+            for pid in rejoined:
+                fc = statuses.get(pid, {}).get("first_contribution_s")
+                if fc is not None:
+                    first_contribution[pid] = fc
+            live = [st for st in statuses.values() if st]
+            if len(history) >= args.rounds and live and all(st.get("phase") == "finished" for st in live):
+                break
+        final = history.get(args.rounds - 1)
+        thetas = {st.get("theta") for st in statuses.values() if st}
+        agreement = final is not None and thetas == {final["theta"]}
+        sample = _sample(swarm, final, args) if final is not None else ""
+        _say("")
+        _say(f"rounds committed: {len(history)}/{args.rounds}; every live node holds θ {final['theta'] if final else '-'}: {agreement}")
+        if sample:
+            _say("sample from the final θ:")
+            _say(sample)
+    rounds = [history[r] for r in sorted(history)]
     return {
+        "run_id": run_id,
         "workers": args.workers,
-        "converged": converged,
-        "formed_s": round(took, 2),
-        "wall_s": round(time.monotonic() - t0, 2),
+        "rounds_committed": len(rounds),
+        "loss_history": [round(h["loss"], 4) for h in rounds],
+        "val_loss_history": [round(h["val_loss"], 4) if h.get("val_loss") is not None else None for h in rounds],
+        "participants": [h["participants"] for h in rounds],
+        "failovers": 0,
+        "churn_kills": len(killed) + len(rejoined),
+        "time_to_first_contribution_s": first_contribution,
+        "final_theta_hash_agreement": agreement,
+        "sample": sample,
+        "wall_s": round(time.monotonic() - t0, 1),
     }
+
+
+async def _churn(args, rng, swarm, statuses, killed, rejoined, committed_round: int) -> None:  # type: ignore[no-untyped-def]
+    """Restart workers killed a round ago; maybe kill another (never the shepherd)."""
+    for pid, (proc, at) in list(killed.items()):
+        if committed_round > at:
+            await swarm.restart(proc)
+            del killed[pid]
+            rejoined.append(pid)
+            _say(f"  churn: restarted {pid[-12:]} with its data dir")
+    if args.churn and committed_round < args.rounds - 2 and rng.random() < args.churn:
+        shepherds = {st.get("shepherd") for st in statuses.values()}
+        victims = [w for w in swarm.workers if w.running and w.peer_id not in shepherds and w.peer_id not in killed]
+        if victims:
+            proc = rng.choice(victims)
+            await swarm.kill(proc, signal.SIGKILL)
+            killed[proc.peer_id] = (proc, committed_round)
+            _say(f"  churn: SIGKILLed {proc.peer_id[-12:]} mid-run")
+
+
+def _sample(swarm, final: dict[str, Any], args: argparse.Namespace) -> str:  # type: ignore[no-untyped-def]
+    """Text from the final θ, read from a worker's blob store (hash-checked)."""
+    from pcp_p2p.blob.store import BlobStore
+    from pcp_p2p.cid import check_cid
+    from pcp_p2p.diloco.data import CharDataset
+    from pcp_p2p.diloco.generate import sample_text
+    from pcp_p2p.diloco.tensors import unpack_tensors
+
+    for w in swarm.workers:
+        store = BlobStore(w.data_dir / "blobs", 1 << 40)
+        if store.has(final["theta"]):
+            data = store.read(final["theta"])
+            check_cid(final["theta"], data)
+            tokenizer = CharDataset.load("shakespeare").tokenizer
+            return sample_text(args.model, unpack_tensors(data), tokenizer, "ROMEO:", 200, seed=args.seed)
+    print("no node holds the final θ on disk; no sample", file=sys.stderr)
+    return ""

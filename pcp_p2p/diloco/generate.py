@@ -1,0 +1,116 @@
+"""Text from a run's latest checkpoint: ``pcp generate``, and the demo's closing sample.
+
+Sampling runs the model's forward pass with ``jax.jit`` on the θ of the latest
+commit (fetched by CID and hash-checked like every blob). It needs the compile
+extra (JAX), which every node installed by ``make`` has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from pcp_p2p import logs
+from pcp_p2p.errors import ConfigError, InvalidInput, PcpError
+from pcp_p2p.node.identity import default_data_dir
+
+log = logging.getLogger("pcp.generate")
+
+
+def sample_text(
+    model: str, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
+    *, temperature: float = 0.8, seed: int = 0,
+) -> str:
+    """``prompt`` continued by ``tokens`` characters sampled from the model."""
+    import jax
+    import jax.numpy as jnp
+
+    from pcp_p2p.compile.model import forward, preset
+
+    cfg = preset(model, vocab_size=tokenizer.vocab_size)
+    try:
+        ids = list(tokenizer.encode(prompt)) if prompt else [0]
+    except PcpError as exc:
+        raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
+    fwd = jax.jit(lambda p, idx: forward(cfg, p, idx))
+    params = {k: jnp.asarray(v) for k, v in theta.items()}
+    rng = np.random.default_rng(seed)
+    t = cfg.block_size
+    for _ in range(tokens):
+        ctx = ids[-t:]
+        window = np.zeros((1, t), dtype=np.int32)
+        window[0, : len(ctx)] = ctx  # causal model: padding after the context is never attended to
+        logits = np.asarray(fwd(params, jnp.asarray(window)))[0, len(ctx) - 1].astype(np.float64)
+        logits = logits / max(temperature, 1e-6)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        ids.append(int(rng.choice(len(probs), p=probs)))
+    return tokenizer.decode(np.asarray(ids, dtype=np.int32))
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "generate",
+        help="print text sampled from a run's latest checkpoint",
+        description="Fetch the latest committed θ of a run from the swarm (hash-checked) and print "
+        "text sampled from it.",
+    )
+    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a bootstrap server; repeatable")
+    p.add_argument("--run", required=True, metavar="RUN_ID", help="the run id printed by `pcp run create`")
+    p.add_argument("--prompt", default="ROMEO:", help="text to continue (default ROMEO:)")
+    p.add_argument("--tokens", type=int, default=200, help="characters to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", type=Path, default=None, help=f"default {default_data_dir()}")
+    p.add_argument("--swarm-key", type=Path, metavar="FILE")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    if not 1 <= args.tokens <= 100_000:
+        raise ConfigError("--tokens must be between 1 and 100000")
+    logs.configure(logging.WARNING)
+    spec, rec, theta = trio.run(_fetch_latest, args)
+    from pcp_p2p.diloco.data import CharDataset
+
+    tokenizer = CharDataset.load(spec.dataset).tokenizer
+    text = sample_text(spec.model, theta, tokenizer, args.prompt, args.tokens,
+                       temperature=args.temperature, seed=args.seed)
+    if args.json:
+        print(json.dumps({"run_id": args.run, "round": rec.round, "theta": rec.theta_cid, "text": text}))
+    else:
+        print(f"(round {rec.round + 1}, θ {rec.theta_cid})", file=sys.stderr)
+        print(text)
+    return 0
+
+
+async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pcp_p2p.diloco.messages import CommitRecord
+    from pcp_p2p.diloco.spec import SignedRunSpec, verify_spec
+    from pcp_p2p.diloco.tensors import unpack_tensors
+    from pcp_p2p.node.node import NodeConfig, open_node
+
+    config = NodeConfig(
+        data_dir=(args.data_dir or default_data_dir()) / "client", listen=("/ip4/0.0.0.0/tcp/0",),
+        bootstrap=tuple(args.bootstrap), role="client", swarm_key=args.swarm_key, benchmark_s=0.0,
+    )
+    async with open_node(config) as node:
+        with trio.move_on_after(30):
+            await node.bootstrapped.wait()
+        signed = await node.get_record("run", args.run)
+        if not isinstance(signed, SignedRunSpec):
+            raise ConfigError(f"no run {args.run} found in the swarm's DHT")
+        spec = verify_spec(signed)
+        rec = await node.get_record("commit", args.run)
+        if not isinstance(rec, CommitRecord):
+            raise ConfigError(f"run {args.run} has no committed round yet")
+        path = await node.blobs.fetch(rec.theta_cid, announce=False)
+        data = await trio.to_thread.run_sync(Path(path).read_bytes)
+        return spec, rec, unpack_tensors(data)
