@@ -71,6 +71,10 @@ class StaleMessage(VerificationError):
     """A replayed or out-of-date message (sequence number, round or term too old)."""
 
 
+class NotElected(VerificationError):
+    """A lease or shepherd message from a peer that does not hold (or may not claim) the term."""
+
+
 class RejectedUpdate(RemoteError):
     """A pseudo-gradient or round submission refused by the aggregator."""
 

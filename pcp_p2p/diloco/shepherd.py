@@ -114,8 +114,14 @@ class Shepherd:
         state: OuterState,
         artifacts: dict[str, str] | None = None,
         evaluate: Callable[[Params], float] | None = None,
+        end_round: int | None = None,
     ) -> None:
-        """``evaluate`` (optional, pure): validation loss of a θ, put in commit records."""
+        """``evaluate`` (optional, pure): validation loss of a θ, put in commit records.
+
+        ``end_round`` (optional): the term ends by rotation once this many rounds
+        are committed — the shepherd commits round ``end_round - 1`` and then
+        announces nothing more (``handed_over``); the next term's holder goes on.
+        """
         self.spec = spec.validate()
         self.run_id = run_id
         self.identity = identity
@@ -136,6 +142,8 @@ class Shepherd:
         self.theta_cid = state.theta_cid
         self.commits: list[CommitRecord] = []
         self.quorum_since: float | None = None
+        self.end_round = end_round
+        self.handed_over = end_round is not None and state.round >= end_round
 
     @classmethod
     def from_checkpoint(
@@ -187,7 +195,7 @@ class Shepherd:
             return [Rejected(msg.worker, exc)]
         self.roster[msg.worker] = msg
         self.misses[msg.worker] = 0
-        if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum:
+        if self.phase is Phase.WAITING and len(self.roster) >= self.spec.round.min_quorum and not self.handed_over:
             if self.quorum_since is None:
                 self.quorum_since = now
         return []
@@ -235,7 +243,7 @@ class Shepherd:
         agg = self.round_agg
         if self.phase is Phase.WAITING:
             wake = self.next_wakeup
-            if wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum:
+            if wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum and not self.handed_over:
                 return self._announce(now)
             return []
         if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
@@ -395,7 +403,9 @@ class Shepherd:
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)
             return effects + [Finished(new_state.round, theta_cid)]
-        if len(self.roster) >= self.spec.round.min_quorum:
+        if self.end_round is not None and new_state.round >= self.end_round:
+            self.handed_over = True  # rotation: the next term announces round end_round
+        elif len(self.roster) >= self.spec.round.min_quorum:
             return effects + self._announce(now)
         self._set_phase(Phase.WAITING)
         self.quorum_since = None

@@ -202,7 +202,9 @@ class Worker:
         try:
             self._check_from_shepherd(ann)
             committed = self.last_commit
-            if committed is not None:
+            if committed is not None and ann.term > committed.term:
+                pass  # a new term may restart from an earlier commit (failover, fork choice)
+            elif committed is not None:
                 if ann.round <= committed.round:
                     raise StaleMessage(f"announcement of round {ann.round}, already committed {committed.round}")
                 if ann.round == committed.round + 1 and ann.theta_cid != committed.theta_cid:
@@ -325,7 +327,12 @@ class Worker:
         try:
             self._check_from_shepherd(rec)
             last = self.last_commit
-            if last is not None:
+            if last is not None and rec.term > last.term and rec.round <= last.round:
+                # Fork choice: a higher term's commit wins even at a lower round
+                # (the losing side of a partition resynchronises; its rounds are lost).
+                # Only the current term's holder gets here (_check_from_shepherd).
+                pass
+            elif last is not None:
                 if rec.round < last.round:
                     raise StaleMessage(f"commit of round {rec.round} after round {last.round} was committed")
                 if rec.round == last.round:
