@@ -137,7 +137,8 @@ class ElectionConfig:
     claim_timeout_s: float = 30.0
     """A vacant term unclaimed this long is skipped: the next term (new ranking) is up."""
     settle_s: float = 3.0
-    """After start, how long to wait for a running run's lease before claiming."""
+    """After start and after a term ends, how long to wait for the DHT's latest lease and
+    commit before claiming (``on_lookups_done`` cuts it short)."""
     fresh_claim_s: float | None = None
     """How long after ``claimed_at`` a lease is checked against the caller's ranking
     (default ``lease_s``); an older, still-renewed term is accepted on its number."""
@@ -250,6 +251,7 @@ class Election:
         self.history: list[TermRecord] = []
         self.role = Role.VACANT
         self._now: float | None = None
+        self.settle_until: float | None = None  # no claim before: lookups are on their way
 
     # --- queries -------------------------------------------------------------------
 
@@ -289,8 +291,8 @@ class Election:
             return self.lease.expiry + c.grace_s
         if self.role is Role.VACANT and self.vacant_since is not None:
             now = self.vacant_since if self._now is None else self._now
-            if now < self.vacant_since:
-                return self.vacant_since
+            if self.settle_until is not None and now < self.settle_until:
+                return self.settle_until
             # re-rank when the next skipped term comes up
             n = int((now - self.vacant_since) // c.claim_timeout_s)
             return self.vacant_since + (n + 1) * c.claim_timeout_s
@@ -313,8 +315,14 @@ class Election:
         """The node starts taking part: the first term is vacant until a lease is seen."""
         self._now = now
         if self.vacant_since is None and self.lease is None:
-            self.vacant_since = now + self.config.settle_s
+            self.vacant_since = now
+        self.settle_until = now + self.config.settle_s
         return [LookupLease(), LookupCommit()]
+
+    def on_lookups_done(self, now: float) -> list[ElectionEffect]:
+        """The lease and commit lookups answered (or found nothing): no need to wait longer."""
+        self.settle_until = None
+        return self.tick(now)
 
     def on_members(self, live: Iterable[Candidate], now: float) -> list[ElectionEffect]:
         self._now = now
@@ -360,12 +368,12 @@ class Election:
         verify(lease, lease.holder)  # BadSignature unless the holder signed it
         if not (lease.claimed_at <= lease.issued < lease.expiry):
             raise VerificationError("lease times are not claimed <= issued < expiry")
+        cur = self.lease
+        if cur is not None and lease.term < cur.term:
+            raise StaleMessage(f"lease of term {lease.term}, term {cur.term} already seen")
         if lease.expiry <= now:
             raise ExpiredRecord(f"lease of term {lease.term} expired {now - lease.expiry:.1f} s ago")
-        cur = self.lease
         if cur is not None:
-            if lease.term < cur.term:
-                raise StaleMessage(f"lease of term {lease.term}, term {cur.term} already seen")
             if lease.term == cur.term and lease.holder != cur.holder:
                 # two claims of one term (views differed): the better-ranked one stands
                 if term_rank(self.run_id, lease.term, lease.holder) > term_rank(self.run_id, cur.term, cur.holder):
@@ -469,8 +477,8 @@ class Election:
                 self.vacant_since = now
             term = self.term_to_claim(now)
             assert term is not None
-            if now < self.vacant_since:
-                return []  # settling after start: a running run's lease may be on its way
+            if self.settle_until is not None and now < self.settle_until:
+                return []  # the latest lease and commit may be on their way: claim from those
             if self.expected_holder(term, now) == self.peer_id:
                 return self._claim(term, now)
         return []
@@ -493,7 +501,10 @@ class Election:
         self.role = Role.VACANT
         self.vacant_since = now
         if reason != "deposed":
-            effects += [LookupLease(), LookupCommit()]  # the next holder starts from the latest commit
+            # The next holder must start from the latest commit, which may be in
+            # the DHT only (the old shepherd died while sending it): wait for it.
+            self.settle_until = now + self.config.settle_s
+            effects += [LookupLease(), LookupCommit()]
             effects += self.tick(now)
         return effects
 

@@ -294,6 +294,9 @@ class ElectionWorld:
         rec = self.best_commit(node.peer_id)
         if rec is not None and node.inbox is not None:
             node.inbox.send_nowait(("commit", rec))
+        await trio.sleep(0.05)  # the lease lookup (started alongside) has answered too
+        if node.inbox is not None:
+            node.inbox.send_nowait(("lookups_done",))
 
     async def _lookup_lease(self, node: SimNode) -> None:
         await trio.sleep(0.05)
@@ -337,6 +340,10 @@ class ElectionWorld:
     def _strike(self, node: SimNode, f: ShepherdFault, effects: list[Effect], nursery: trio.Nursery) -> None:
         if f.at == "commit_unheard":  # the commit reached this node's disk, nothing more
             self.carry_out(node, [e for e in effects if isinstance(e, StoreBlob)], nursery)
+        elif f.at == "announce":  # everything before the announcement happened (a commit, say)
+            first = next(i for i, e in enumerate(effects)
+                         if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement))
+            self.carry_out(node, effects[:first], nursery)
         if f.action == "kill":
             node.alive = False
             node.inbox = None
@@ -419,6 +426,8 @@ class ElectionWorld:
             if node.shepherd is not None and item[1] in node.shepherd.pending:
                 out += node.shepherd.on_blob(item[1], item[2], now)
             return out
+        if kind == "lookups_done":
+            return node.election.on_lookups_done(now)
         if kind == "blob_failed":
             return node.worker.on_blob_failed(item[1], item[2], now)
         return node.worker.on_inner_done(item[1], now)
