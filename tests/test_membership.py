@@ -94,6 +94,13 @@ def test_heartbeat_with_forged_record_is_refused() -> None:
         m.receive_heartbeat(encode(Heartbeat(A.peer_id, 1, 1, encode(forged))), sender=A.peer_id, now=0.0)
 
 
+def test_exact_duplicate_from_gossip_is_dropped_silently() -> None:
+    m = Membership(SELF.peer_id)
+    hb = heartbeat(A, 3)
+    m.receive_heartbeat(hb, sender=A.peer_id, now=0.0)
+    assert m.receive_heartbeat(hb, sender=A.peer_id, now=0.5) == []
+
+
 def test_garbage_heartbeat_is_refused() -> None:
     m = Membership(SELF.peer_id)
     with pytest.raises(MalformedMessage):

@@ -91,6 +91,7 @@ class RunStats:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     rejected: dict[str, int] = field(default_factory=dict)
     first_contribution_s: float | None = None
+    contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
 
 
 class RunRuntime:
@@ -199,6 +200,10 @@ class RunRuntime:
         return max(1.0, 2 * gflops * 1e9 / (6 * n))
 
     def _choose_shepherd(self) -> str | None:
+        """A live member already leading the run if there is one (we are late), else the first-ranked candidate."""
+        leaders = sorted(m.record.peer_id for m in self.node.membership.live() if self.run_id in m.record.leads)
+        if leaders:
+            return leaders[0]
         candidates = [
             m.record.peer_id for m in self.node.membership.live()
             if m.record.role == "worker" and m.record.capabilities.can_compile and self.run_id in m.record.runs
@@ -214,6 +219,7 @@ class RunRuntime:
 
         assert self.dataset is not None
         self.phase = "compiling"
+        self.node.leads.add(self.run_id)
         wanted: set[str] = set()
         for m in self.node.membership.live():
             if self.run_id not in m.record.runs:
@@ -282,8 +288,6 @@ class RunRuntime:
         elif kind == "inner_done" and self.worker is not None:
             result = item[1]
             self._carry_out("worker", self.worker.on_inner_done(result, now))
-            if self.stats.first_contribution_s is None:
-                self.stats.first_contribution_s = round(time.time() - self.started_at, 2)
         elif kind == "inner_failed" and self.worker is not None:
             _, round_, attempt, err = item
             self._carry_out("worker", self.worker.on_inner_failed(round_, attempt, err, now))
@@ -303,6 +307,11 @@ class RunRuntime:
         rec = self.worker.last_commit
         if rec is not None and rec.theta_cid != self._seen_commit:
             self._seen_commit = rec.theta_cid
+            if self.node.peer_id in rec.participants:
+                self.stats.contributed_rounds.append(rec.round)
+                if self.stats.first_contribution_s is None:
+                    # From taking up the run to the first commit that counts this node.
+                    self.stats.first_contribution_s = round(time.time() - self.started_at, 2)
             self.stats.history.append({
                 "round": rec.round, "theta": rec.theta_cid, "loss": rec.mean_loss,
                 "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
@@ -514,6 +523,7 @@ class RunRuntime:
             "busy_s": round(busy, 2),
             "outer_lr": self.spec.outer.lr,
             "first_contribution_s": self.stats.first_contribution_s,
+            "contributed_rounds": self.stats.contributed_rounds[-100:],
             "rejected": dict(self.stats.rejected),
             "history": list(self.stats.history),
         }

@@ -67,6 +67,7 @@ class TrainingService:
             log.error("run %s stopped: %s", runtime.run_id, exc)
         finally:
             self.node.runs.discard(runtime.run_id)
+            self.node.leads.discard(runtime.run_id)
             if not self.node.runs:
                 self.node.state = "idle"
 

@@ -51,6 +51,7 @@ class MemberRecord(Message):
     started_at: float  # unix seconds
     capabilities: Capabilities
     runs: tuple[str, ...] = ()  # ids of the runs this node takes part in (how late joiners find runs)
+    leads: tuple[str, ...] = ()  # ids of the runs this node is the shepherd of (how late joiners find it)
     state: str = "idle"  # what it is doing: idle, training, shepherd, ...
 
 
@@ -156,7 +157,9 @@ class Membership:
         if current is None:
             self._members[hb.peer_id] = Member(record, signed, hb.boot, hb.seq, now)
             return [MemberJoined(hb.peer_id)]
-        if (hb.boot, hb.seq) <= (current.boot, current.seq):
+        if (hb.boot, hb.seq) == (current.boot, current.seq):
+            return []  # the same heartbeat again by another gossip path: not a replay
+        if (hb.boot, hb.seq) < (current.boot, current.seq):
             raise StaleMessage(
                 f"heartbeat ({hb.boot}, {hb.seq}) from {hb.peer_id} not newer than ({current.boot}, {current.seq})"
             )

@@ -169,6 +169,7 @@ class Node:
         self._record_seq = 0
         self.membership = Membership(self.peer_id, timeout=config.member_timeout)
         self.runs: set[str] = set()  # runs this node takes part in (advertised in its member record)
+        self.leads: set[str] = set()  # runs this node is the shepherd of (advertised likewise)
         self.state = "idle"
         self.messenger = Messenger(self)
         self.bootstrapped = trio.Event()
@@ -223,6 +224,7 @@ class Node:
             started_at=self.started_at,
             capabilities=self.capabilities,
             runs=tuple(sorted(self.runs)),
+            leads=tuple(sorted(self.leads)),
             state=self.state,
         )
 
