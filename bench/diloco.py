@@ -32,8 +32,12 @@ Run: ``.venv/bin/python bench/diloco.py`` (a few minutes on 2 CPU cores).
     give at most 4·50 = 200x; ``h_for_400x`` is the H at which the measured
     per-round bytes would reach the target.
 
-(c) Compute utilisation needs the full networked system and is reported as
-    ``null`` here.
+(c) Compute utilisation over a run on loopback: a bootstrap server and
+    ``UTIL_WORKERS`` worker processes (real libp2p, blob exchange, IREE
+    executor) train ``UTIL_ROUNDS`` rounds with a ``UTIL_BUDGET``-second inner
+    budget; each worker reports the time it spent inside inner steps over the
+    wall time from its first inner run to the last commit. Headline of (c): the
+    mean over workers (target ≥ 0.95). ``PCP_BENCH_UTIL=0`` skips it.
 """
 
 from __future__ import annotations
@@ -277,13 +281,72 @@ def main() -> None:
         "bytes_per_token_diloco": round(diloco_bytes_per_token, 4),
         "submission_bytes": int(sub_bytes),
         "h_for_400x": h_for_400,
-        "utilisation": None,
-        "utilisation_note": "(c) needs the networked system (node + executor + blob exchange); not measured here",
+        **utilisation(),
         "seconds_diloco": round(t_diloco, 1),
         "seconds_dp": round(t_dp, 1),
         "seconds_total": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(result))
+
+
+UTIL_WORKERS = int(os.environ.get("PCP_BENCH_UTIL_WORKERS", "2"))
+UTIL_ROUNDS = int(os.environ.get("PCP_BENCH_UTIL_ROUNDS", "4"))
+UTIL_BUDGET = float(os.environ.get("PCP_BENCH_UTIL_BUDGET", "20"))
+
+
+def utilisation() -> dict:
+    """(c): compute utilisation of real worker processes over a run on loopback."""
+    if os.environ.get("PCP_BENCH_UTIL", "1") == "0":
+        return {"utilisation": None, "utilisation_note": "skipped (PCP_BENCH_UTIL=0)"}
+    import subprocess
+    import tempfile
+
+    import trio
+
+    from pcp_p2p.node.local_swarm import local_swarm, pcp_command
+    from pcp_p2p.node.status import to_json
+
+    spec = f"""
+name = "bench-utilisation"
+[model]
+preset = "tiny"
+[round]
+time_budget_s = {UTIL_BUDGET}
+deadline_s = {UTIL_BUDGET * 2 + 10}
+max_inner_steps = 100000
+rounds = {UTIL_ROUNDS}
+min_quorum = {UTIL_WORKERS}
+"""
+
+    async def run() -> list[dict]:
+        with tempfile.TemporaryDirectory(prefix="pcp-bench-util-") as tmp:
+            async with local_swarm(Path(tmp), extra_args=["--trust-any"]) as swarm:
+                boot = await swarm.start_bootstrap()
+                for _ in range(UTIL_WORKERS):
+                    await swarm.add_worker()
+                await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
+                (Path(tmp) / "run.toml").write_text(spec)
+                await trio.to_thread.run_sync(lambda: subprocess.run(
+                    [*pcp_command(), "run", "create", str(Path(tmp) / "run.toml"), "--bootstrap", boot.addr,
+                     "--data-dir", str(Path(tmp) / "owner")], check=True, capture_output=True, timeout=120))
+                with trio.fail_after(120 + UTIL_ROUNDS * (UTIL_BUDGET * 2 + 15)):
+                    while True:
+                        await trio.sleep(1.0)
+                        runs = [to_json(await swarm.status(w)).get("run") or {} for w in swarm.workers]
+                        if all(r.get("phase") == "finished" for r in runs):
+                            return runs
+
+    runs = trio.run(run)
+    per_worker = [r.get("utilisation") for r in runs]
+    values = [u for u in per_worker if u is not None]
+    return {
+        "utilisation": round(sum(values) / len(values), 4) if values else None,
+        "utilisation_target": 0.95,
+        "utilisation_per_worker": per_worker,
+        "utilisation_setup": f"{UTIL_WORKERS} worker processes + bootstrap on loopback, {UTIL_ROUNDS} rounds, "
+                             f"{UTIL_BUDGET:.0f} s inner budget, tiny GPT through the IREE executor",
+        "tokens_per_s_per_worker": [r.get("tokens_per_s") for r in runs],
+    }
 
 
 if __name__ == "__main__":

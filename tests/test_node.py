@@ -119,7 +119,7 @@ async def test_bad_heartbeats_are_ignored_and_logged_once(swarm3) -> None:
     mallory = Identity.generate()
     # b publishes: garbage, a heartbeat claiming to be a, and a replay of an old heartbeat of its own.
     rec = sign_record(b.identity, "member", b.peer_id, b.member_record(), ttl_s=60)
-    replay = Heartbeat(b.peer_id, b._boot, 1, encode(rec))
+    replay = Heartbeat(b.peer_id, b._boot, 0, encode(rec))  # older than any heartbeat b sent (seq starts at 1)
     claim = Heartbeat(a.peer_id, 1, 10**9, encode(rec))
     for data in (b"garbage", b"garbage", encode(claim), encode(replay)):
         await b.pubsub.publish(HEARTBEAT_TOPIC, data)

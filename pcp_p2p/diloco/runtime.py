@@ -92,6 +92,8 @@ class RunStats:
     rejected: dict[str, int] = field(default_factory=dict)
     first_contribution_s: float | None = None
     contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
+    first_train_at: float | None = None  # wall clock: the first inner run started
+    last_commit_at: float | None = None  # wall clock: the latest commit arrived
 
 
 class RunRuntime:
@@ -307,6 +309,7 @@ class RunRuntime:
         rec = self.worker.last_commit
         if rec is not None and rec.theta_cid != self._seen_commit:
             self._seen_commit = rec.theta_cid
+            self.stats.last_commit_at = time.time()
             if self.node.peer_id in rec.participants:
                 self.stats.contributed_rounds.append(rec.round)
                 if self.stats.first_contribution_s is None:
@@ -339,6 +342,8 @@ class RunRuntime:
             elif isinstance(e, FetchBlob):
                 self._nursery.start_soon(self._fetch, who, e.cid, e.hint)
             elif isinstance(e, RunInner):
+                if self.stats.first_train_at is None:
+                    self.stats.first_train_at = time.time()
                 cancel = threading.Event()
                 self._cancel[(e.round, e.attempt)] = cancel
                 self._nursery.start_soon(self._inner, e, cancel)
@@ -499,6 +504,9 @@ class RunRuntime:
 
     # -- status -------------------------------------------------------------------------
 
+    def _utilisation(self, busy: float) -> float | None:
+        return _utilisation_of(busy, self.stats.first_train_at, self.stats.last_commit_at)
+
     def status(self) -> dict[str, Any]:
         w = self.worker
         rec = w.last_commit if w is not None else None
@@ -521,12 +529,21 @@ class RunRuntime:
             "val_loss": rec.val_loss if rec is not None else None,
             "tokens_per_s": round(tokens / busy, 1) if busy else None,
             "busy_s": round(busy, 2),
+            # Compute utilisation: time inside inner steps over the wall time from
+            # the first inner run to the latest commit.
+            "utilisation": self._utilisation(busy),
             "outer_lr": self.spec.outer.lr,
             "first_contribution_s": self.stats.first_contribution_s,
             "contributed_rounds": self.stats.contributed_rounds[-100:],
             "rejected": dict(self.stats.rejected),
             "history": list(self.stats.history),
         }
+
+
+def _utilisation_of(busy: float, start: float | None, end: float | None) -> float | None:
+    if start is None or end is None or end <= start:
+        return None
+    return round(min(1.0, busy / (end - start)), 4)
 
 
 def _describe(x: Any) -> str:
