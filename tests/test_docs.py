@@ -1,0 +1,36 @@
+"""The docs name what the code registers: every message tag, record kind and protocol id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DOCS = Path(__file__).parent.parent / "docs"
+
+
+def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
+    import pcp_p2p.blob.protocol as blob_protocol
+    import pcp_p2p.blob.service  # noqa: F401
+    import pcp_p2p.compile.manifest  # noqa: F401
+    import pcp_p2p.diloco.runtime  # noqa: F401
+    from pcp_p2p.dht.kinds import register_all
+    from pcp_p2p.dht.records import KIND_RULES
+    from pcp_p2p.node.membership import HEARTBEAT_TOPIC
+    from pcp_p2p.node.messaging import MSG_PROTOCOL
+    from pcp_p2p.node.status import STATUS_PROTOCOL
+    from pcp_p2p.wire import registered_types
+
+    register_all()
+    text = (DOCS / "protocol.md").read_text()
+    for tag in registered_types():
+        if not tag.startswith("test."):
+            assert f"`{tag}`" in text, f"docs/protocol.md does not mention message {tag}"
+    for kind in KIND_RULES:
+        if kind != "bench":
+            assert f"/pcp/{kind}/" in text, f"docs/protocol.md does not mention record kind {kind}"
+    for pid in (MSG_PROTOCOL, STATUS_PROTOCOL, blob_protocol.PROTOCOL_ID, HEARTBEAT_TOPIC):
+        assert pid in text, f"docs/protocol.md does not mention {pid}"
+
+
+def test_readme_has_the_two_commands() -> None:
+    readme = (DOCS.parent / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
