@@ -121,7 +121,8 @@ class RunRuntime:
         self._nursery: trio.Nursery | None = None
         self._seen_commit: str | None = None
         self._early: list[tuple] = []
-        self._storing: dict[str, trio.Event] = {}  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
+        self._storing: dict[str, trio.Event] = {}
+        self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
@@ -238,6 +239,8 @@ class RunRuntime:
         )
         artifacts: dict[str, str] = {}
         for art in arts:
+            self.artifacts.append({"target": art.manifest.target, "cid": art.cid,
+                                   "size": len(art.vmfb), "cache_hit": art.cached})
             await self._keep(art.vmfb)
             artifacts[art.manifest.target] = await self._keep(encode(art.manifest))
         evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
@@ -469,6 +472,8 @@ class RunRuntime:
         vmfb_path = self.blobs.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, self.shepherd_peer)
         self.engine = engine.InnerEngine(executor, self.spec, self.dataset)
+        self.artifacts.append({"target": manifest.target, "cid": manifest.artifact_cid,
+                               "size": manifest.artifact_size, "cache_hit": None})
         log.info("run %s: executor started for %s (artifact %s)", self.run_id[:16], manifest.target, manifest.artifact_cid[:20])
 
     async def _inner(self, eff: RunInner, cancel: threading.Event) -> None:
@@ -504,6 +509,10 @@ class RunRuntime:
 
     # -- status -------------------------------------------------------------------------
 
+    def _deadline_left(self) -> float | None:
+        ann = self.worker.current if self.worker is not None else None
+        return round(max(0.0, ann.deadline - time.time()), 1) if ann is not None else None
+
     def _utilisation(self, busy: float) -> float | None:
         return _utilisation_of(busy, self.stats.first_train_at, self.stats.last_commit_at)
 
@@ -524,6 +533,7 @@ class RunRuntime:
             "is_shepherd": self.shepherd is not None,
             "theta": w.theta_cid if w is not None else None,
             "participants": len(rec.participants) if rec is not None else 0,
+            "deadline_s": self._deadline_left(),
             "quorum": self.spec.round.min_quorum,
             "loss": rec.mean_loss if rec is not None else None,
             "val_loss": rec.val_loss if rec is not None else None,

@@ -38,6 +38,7 @@ class TrainingService:
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
         self.node.messenger.register(ROUND_MESSAGES, self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
+        self.node.config.extra_status["artifacts"] = self.artifacts_status
         self.node.nursery.start_soon(self._discovery_loop)
 
     async def _on_spec(self, sender: str, msg: Message) -> None:
@@ -92,6 +93,12 @@ class TrainingService:
         if not self.runtimes:
             return None
         return list(self.runtimes.values())[-1].status()
+
+
+    def artifacts_status(self) -> list[dict[str, Any]] | None:
+        if not self.runtimes:
+            return None
+        return list(self.runtimes.values())[-1].artifacts
 
 
 def install_training(node: Node, trust: TrustPolicy) -> TrainingService:
