@@ -103,3 +103,33 @@ def test_batches_for_an_announced_assignment():
     assert x.shape == (6, 2, 8)
     x2, _ = batches_for(ds.train, shard=1, num_shards=3, seed=42, steps=6, batch_size=2, seq_len=8)
     np.testing.assert_array_equal(x, x2)
+
+
+def test_dataset_blob_round_trip_and_refusals() -> None:
+    import struct
+
+    import pytest
+
+    from pcp_p2p.diloco.data import CharDataset, decode_dataset, encode_dataset
+    from pcp_p2p.errors import MalformedMessage, OversizedMessage, ProtocolError
+
+    ds = CharDataset.from_text("to be or not to be, that is the question " * 50)
+    blob = encode_dataset(ds)
+    back = decode_dataset(blob)
+    assert back.tokenizer.vocab == ds.tokenizer.vocab
+    assert (back.train == ds.train).all() and (back.val == ds.val).all()
+    with pytest.raises(MalformedMessage):
+        decode_dataset(blob[:-1])  # truncated
+    with pytest.raises(OversizedMessage):
+        decode_dataset(blob, max_bytes=len(blob) - 1)
+    with pytest.raises(MalformedMessage):
+        decode_dataset(struct.pack(">I", 10**6) + blob[4:])  # header length lies
+    bad = bytearray(blob)
+    bad[-1] = 250  # a token outside the vocabulary
+    with pytest.raises(MalformedMessage):
+        decode_dataset(bytes(bad))
+    for cut in range(0, 40, 3):  # any prefix: only protocol errors
+        try:
+            decode_dataset(blob[:cut])
+        except ProtocolError:
+            pass

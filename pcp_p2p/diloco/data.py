@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -31,7 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from pcp_p2p.compile.tokenizer import CharTokenizer  # numpy only: no JAX on workers
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.errors import ConfigError, MalformedMessage, OversizedMessage, PcpError
+from pcp_p2p.wire import Message, decode, encode, wire_message
 
 SHAKESPEARE = "shakespeare"
 TRAIN_FRACTION = 0.9
@@ -189,3 +191,57 @@ def batches_for_assignment(
         batch_size=batch_size,
         seq_len=seq_len,
     )
+
+
+# --- the dataset as a blob ------------------------------------------------------------
+#
+# The shepherd tokenises the run's corpus once and publishes it as a blob; the
+# announcement names its CID and every worker fetches it (hash-checked) instead
+# of needing the corpus on disk. Layout: 4-byte big-endian header length, the
+# header (a wire message), then the train and val token arrays, little-endian,
+# uint8 when the vocabulary fits in a byte (characters: it always does), else int32.
+
+MAX_DATASET_BYTES = 1 << 30
+
+
+@wire_message("diloco.dataset", max_size=64 * 1024)
+class DatasetHeader(Message):
+    vocab: tuple[str, ...]
+    dtype: str  # "uint8" or "int32", little-endian
+    n_train: int
+    n_val: int
+
+
+def encode_dataset(ds: CharDataset) -> bytes:
+    dtype = "uint8" if ds.vocab_size <= 256 else "int32"
+    header = encode(DatasetHeader(ds.tokenizer.vocab, dtype, len(ds.train), len(ds.val)))
+    np_dtype = np.dtype(dtype).newbyteorder("<")
+    return b"".join([
+        struct.pack(">I", len(header)), header,
+        ds.train.astype(np_dtype).tobytes(), ds.val.astype(np_dtype).tobytes(),
+    ])
+
+
+def decode_dataset(data: bytes, *, max_bytes: int = MAX_DATASET_BYTES) -> CharDataset:
+    """A dataset blob back; only :class:`~pcp_p2p.errors.ProtocolError` subclasses escape."""
+    if len(data) > max_bytes:
+        raise OversizedMessage(f"dataset blob of {len(data)} bytes > {max_bytes}")
+    if len(data) < 4:
+        raise MalformedMessage("dataset blob too short")
+    (n,) = struct.unpack(">I", data[:4])
+    if n > DatasetHeader.MAX_SIZE or 4 + n > len(data):
+        raise MalformedMessage("dataset header length out of range")
+    h = decode(data[4 : 4 + n], DatasetHeader)
+    if h.dtype not in ("uint8", "int32") or h.n_train < 1 or h.n_val < 1 or not h.vocab:
+        raise MalformedMessage("dataset header has impossible values")
+    width = 1 if h.dtype == "uint8" else 4
+    if 4 + n + (h.n_train + h.n_val) * width != len(data):
+        raise MalformedMessage("dataset blob size does not match its header")
+    arr = np.frombuffer(data, dtype=np.dtype(h.dtype).newbyteorder("<"), offset=4 + n).astype(np.int32)
+    if arr.size and (arr.min() < 0 or arr.max() >= len(h.vocab)):
+        raise MalformedMessage("dataset tokens outside its vocabulary")
+    try:
+        tok = CharTokenizer(tuple(h.vocab))
+    except (PcpError, ValueError, TypeError) as exc:
+        raise MalformedMessage(f"dataset vocabulary is invalid: {exc}") from exc
+    return CharDataset(tokenizer=tok, train=arr[: h.n_train].copy(), val=arr[h.n_train :].copy())

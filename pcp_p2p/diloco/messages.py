@@ -64,6 +64,7 @@ class RoundAnnouncement(Message):
     deadline: float  # on the shepherd's clock
     assignments: tuple[DataAssignment, ...]
     shepherd: str
+    dataset_cid: str = ""  # the tokenised dataset blob (see data.encode_dataset); "" = the workers' local copy
     signature: bytes = b""
 
     def assignment_for(self, worker: str) -> DataAssignment | None:

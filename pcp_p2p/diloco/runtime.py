@@ -66,7 +66,7 @@ from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.worker import Worker
 from pcp_p2p.errors import PcpError, PeerError, VerificationError
-from pcp_p2p.wire import Message, decode
+from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService
@@ -92,6 +92,7 @@ class RunStats:
     rejected: dict[str, int] = field(default_factory=dict)
     first_contribution_s: float | None = None
     contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
+    bytes_submitted: int = 0  # encoded submissions sent (what this worker puts on the wire per round)
     first_train_at: float | None = None  # wall clock: the first inner run started
     last_commit_at: float | None = None  # wall clock: the latest commit arrived
 
@@ -162,7 +163,6 @@ class RunRuntime:
     async def _start(self) -> None:
         from pcp_p2p.node.cpu import best_cpu_target
 
-        self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
         # Let the other members advertise the run before ranking candidates.
         await trio.sleep(SETTLE_S)
         self.shepherd_peer = self._choose_shepherd()
@@ -199,7 +199,7 @@ class RunRuntime:
         """
         from pcp_p2p.compile.model import num_params, preset
 
-        n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))
+        n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))  # an estimate
         return max(1.0, 2 * gflops * 1e9 / (6 * n))
 
     def _choose_shepherd(self) -> str | None:
@@ -218,10 +218,13 @@ class RunRuntime:
         from pcp_p2p.compile.manifest import Manifest  # noqa: F401  (compile extra present)
         from pcp_p2p.diloco import engine
         from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
+        from pcp_p2p.diloco.data import encode_dataset
         from pcp_p2p.wire import encode
 
-        assert self.dataset is not None
         self.phase = "compiling"
+        # The shepherd reads and tokenises the corpus; workers get it as a blob.
+        self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
+        dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset))
         self.node.leads.add(self.run_id)
         wanted: set[str] = set()
         for m in self.node.membership.live():
@@ -252,7 +255,7 @@ class RunRuntime:
             log.info("run %s: resuming from round %d", self.run_id[:16], state.round)
         self.shepherd = Shepherd(
             spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=0,
-            state=state, artifacts=artifacts, evaluate=evaluate,
+            state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
         )
         # The initial θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
@@ -376,6 +379,8 @@ class RunRuntime:
     # -- effect workers -----------------------------------------------------------------
 
     async def _send_to(self, peer: str, msg: Message) -> None:
+        if isinstance(msg, Submission):
+            self.stats.bytes_submitted += len(encode(msg))
         try:
             await self.node.messenger.send(peer, msg)
         except PcpError as exc:
@@ -464,10 +469,18 @@ class RunRuntime:
         from pcp_p2p.compile.manifest import Manifest
         from pcp_p2p.diloco import engine
 
-        assert self.dataset is not None and self.shepherd_peer is not None
+        from pcp_p2p.diloco.data import decode_dataset
+
+        assert self.shepherd_peer is not None and self.worker is not None
         manifest = decode(manifest_bytes, Manifest)
         if self.engine is not None:
             return
+        if self.dataset is None:
+            ann = self.worker.current
+            if ann is None or not ann.dataset_cid:
+                raise VerificationError("the announcement names no dataset blob")
+            data = await self._fetch_bytes(ann.dataset_cid, ann.shepherd)
+            self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
         await self._fetch_bytes(manifest.artifact_cid)
         vmfb_path = self.blobs.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, self.shepherd_peer)
@@ -539,6 +552,8 @@ class RunRuntime:
             "val_loss": rec.val_loss if rec is not None else None,
             "tokens_per_s": round(tokens / busy, 1) if busy else None,
             "busy_s": round(busy, 2),
+            "tokens_trained": tokens,
+            "bytes_submitted": self.stats.bytes_submitted,
             # Compute utilisation: time inside inner steps over the wall time from
             # the first inner run to the latest commit.
             "utilisation": self._utilisation(busy),

@@ -115,6 +115,7 @@ class Shepherd:
         artifacts: dict[str, str] | None = None,
         evaluate: Callable[[Params], float] | None = None,
         end_round: int | None = None,
+        dataset_cid: str = "",
     ) -> None:
         """``evaluate`` (optional, pure): validation loss of a θ, put in commit records.
 
@@ -128,6 +129,7 @@ class Shepherd:
         self.term = term
         self.state = state
         self.artifacts = dict(artifacts or {})
+        self.dataset_cid = dataset_cid  # the tokenised dataset blob workers train on ("" = their local copy)
         stray = set(self.artifacts) - set(spec.targets)
         if stray:
             raise ConfigError(f"artifacts for targets the run spec does not allow: {sorted(stray)}")
@@ -317,6 +319,7 @@ class Shepherd:
                 deadline=now + self.spec.round.deadline_s,
                 assignments=assignments,
                 shepherd=self.peer_id,
+                dataset_cid=self.dataset_cid,
             ),
             self.identity,
         )
