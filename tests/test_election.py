@@ -230,7 +230,7 @@ def test_failover_next_ranked_live_candidate_takes_the_next_term_from_the_last_c
     assert of(claims[expected], BecomeShepherd) == [BecomeShepherd(1, "ck-theta1", 1, 3)]
     for p, e in es.items():
         if p != expected:
-            assert e.on_lease(pub.lease, 12.2) == [FollowShepherd(1, expected)]
+            assert e.on_lease(pub.lease, 12.2) == [FollowShepherd(1, expected, 1, "theta1")]
     hist = es[expected].status(12.2)["shepherd_history"]
     assert [(h["term"], h["rounds_served"], h["ended"]) for h in hist] == [(0, 1, "failover"), (1, 0, None)]
 

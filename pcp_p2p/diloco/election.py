@@ -191,10 +191,20 @@ class BecomeShepherd:
 
 @dataclass(frozen=True)
 class FollowShepherd:
-    """``peer`` holds ``term``: ``Worker.set_shepherd(term, peer)``."""
+    """``peer`` holds ``term``: ``Worker.set_shepherd(term, peer, base=(from_round, from_theta_cid))``.
+
+    ``from_round``/``from_theta_cid``: the commit the term continues from (a worker
+    that missed it still accepts it, although its term is older).
+    """
 
     term: int
     peer: str
+    from_round: int = 0
+    from_theta_cid: str = ""
+
+    @property
+    def base(self) -> tuple[int, str] | None:
+        return (self.from_round, self.from_theta_cid) if self.from_theta_cid else None
 
 
 @dataclass(frozen=True)
@@ -359,7 +369,7 @@ class Election:
             self.vacant_since = now
             return effects + [StepDown(lease.term, "lapsed")]
         self.role = Role.FOLLOWER
-        return effects + [FollowShepherd(lease.term, lease.holder)]
+        return effects + [FollowShepherd(lease.term, lease.holder, lease.from_round, lease.from_theta_cid)]
 
     def check_lease(self, lease: Lease, now: float) -> None:
         """Raise a typed error unless ``lease`` may replace (or renew) the current one."""
@@ -528,5 +538,5 @@ class Election:
         return [
             PublishLease(lease, renewal=False),
             BecomeShepherd(term, lease.from_checkpoint_cid or None, lease.from_round, self.end_round(lease)),
-            FollowShepherd(term, self.peer_id),
+            FollowShepherd(term, self.peer_id, lease.from_round, lease.from_theta_cid),
         ]

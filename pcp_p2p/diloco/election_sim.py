@@ -265,7 +265,7 @@ class ElectionWorld:
             elif isinstance(eff, BecomeShepherd):
                 node.shepherd = self._make_shepherd(node, eff)
             elif isinstance(eff, FollowShepherd):
-                todo[:0] = node.worker.set_shepherd(eff.term, eff.peer, now)
+                todo[:0] = node.worker.set_shepherd(eff.term, eff.peer, now, base=eff.base)
             elif isinstance(eff, StepDown):
                 if node.shepherd is not None and node.shepherd.term == eff.term:
                     node.shepherd = None
@@ -378,8 +378,11 @@ class ElectionWorld:
                     wakes = [node.election.next_wakeup, node.worker.next_wakeup, now + 1.0]
                     if node.shepherd is not None:
                         wakes.append(node.shepherd.next_wakeup)
+                    # A wakeup already past did nothing when last ticked (Worker.next_wakeup
+                    # stays in the past while it trains): waiting on it would spin and, under
+                    # an autojump MockClock, freeze time.
                     item = None
-                    with trio.move_on_at(min(w for w in wakes if w is not None)):
+                    with trio.move_on_at(min(w if w > now else now + 0.5 for w in wakes if w is not None)):
                         item = await recv.receive()
                     now = trio.current_time()
                     effects = self._handle(node, item, now)

@@ -119,6 +119,7 @@ class Worker:
         self.run_id = run_id
         self.identity = identity
         self.shepherds = dict(shepherds)
+        self.term_base: dict[int, tuple[int, str]] = {}
         self.target = target
         self.tokens_per_s = tokens_per_s
         self.phase = WorkerPhase.IDLE
@@ -142,12 +143,19 @@ class Worker:
     def shepherd(self) -> str | None:
         return self.shepherds.get(self.term)
 
-    def set_shepherd(self, term: int, peer_id: str, now: float | None = None) -> list[Effect]:
+    def set_shepherd(
+        self, term: int, peer_id: str, now: float | None = None, base: tuple[int, str] | None = None
+    ) -> list[Effect]:
         """A new term's lease was seen (rotation or failover): join its shepherd.
 
-        From here on, announcements and commits of older terms are stale.
+        From here on, announcements and commits of older terms are stale — except
+        the commit the new term continues from, ``base`` = (its round + 1, its θ
+        CID) as the lease names it: a worker that missed it (a lost message) must
+        still be able to take it from a DHT lookup.
         """
         self.shepherds[term] = peer_id
+        if base is not None:
+            self.term_base[term] = base
         if term < self.term:
             return []
         self.term = term
@@ -192,7 +200,14 @@ class Worker:
         if msg.run_id != self.run_id:
             raise VerificationError(f"message for another run {msg.run_id:.20}")
         if msg.term < self.term:
-            raise StaleMessage(f"term {msg.term} is older than the current term {self.term}")
+            base = self.term_base.get(self.term)
+            is_base = (
+                isinstance(msg, CommitRecord) and base is not None and (msg.round + 1, msg.theta_cid) == base
+            )
+            if not is_base:
+                raise StaleMessage(f"term {msg.term} is older than the current term {self.term}")
+            verify(msg, self.shepherds.get(msg.term, msg.shepherd))
+            return
         expected = self.shepherds.get(msg.term)
         if expected is None or msg.shepherd != expected:
             raise BadSignature(f"{msg.shepherd:.16}… is not the shepherd of term {msg.term}")
@@ -341,7 +356,7 @@ class Worker:
                     raise StaleMessage(f"a second, different commit for round {rec.round}")
         except PcpError as exc:
             return [Rejected(rec.shepherd, exc)]
-        self.term = rec.term
+        self.term = max(self.term, rec.term)
         self.last_heard = now
         self.last_commit = rec
         effects: list[Effect] = []
