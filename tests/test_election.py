@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from pcp_p2p.dht.records import record_key, sign_record, verify_record
-from pcp_p2p.diloco.effects import LookupCommit, Rejected
+from pcp_p2p.diloco.effects import FetchBlob, LookupCommit, Rejected
 from pcp_p2p.diloco.election import (
     LEASE_KIND,
     BecomeShepherd,
@@ -345,3 +345,36 @@ def test_status_is_json_ready_before_any_lease():
     e = Election(RUN, IDS[0], CFG)
     assert e.status(0.0) == {"term": None, "holder": None, "role": "vacant", "lease_expires_s": None,
                              "shepherd_history": []}
+
+
+# --- the worker's side of fencing and fork choice ----------------------------------------------
+
+
+def _worker(shepherds: dict[int, str]):
+    from pcp_p2p.diloco.spec import parse_spec
+    from pcp_p2p.diloco.worker import Worker
+
+    spec = parse_spec("[round]\nrounds = 4\nmin_quorum = 1\n")
+    return Worker(spec=spec, run_id=RUN, identity=IDS[4], shepherds=shepherds, target="cpu", tokens_per_s=1.0)
+
+
+def test_worker_takes_a_higher_terms_commit_for_a_round_it_already_has():
+    a, b = IDS[0], IDS[1]
+    w = _worker({0: a.peer_id})
+    assert not errors(w.on_commit(make_commit(a, 0, 2, "side-a"), 1.0))
+    w.set_shepherd(1, b.peer_id, 2.0)
+    out = w.on_commit(make_commit(b, 1, 1, "side-b"), 3.0)  # lower round, higher term: fork choice
+    assert not errors(out) and w.last_commit.theta_cid == "side-b"
+    assert any(isinstance(e, FetchBlob) and e.cid == "side-b" for e in out)
+    # and the losing term's commits are refused from now on
+    assert isinstance(errors(w.on_commit(make_commit(a, 0, 3, "side-a2"), 4.0))[0], StaleMessage)
+
+
+def test_worker_accepts_the_commit_its_new_term_continues_from_and_no_other_old_one():
+    a, b = IDS[0], IDS[1]
+    w = _worker({0: a.peer_id})
+    assert not errors(w.on_commit(make_commit(a, 0, 0, "t1"), 1.0))
+    w.set_shepherd(1, b.peer_id, 2.0, base=(2, "t2"))  # term 1 continues after round 1 (θ t2)
+    assert isinstance(errors(w.on_commit(make_commit(a, 0, 1, "other"), 3.0))[0], StaleMessage)
+    assert not errors(w.on_commit(make_commit(a, 0, 1, "t2", prev="t1"), 3.0))
+    assert w.last_commit.theta_cid == "t2" and w.term == 1
