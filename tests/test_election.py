@@ -5,7 +5,6 @@ Time is a plain float passed in; every node's machine is driven by hand.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 

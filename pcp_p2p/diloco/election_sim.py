@@ -71,7 +71,7 @@ from pcp_p2p.diloco.election import (
 )
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
 from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.sim import SIM_ARTIFACT, Quadratic
 from pcp_p2p.diloco.spec import RunSpec, run_id_of, sign_spec
 from pcp_p2p.diloco.worker import Worker
@@ -174,6 +174,7 @@ class ElectionWorld:
         self.side_of: dict[str, int] | None = None
         self.invisible_since: dict[tuple[str, str], float] = {}
         self.done = trio.Event()
+        self.at_done: tuple[dict[str, str | None], dict[str, int | None]] = ({}, {})
         self.nodes: list[SimNode] = []
         for i in range(cfg.nodes):
             ident = Identity(self.rng.randbytes(32))
@@ -442,7 +443,13 @@ class ElectionWorld:
         live = [n for n in self.nodes if n.alive]
         if all(n.worker.theta_cid == final.theta_cid for n in live) and len(
             {n.election.current_term for n in live}
-        ) == 1:
+        ) == 1 and not self.done.is_set():
+            # snapshot now: the swarm keeps running until the nursery is cancelled
+            # (a rotation after the last round may start another term meanwhile)
+            self.at_done = (
+                {n.peer_id: n.worker.theta_cid for n in live},
+                {n.peer_id: n.election.current_term for n in live},
+            )
             self.done.set()
 
     async def _partition(self, p: Partition) -> None:
@@ -476,8 +483,8 @@ class ElectionWorld:
             published=published,
             rejected=list(self.rejected),
             alive={n.peer_id for n in live},
-            theta_cids={n.peer_id: n.worker.theta_cid for n in live},
-            terms={n.peer_id: n.election.current_term for n in live},
+            theta_cids=self.at_done[0] if finished else {n.peer_id: n.worker.theta_cid for n in live},
+            terms=self.at_done[1] if finished else {n.peer_id: n.election.current_term for n in live},
             history=[t.as_dict() for t in hist],
             val_losses=[c.val_loss for c in chain if c.val_loss is not None],
             initial_val_loss=initial_val,
