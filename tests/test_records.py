@@ -123,3 +123,21 @@ def test_strict_namespace_refuses_other_namespaces() -> None:
         ns.validate("/other/key", b"anything")
     with pytest.raises(Exception):
         ns.validate("plain-key", b"anything")
+
+
+def test_kinds_ordered_by_seq_let_the_higher_term_win_whatever_the_clock() -> None:
+    from pcp_p2p.dht.kinds import register_all
+    from pcp_p2p.diloco.election import Lease
+    from pcp_p2p.diloco.messages import sign
+
+    register_all()
+    v = PcpRecordValidator()
+    t = time.time()
+
+    def lease(ident: Identity, term: int, issued: float) -> bytes:
+        body = sign(Lease("run", term, ident.peer_id, issued, issued, issued + 30, 0, "", ""), ident)
+        return encode(sign_record(ident, "lease", "run", body, ttl_s=60, seq=term, now=issued))
+
+    deposed_renewing = lease(ALICE, 3, t)  # issued later...
+    newer_term = lease(BOB, 4, t - 5)  # ...than the next term's lease (clock skew)
+    assert v.select(record_key("lease", "run"), [deposed_renewing, newer_term]) == 1

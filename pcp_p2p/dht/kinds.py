@@ -14,6 +14,7 @@ KIND_MODULES = (
     "pcp_p2p.node.membership",  # member
     "pcp_p2p.diloco.runs",  # run
     "pcp_p2p.diloco.commits",  # commit
+    "pcp_p2p.diloco.election",  # lease
 )
 
 

@@ -56,6 +56,9 @@ class KindRule:
     payload_type: type[Message]
     # Given (name part of the key, signer, decoded payload): raise if not allowed.
     check: Callable[[str, str, Message], None]
+    # Which of two valid records wins: "time" = newest issued (then seq);
+    # "seq" = highest seq (then newest), for kinds whose seq is a term.
+    order: str = "time"
 
 
 def _signer_is_name(name: str, signer: str, payload: Message) -> None:
@@ -68,9 +71,21 @@ def _signer_is_name(name: str, signer: str, payload: Message) -> None:
 KIND_RULES: dict[str, KindRule] = {}
 
 
-def register_kind(kind: str, payload_type: type[Message], check: Callable[[str, str, Message], None] = _signer_is_name) -> None:
-    """Declare a record kind; by default only the peer named in the key may sign it."""
-    KIND_RULES[kind] = KindRule(payload_type, check)
+def register_kind(
+    kind: str,
+    payload_type: type[Message],
+    check: Callable[[str, str, Message], None] = _signer_is_name,
+    *,
+    order: str = "time",
+) -> None:
+    """Declare a record kind; by default only the peer named in the key may sign it.
+
+    ``order="seq"`` makes the highest ``seq`` win (a term number: a deposed
+    shepherd that keeps renewing must not shadow a newer term, whatever the clocks say).
+    """
+    if order not in ("time", "seq"):
+        raise ValueError("order is 'time' or 'seq'")
+    KIND_RULES[kind] = KindRule(payload_type, check, order)
 
 
 def record_key(kind: str, name: str) -> str:
@@ -150,5 +165,12 @@ def verify_record(data: bytes, *, key: str | None = None, now: float | None = No
 
 
 def newer(a: SignedRecord, b: SignedRecord) -> bool:
-    """True if ``a`` supersedes ``b`` (newest wins: issued_at, then seq)."""
+    """True if ``a`` supersedes ``b``: newest wins (issued_at, then seq), or for
+    kinds ordered by seq, highest seq (then issued_at)."""
+    try:
+        rule = KIND_RULES.get(split_record_key(a.key)[0])
+    except MalformedMessage:
+        rule = None
+    if rule is not None and rule.order == "seq":
+        return (a.seq, a.issued_at) > (b.seq, b.issued_at)
     return (a.issued_at, a.seq) > (b.issued_at, b.seq)

@@ -1,8 +1,9 @@
 """The ``commit`` record kind: the latest committed round of a run, in the DHT.
 
 Stored under ``/pcp/commit/<run id>`` by the shepherd that signed the commit;
-a late joiner or a worker that missed a commit looks it up there. Newest wins
-(``issued_at``), so the record follows the run forward.
+a late joiner or a worker that missed a commit looks it up there. The record's
+``seq`` is (term, round) (:func:`commit_seq`) and the highest wins, the same
+fork choice as the election's: a higher term beats a longer chain of an older one.
 """
 
 from __future__ import annotations
@@ -22,4 +23,9 @@ def _commit_rule(name: str, signer: str, payload: Message) -> None:
     verify(payload, signer)
 
 
-register_kind("commit", CommitRecord, _commit_rule)
+register_kind("commit", CommitRecord, _commit_rule, order="seq")
+
+
+def commit_seq(rec: CommitRecord) -> int:
+    """The record ``seq`` of a commit: fork choice order (term, then round) in one number."""
+    return (rec.term << 32) | rec.round

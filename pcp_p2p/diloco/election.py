@@ -90,7 +90,7 @@ def _lease_rule(name: str, signer: str, payload: Message) -> None:
     verify(payload, signer)
 
 
-register_kind(LEASE_KIND, Lease, _lease_rule)
+register_kind(LEASE_KIND, Lease, _lease_rule, order="seq")
 """DHT record ``/pcp/lease/<run id>``: publish with ``sign_record(..., seq=lease.term)``.
 
 ``dht.records.newer`` orders by ``(issued_at, seq)``; a lease of a higher term is
