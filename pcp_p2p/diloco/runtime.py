@@ -22,10 +22,13 @@ tasks of their own and post their results to the inbox, so a machine never
 sees two inputs at once. Time is the wall clock (``time.time``): deadlines in
 round announcements are compared across nodes.
 
-Who is shepherd: the live member that accepted the run, can compile, and ranks
-first by ``sha256(run id | peer id)`` — every node computes the same answer
-without talking. Failover and rotation (terms, leases) are the election layer's
-job; this runtime keeps term 0 and reports a lost shepherd in its status.
+Who is shepherd: the :class:`~pcp_p2p.diloco.election.Election` decides (terms
+ranked by ``sha256(run id, term, peer id)`` among live members that took up the
+run and can compile, signed leases, rotation every ``election.rotate_every``
+rounds, failover when a lease lapses, fencing by term). This runtime feeds it
+the membership view, leases (direct messages and the DHT) and commits, and
+carries out its effects: publish a lease, become the shepherd of a term (from
+the checkpoint the lease names), follow another node's term, step down.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-import pcp_p2p.diloco.commits  # noqa: F401  (registers the commit record kind)
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.data import CharDataset
@@ -59,6 +61,19 @@ from pcp_p2p.diloco.effects import (
     RunInner,
     Send,
     StoreBlob,
+)
+from pcp_p2p.diloco.commits import commit_seq
+from pcp_p2p.diloco.election import (
+    LEASE_KIND,
+    BecomeShepherd,
+    Candidate,
+    Election,
+    ElectionConfig,
+    FollowShepherd,
+    Lease,
+    LookupLease,
+    PublishLease,
+    StepDown,
 )
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
 from pcp_p2p.diloco.outer import OuterState
@@ -79,11 +94,6 @@ FETCH_ATTEMPTS = 6
 FINISH_GRACE_S = 30.0
 SETTLE_S = 3.0  # at start, how long to let members advertise the run before ranking
 HISTORY = 1000
-
-
-def shepherd_rank(run_id: str, peer_id: str) -> bytes:
-    """Every member's rank for a run; the lowest that is alive and eligible leads."""
-    return hashlib.sha256(f"pcp-shepherd|{run_id}|{peer_id}".encode()).digest()
 
 
 @dataclass
@@ -123,7 +133,13 @@ class RunRuntime:
         self._seen_commit: str | None = None
         self._early: list[tuple] = []
         self._storing: dict[str, trio.Event] = {}
-        self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
+        self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
+        self.election: Election | None = None
+        self._becoming = False  # a BecomeShepherd is being set up (compiling)
+        self._evaluate: Any = None
+        self._target: str | None = None
+        self._tokens_per_s = 1.0
+        self._lookups_pending = 0  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
@@ -149,6 +165,8 @@ class RunRuntime:
                     self._carry_out("shepherd", self.shepherd.tick(now))
                 if self.worker is not None:
                     self._carry_out("worker", self.worker.tick(now))
+                if self.election is not None:
+                    self._carry_out_election(self.election.tick(now))
             # Finished: let in-flight work (the final commit's sends, announcements)
             # complete, but not forever.
             nursery.cancel_scope.deadline = trio.current_time() + FINISH_GRACE_S
@@ -157,38 +175,53 @@ class RunRuntime:
         wakes = [w for w in (
             self.shepherd.next_wakeup if self.shepherd else None,
             self.worker.next_wakeup if self.worker else None,
+            self.election.next_wakeup if self.election else None,
         ) if w is not None]
-        return min(wakes) if wakes else None
+        if not wakes:
+            return None
+        # A machine whose wakeup is already past (a worker fetching or training)
+        # must not make this loop spin: look again in half a second.
+        return max(min(wakes), time.time() + 0.5) if min(wakes) <= time.time() else min(wakes)
 
     async def _start(self) -> None:
+        from pcp_p2p.node.capabilities import measure_gflops
         from pcp_p2p.node.cpu import best_cpu_target
 
-        # Let the other members advertise the run before ranking candidates.
-        await trio.sleep(SETTLE_S)
-        self.shepherd_peer = self._choose_shepherd()
-        if self.shepherd_peer is None:
-            raise VerificationError("no member that accepted this run can compile artifacts")
-        log.info("run %s: shepherd is %s%s", self.run_id[:16], self.shepherd_peer,
-                 " (this node)" if self.shepherd_peer == self.node.peer_id else "")
-        if self.shepherd_peer == self.node.peer_id:
-            await self._become_shepherd()
         target = best_cpu_target().name
-        if target not in self.spec.targets:
+        if target in self.spec.targets:
+            self._target = target
+        else:
             self.phase = "idle: no allowed target for this machine"
             log.warning("run %s: this machine's best target %s is not allowed by the run", self.run_id[:16], target)
-            return
         # Measured now rather than at node start-up, when a local swarm's processes
         # all start at once and measure each other's load.
-        from pcp_p2p.node.capabilities import measure_gflops
-
         gflops = max(self.node.capabilities.throughput_gflops, await trio.to_thread.run_sync(measure_gflops, 0.5))
-        self.worker = Worker(
-            spec=self.spec, run_id=self.run_id, identity=self.node.identity,
-            shepherds={0: self.shepherd_peer}, target=target,
-            tokens_per_s=self._speed_estimate(gflops),
-        )
-        self.phase = "joining"
-        self._carry_out("worker", self.worker.start(time.time()))
+        self._tokens_per_s = self._speed_estimate(gflops)
+        e = self.spec.election
+        self.election = Election(self.run_id, self.node.identity, ElectionConfig(
+            lease_s=e.lease_s, renew_every_s=e.renew_every_s, grace_s=e.grace_s,
+            min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
+            settle_s=SETTLE_S,
+        ).validate())
+        self.phase = "electing"
+        self._lookups_pending = 2
+        self._carry_out_election(self.election.start(time.time()))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._members_loop)
+
+    async def _members_loop(self) -> None:
+        """Feed the election the run's live members once a second."""
+        while True:
+            self._send.send_nowait(("members", None))
+            await trio.sleep(1.0)
+
+    def _candidates(self) -> list[Candidate]:
+        now = time.time()
+        return [
+            Candidate(m.record.peer_id, max(0.0, now - m.record.started_at), m.record.capabilities.can_compile)
+            for m in self.node.membership.live()
+            if m.record.role == "worker" and self.run_id in m.record.runs
+        ]
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -202,19 +235,8 @@ class RunRuntime:
         n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))  # an estimate
         return max(1.0, 2 * gflops * 1e9 / (6 * n))
 
-    def _choose_shepherd(self) -> str | None:
-        """A live member already leading the run if there is one (we are late), else the first-ranked candidate."""
-        leaders = sorted(m.record.peer_id for m in self.node.membership.live() if self.run_id in m.record.leads)
-        if leaders:
-            return leaders[0]
-        candidates = [
-            m.record.peer_id for m in self.node.membership.live()
-            if m.record.role == "worker" and m.record.capabilities.can_compile and self.run_id in m.record.runs
-        ]
-        return min(candidates, key=lambda p: shepherd_rank(self.run_id, p), default=None)
-
-    async def _become_shepherd(self) -> None:
-        """Build the artifacts and the initial state (or resume from the last commit)."""
+    async def _become_shepherd(self, eff: BecomeShepherd) -> None:
+        """Build the artifacts and the term's starting state (the lease names the checkpoint)."""
         from pcp_p2p.compile.manifest import Manifest  # noqa: F401  (compile extra present)
         from pcp_p2p.diloco import engine
         from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
@@ -223,7 +245,8 @@ class RunRuntime:
 
         self.phase = "compiling"
         # The shepherd reads and tokenises the corpus; workers get it as a blob.
-        self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
+        if self.dataset is None:
+            self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
         dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset))
         self.node.leads.add(self.run_id)
         wanted: set[str] = set()
@@ -235,33 +258,40 @@ class RunRuntime:
             allowed = [t for t in runnable if t in self.spec.targets]
             if allowed:
                 wanted.add(allowed[0])
-        log.info("run %s: compiling the train program for %s", self.run_id[:16], ", ".join(sorted(wanted)))
+        log.info("run %s: term %d: compiling the train program for %s", self.run_id[:16], eff.term, ", ".join(sorted(wanted)))
         arts = await trio.to_thread.run_sync(
             engine.build_train_artifacts, self.spec, self.dataset.vocab_size, sorted(wanted),
             self.node.identity, self.node.config.data_dir / "artifact-cache",
         )
         artifacts: dict[str, str] = {}
+        self.artifacts.clear()
         for art in arts:
+            if art.cached:
+                log.info("run %s: artifact for %s rebuilt byte-identically from the cache (%s)",
+                         self.run_id[:16], art.manifest.target, art.cid)
             self.artifacts.append({"target": art.manifest.target, "cid": art.cid,
                                    "size": len(art.vmfb), "cache_hit": art.cached})
             await self._keep(art.vmfb)
             artifacts[art.manifest.target] = await self._keep(encode(art.manifest))
-        evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
+        if self._evaluate is None:
+            self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
         state = OuterState.initial(engine.initial_theta(self.spec, self.dataset.vocab_size))
-        latest = await self._lookup_commit()
-        if latest is not None:
-            ckpt = decode_checkpoint(await self._fetch_bytes(latest.checkpoint_cid))
+        if eff.checkpoint_cid:
+            ckpt = decode_checkpoint(await self._fetch_bytes(eff.checkpoint_cid))
+            if ckpt.run_id != self.run_id:
+                raise VerificationError("the lease names a checkpoint of another run")
             state = ckpt.state
-            log.info("run %s: resuming from round %d", self.run_id[:16], state.round)
+            log.info("run %s: term %d continues from round %d", self.run_id[:16], eff.term, state.round)
+        if self.election is None or self.election.current_term != eff.term or self.election.holder != self.node.peer_id:
+            log.info("run %s: term %d ended while it was being set up", self.run_id[:16], eff.term)
+            return
         self.shepherd = Shepherd(
-            spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=0,
-            state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
+            spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
+            state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
+            end_round=eff.end_round,
         )
-        # The initial θ must be fetchable by the workers.
+        # The term's starting θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
-        for item in self._early:
-            self._dispatch(item)
-        self._early.clear()
 
     # -- dispatch -----------------------------------------------------------------------
 
@@ -272,15 +302,21 @@ class RunRuntime:
         now = time.time()
         if kind == "msg":
             _, sender, msg = item
+            if isinstance(msg, Lease):
+                if self.election is not None:
+                    self._carry_out_election(self.election.on_lease(msg, now))
+                return
             if isinstance(msg, (Join, Submission)):
-                if self.shepherd is None and self.shepherd_peer == self.node.peer_id:
+                if self.shepherd is None and self._becoming:
                     self._early.append(item)  # still compiling: answer once the shepherd exists
                     return
                 if self.shepherd is None:
                     self._reject(sender, VerificationError("this node is not the run's shepherd"))
                     return
                 self._carry_out("shepherd", self.shepherd.receive(msg, now))
-            elif isinstance(msg, (RoundAnnouncement, CommitRecord)) and self.worker is not None:
+            elif isinstance(msg, CommitRecord):
+                self._on_commit(msg, now)
+            elif isinstance(msg, RoundAnnouncement) and self.worker is not None:
                 self._carry_out("worker", self.worker.receive(msg, now))
                 self._after_worker_input()
         elif kind == "blob":
@@ -299,9 +335,20 @@ class RunRuntime:
         elif kind == "inner_failed" and self.worker is not None:
             _, round_, attempt, err = item
             self._carry_out("worker", self.worker.on_inner_failed(round_, attempt, err, now))
-        elif kind == "commit_lookup" and self.worker is not None and item[1] is not None:
-            self._carry_out("worker", self.worker.on_commit(item[1], now))
-            self._after_worker_input()
+        elif kind == "commit_lookup":
+            if item[1] is not None:
+                self._on_commit(item[1], now)
+            self._lookup_done(now)
+        elif kind == "lease_lookup":
+            if item[1] is not None and self.election is not None:
+                self._carry_out_election(self.election.on_lease(item[1], now))
+            self._lookup_done(now)
+        elif kind == "members" and self.election is not None:
+            self._carry_out_election(self.election.on_members(self._candidates(), now))
+        elif kind == "shepherd_ready":
+            for early in self._early:
+                self._dispatch(early)
+            self._early.clear()
         if self.worker is not None and self.phase != "finished":
             self.phase = self.worker.phase.value
             rec = self.worker.last_commit
@@ -309,6 +356,99 @@ class RunRuntime:
                 # The last round is committed and we hold its θ: nothing more to do here.
                 self.phase = "finished"
                 self.finished.set()
+
+    def _on_commit(self, rec: CommitRecord, now: float) -> None:
+        """A commit record (message or lookup): the election learns it, then the worker."""
+        if self.election is not None:
+            self._carry_out_election(self.election.on_commit(rec, now))
+        if self.worker is not None:
+            self._carry_out("worker", self.worker.on_commit(rec, now))
+            self._after_worker_input()
+
+    def _lookup_done(self, now: float) -> None:
+        if self._lookups_pending > 0:
+            self._lookups_pending -= 1
+            if self._lookups_pending == 0 and self.election is not None:
+                self._carry_out_election(self.election.on_lookups_done(now))
+
+    def _carry_out_election(self, effects: list) -> None:
+        assert self._nursery is not None
+        now = time.time()
+        for e in effects:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("election effect %s", _describe(e))
+            if isinstance(e, PublishLease):
+                self._nursery.start_soon(self._publish_lease, e.lease)
+                if not e.renewal:
+                    log.info("run %s: this node claims term %d", self.run_id[:16], e.lease.term)
+            elif isinstance(e, BecomeShepherd):
+                self._becoming = True
+                self.node.leads.add(self.run_id)
+                self._nursery.start_soon(self._run_become_shepherd, e)
+            elif isinstance(e, FollowShepherd):
+                self._follow(e, now)
+            elif isinstance(e, StepDown):
+                if self.shepherd is not None and self.shepherd.term == e.term:
+                    self.shepherd = None
+                self._becoming = False
+                self.node.leads.discard(self.run_id)
+                log.info("run %s: stepping down from term %d (%s)", self.run_id[:16], e.term, e.reason)
+            elif isinstance(e, LookupLease):
+                self._nursery.start_soon(self._lookup_lease)
+            elif isinstance(e, LookupCommit):
+                self._nursery.start_soon(self._lookup_for_worker)
+            elif isinstance(e, Rejected):
+                self._reject(e.peer or "?", e.error)
+
+    def _follow(self, e: FollowShepherd, now: float) -> None:
+        """The shepherd of ``e.term`` is ``e.peer``: our worker joins it."""
+        if e.peer != self.node.peer_id or self.shepherd_peer != e.peer:
+            log.info("run %s: term %d is led by %s%s", self.run_id[:16], e.term, e.peer,
+                     " (this node)" if e.peer == self.node.peer_id else "")
+        self.shepherd_peer = e.peer
+        if self._target is None:
+            return
+        if self.worker is None:
+            self.worker = Worker(
+                spec=self.spec, run_id=self.run_id, identity=self.node.identity,
+                shepherds={e.term: e.peer}, target=self._target, tokens_per_s=self._tokens_per_s,
+            )
+            if e.base is not None:
+                self.worker.term_base[e.term] = e.base
+            self.phase = "joining"
+            self._carry_out("worker", self.worker.start(now))
+        else:
+            self._carry_out("worker", self.worker.set_shepherd(e.term, e.peer, now, base=e.base))
+
+    async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
+        try:
+            await self._become_shepherd(eff)
+        except PcpError as exc:
+            log.error("run %s: could not take up term %d: %s", self.run_id[:16], eff.term, exc)
+        finally:
+            self._becoming = False
+            self._send.send_nowait(("shepherd_ready", None))
+
+    async def _publish_lease(self, lease: Lease) -> None:
+        members = [m.record.peer_id for m in self.node.membership.live()
+                   if self.run_id in m.record.runs and m.record.peer_id != self.node.peer_id]
+        async with trio.open_nursery() as n:
+            for peer in members:
+                n.start_soon(self._send_to, peer, lease)
+        signed = sign_record(self.node.identity, LEASE_KIND, self.run_id, lease,
+                             ttl_s=max(60.0, 10 * self.spec.election.lease_s), seq=lease.term)
+        try:
+            await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
+        except PcpError as exc:
+            self.node.log_once("self", exc, "storing the lease failed")
+
+    async def _lookup_lease(self) -> None:
+        try:
+            lease = await self.node.get_record(LEASE_KIND, self.run_id)
+        except PcpError as exc:
+            log.debug("lease lookup failed: %s", exc)
+            lease = None
+        self._send.send_nowait(("lease_lookup", lease if isinstance(lease, Lease) else None))
 
     def _after_worker_input(self) -> None:
         assert self.worker is not None
@@ -363,6 +503,8 @@ class RunRuntime:
                 self._reject(e.peer or "?", e.error)
             elif isinstance(e, Committed):
                 self._nursery.start_soon(self._publish_commit, e.record)
+                if self.election is not None:
+                    self._carry_out_election(self.election.on_commit(e.record, time.time()))
             elif isinstance(e, Discarded):
                 log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round, e.attempt, e.error)
             elif isinstance(e, Finished):
@@ -513,7 +655,7 @@ class RunRuntime:
         self._send.send_nowait(("commit_lookup", await self._lookup_commit()))
 
     async def _publish_commit(self, rec: CommitRecord) -> None:
-        signed = sign_record(self.node.identity, "commit", self.run_id, rec, ttl_s=MAX_TTL_S)
+        signed = sign_record(self.node.identity, "commit", self.run_id, rec, ttl_s=MAX_TTL_S, seq=commit_seq(rec))
         try:
             # Generous deadline: a swarm busy training answers DHT requests slowly.
             await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
@@ -521,6 +663,14 @@ class RunRuntime:
             self.node.log_once("self", exc, "storing the commit record failed")
 
     # -- status -------------------------------------------------------------------------
+
+    def _election_status(self) -> dict[str, Any]:
+        if self.election is None:
+            return {"term": None, "lease_expires_s": None, "shepherd_history": []}
+        st = self.election.status(time.time())
+        le = st.get("lease_expires_s")
+        return {"term": st.get("term"), "lease_expires_s": None if le is None else round(le, 1),
+                "election_role": st.get("role"), "shepherd_history": st.get("shepherd_history", [])}
 
     def _deadline_left(self) -> float | None:
         ann = self.worker.current if self.worker is not None else None
@@ -543,6 +693,7 @@ class RunRuntime:
             "rounds": self.spec.round.rounds,
             "phase": self.phase if shepherd_live or self.shepherd_peer is None else f"{self.phase} (shepherd lost)",
             "shepherd": self.shepherd_peer,
+            **self._election_status(),
             "is_shepherd": self.shepherd is not None,
             "theta": w.theta_cid if w is not None else None,
             "participants": len(rec.participants) if rec is not None else 0,

@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from pcp_p2p.diloco.election import Lease
 from pcp_p2p.diloco.messages import ROUND_MESSAGES
 from pcp_p2p.diloco.runs import KnownRun, RunBook, TrustPolicy
 from pcp_p2p.diloco.runtime import RunRuntime
@@ -36,9 +37,12 @@ class TrainingService:
 
     def install(self) -> None:
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register(ROUND_MESSAGES, self._on_round_message)
+        self.node.messenger.register((*ROUND_MESSAGES, Lease), self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
+        # Top-level election fields for `pcp status --json` (the dashboard's shepherd panel).
+        for key in ("term", "lease_expires_s", "shepherd_history"):
+            self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
         self.node.nursery.start_soon(self._discovery_loop)
 
     async def _on_spec(self, sender: str, msg: Message) -> None:

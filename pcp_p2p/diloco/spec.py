@@ -38,6 +38,14 @@ Example (every key optional; these are the defaults)::
     max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
     token_slack = 1.5        # how far above its measured speed a worker may claim
 
+    [election]         # who is shepherd: terms, leases, rotation (see docs/election.md)
+    lease_s = 6.0
+    renew_every_s = 2.0
+    grace_s = 1.0
+    min_uptime_s = 5.0
+    rotate_every = 10        # rounds per term; 0 = never rotate
+    claim_timeout_s = 10.0
+
     [data]
     dataset = "shakespeare"  # or a path to a text file or a folder of .txt files
 
@@ -98,6 +106,22 @@ class RoundPolicy(Message):
 
 
 @wire_struct
+class ElectionPolicy(Message):
+    """Shepherd election rules; part of the spec so that every member ranks and times out alike.
+
+    Defaults are for swarms on one site: a lease lapses 6 s after its last
+    renewal, so a dead shepherd is replaced within seconds.
+    """
+
+    lease_s: float = 6.0
+    renew_every_s: float = 2.0
+    grace_s: float = 1.0
+    min_uptime_s: float = 5.0
+    rotate_every: int = 10  # rounds per term before a planned hand-over; 0 = never
+    claim_timeout_s: float = 10.0
+
+
+@wire_struct
 class RunSpec(Message):
     """One training run's rules. Build with :func:`parse_spec`; always :meth:`validate`."""
 
@@ -107,6 +131,7 @@ class RunSpec(Message):
     inner: InnerOptimizer = dataclasses.field(default_factory=InnerOptimizer)
     outer: OuterOptimizer = dataclasses.field(default_factory=OuterOptimizer)
     round: RoundPolicy = dataclasses.field(default_factory=RoundPolicy)
+    election: ElectionPolicy = dataclasses.field(default_factory=ElectionPolicy)
     dataset: str = "shakespeare"
     targets: tuple[str, ...] = ("cpu-x86_64-v4", "cpu-x86_64-v3", "cpu-x86_64-generic", "cpu-aarch64", "cpu-apple-m1")
 
@@ -154,6 +179,12 @@ class RunSpec(Message):
             "targets.allowed",
             "must list 1-64 target names",
         )
+        e = self.election
+        need(finite(e.lease_s) and 0 < e.renew_every_s < e.lease_s, "election.renew_every_s", "must be in (0, lease_s)")
+        need(finite(e.grace_s) and e.grace_s >= 0, "election.grace_s", "must be >= 0")
+        need(finite(e.min_uptime_s) and e.min_uptime_s >= 0, "election.min_uptime_s", "must be >= 0")
+        need(0 <= e.rotate_every <= 1_000_000, "election.rotate_every", "must be >= 0 (0 = never)")
+        need(finite(e.claim_timeout_s) and e.claim_timeout_s > 0, "election.claim_timeout_s", "must be > 0")
         from pcp_p2p.compile.targets import TARGETS
 
         unknown = [t for t in self.targets if t not in TARGETS]
@@ -167,6 +198,7 @@ _SECTIONS: dict[str, type[Message]] = {
     "inner": InnerOptimizer,
     "outer": OuterOptimizer,
     "round": RoundPolicy,
+    "election": ElectionPolicy,
 }
 
 
@@ -196,7 +228,7 @@ def parse_spec(text: str) -> RunSpec:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"run spec is not valid TOML: {exc}") from exc
-    known = {"name", "seed", "model", "inner", "outer", "round", "data", "targets"}
+    known = {"name", "seed", "model", "inner", "outer", "round", "election", "data", "targets"}
     for key in doc:
         if key not in known:
             raise ConfigError(f"run spec: unknown key {key!r} (known: {', '.join(sorted(known))})")
