@@ -60,6 +60,15 @@ def committed(statuses: dict[str, dict]) -> int:
     return max((len(s.get("history", [])) for s in statuses.values()), default=0)
 
 
+async def create_run(swarm: LocalSwarm, boot_addr: str, tmp_path: Path, spec: str) -> dict[str, Any]:
+    (tmp_path / "run.toml").write_text(spec)
+    created = await trio.to_thread.run_sync(lambda: subprocess.run(
+        [*pcp_command(), "run", "create", str(tmp_path / "run.toml"), "--bootstrap", boot_addr,
+         "--data-dir", str(tmp_path / "owner"), "--json"], capture_output=True, text=True, timeout=120))
+    assert created.returncode == 0, created.stderr
+    return json.loads(created.stdout)
+
+
 async def test_training_survives_a_kill_and_a_late_joiner(tmp_path: Path) -> None:
     async with local_swarm(tmp_path, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
@@ -67,12 +76,7 @@ async def test_training_survives_a_kill_and_a_late_joiner(tmp_path: Path) -> Non
             for _ in range(3):
                 n.start_soon(swarm.add_worker)
         await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
-        (tmp_path / "run.toml").write_text(SPEC)
-        created = await trio.to_thread.run_sync(lambda: subprocess.run(
-            [*pcp_command(), "run", "create", str(tmp_path / "run.toml"), "--bootstrap", boot.addr,
-             "--data-dir", str(tmp_path / "owner"), "--json"], capture_output=True, text=True, timeout=120))
-        assert created.returncode == 0, created.stderr
-        assert json.loads(created.stdout)["nodes_reached"] == 3
+        assert (await create_run(swarm, boot.addr, tmp_path, SPEC))["nodes_reached"] == 3
 
         # Round 1 commits with everyone; then kill a worker that is not the shepherd, mid-round.
         statuses = await wait_for(swarm, swarm.workers, lambda s: committed(s) >= 1, 180)

@@ -79,8 +79,9 @@ from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submi
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
+from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.diloco.worker import Worker
-from pcp_p2p.errors import PcpError, PeerError, VerificationError
+from pcp_p2p.errors import BlobNotFound, PcpError, PeerError, VerificationError
 from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ log = logging.getLogger("pcp.run")
 
 FETCH_ATTEMPTS = 6
 FINISH_GRACE_S = 30.0
+KEEP_CHECKPOINTS = 2
 SETTLE_S = 3.0  # at start, how long to let members advertise the run before ranking
 HISTORY = 1000
 
@@ -139,7 +141,8 @@ class RunRuntime:
         self._evaluate: Any = None
         self._target: str | None = None
         self._tokens_per_s = 1.0
-        self._lookups_pending = 0  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
+        self._lookups_pending = 0
+        self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
@@ -277,11 +280,7 @@ class RunRuntime:
             self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
         state = OuterState.initial(engine.initial_theta(self.spec, self.dataset.vocab_size))
         if eff.checkpoint_cid:
-            ckpt = decode_checkpoint(await self._fetch_bytes(eff.checkpoint_cid))
-            if ckpt.run_id != self.run_id:
-                raise VerificationError("the lease names a checkpoint of another run")
-            state = ckpt.state
-            log.info("run %s: term %d continues from round %d", self.run_id[:16], eff.term, state.round)
+            state = await self._starting_state(eff)
         if self.election is None or self.election.current_term != eff.term or self.election.holder != self.node.peer_id:
             log.info("run %s: term %d ended while it was being set up", self.run_id[:16], eff.term)
             return
@@ -371,9 +370,16 @@ class RunRuntime:
             if self._lookups_pending == 0 and self.election is not None:
                 self._carry_out_election(self.election.on_lookups_done(now))
 
+    def _final_committed(self) -> bool:
+        best = self.election.best_commit if self.election is not None else None
+        return best is not None and best.round + 1 >= self.spec.round.rounds
+
     def _carry_out_election(self, effects: list) -> None:
         assert self._nursery is not None
         now = time.time()
+        if self._final_committed():
+            # The run is over: no new terms (a lapsed lease now means nothing).
+            effects = [e for e in effects if not isinstance(e, (PublishLease, BecomeShepherd))]
         for e in effects:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("election effect %s", _describe(e))
@@ -420,14 +426,61 @@ class RunRuntime:
         else:
             self._carry_out("worker", self.worker.set_shepherd(e.term, e.peer, now, base=e.base))
 
+    async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
+        """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
+
+        Workers replicate every committed checkpoint, so the first path is the
+        normal one; the second loses only the outer momentum, never a round.
+        """
+        try:
+            ckpt = decode_checkpoint(await self._fetch_bytes(eff.checkpoint_cid))
+            if ckpt.run_id != self.run_id:
+                raise VerificationError("the lease names a checkpoint of another run")
+            log.info("run %s: term %d continues from round %d (checkpoint %s)", self.run_id[:16], eff.term,
+                     ckpt.state.round, eff.checkpoint_cid[-12:])
+            return ckpt.state
+        except PcpError as exc:
+            lease = self.election.lease if self.election is not None else None
+            if lease is None or not lease.from_theta_cid:
+                raise
+            log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
+                        "zero outer momentum", self.run_id[:16], eff.checkpoint_cid, exc)
+            theta = unpack_tensors(await self._fetch_bytes(lease.from_theta_cid))
+            fresh = OuterState.initial(theta)
+            return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
+
     async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
         try:
-            await self._become_shepherd(eff)
-        except PcpError as exc:
-            log.error("run %s: could not take up term %d: %s", self.run_id[:16], eff.term, exc)
+            for attempt in range(3):
+                try:
+                    await self._become_shepherd(eff)
+                    break
+                except PcpError as exc:
+                    still_mine = self.election is not None and self.election.current_term == eff.term \
+                        and self.election.holder == self.node.peer_id
+                    log.error("run %s: could not take up term %d (attempt %d): %s",
+                              self.run_id[:16], eff.term, attempt + 1, exc)
+                    if not still_mine:
+                        break
+                    await trio.sleep(2.0 * (attempt + 1))
         finally:
             self._becoming = False
             self._send.send_nowait(("shepherd_ready", None))
+
+    async def _replicate_checkpoint(self, cid: str) -> None:
+        """Hold the latest committed checkpoints so any candidate can take over the run."""
+        try:
+            await self._fetch_bytes(cid)
+        except PcpError as exc:
+            self.node.log_once("self", exc, "replicating a checkpoint failed")
+            return
+        self._replicas.append(cid)
+        while len(self._replicas) > KEEP_CHECKPOINTS:
+            old = self._replicas.pop(0)
+            try:
+                self.blobs.store.unpin(old)
+            except PcpError:
+                pass
 
     async def _publish_lease(self, lease: Lease) -> None:
         members = [m.record.peer_id for m in self.node.membership.live()
@@ -456,6 +509,8 @@ class RunRuntime:
         if rec is not None and rec.theta_cid != self._seen_commit:
             self._seen_commit = rec.theta_cid
             self.stats.last_commit_at = time.time()
+            if rec.checkpoint_cid and self._nursery is not None:
+                self._nursery.start_soon(self._replicate_checkpoint, rec.checkpoint_cid)
             if self.node.peer_id in rec.participants:
                 self.stats.contributed_rounds.append(rec.round)
                 if self.stats.first_contribution_s is None:
@@ -523,6 +578,10 @@ class RunRuntime:
     async def _send_to(self, peer: str, msg: Message) -> None:
         if isinstance(msg, Submission):
             self.stats.bytes_submitted += len(encode(msg))
+        if isinstance(msg, (RoundAnnouncement, CommitRecord)):
+            # Never name a blob before we hold it: wait for the stores in flight.
+            for stored in list(self._storing.values()):
+                await stored.wait()
         try:
             await self.node.messenger.send(peer, msg)
         except PcpError as exc:
@@ -576,7 +635,7 @@ class RunRuntime:
                     )
                     self._announce_later(cid)
                     break
-                except PeerError as exc:
+                except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
                     if attempt == FETCH_ATTEMPTS - 1:
                         raise
                     log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
