@@ -33,7 +33,6 @@ the checkpoint the lease names), follow another node's term, step down.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -142,6 +141,8 @@ class RunRuntime:
         self._target: str | None = None
         self._tokens_per_s = 1.0
         self._lookups_pending = 0
+        self._prewarmed = False
+        self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
         self.finished = trio.Event()
 
@@ -207,7 +208,6 @@ class RunRuntime:
             settle_s=SETTLE_S,
         ).validate())
         self.phase = "electing"
-        self._lookups_pending = 2
         self._carry_out_election(self.election.start(time.time()))
         assert self._nursery is not None
         self._nursery.start_soon(self._members_loop)
@@ -240,11 +240,8 @@ class RunRuntime:
 
     async def _become_shepherd(self, eff: BecomeShepherd) -> None:
         """Build the artifacts and the term's starting state (the lease names the checkpoint)."""
-        from pcp_p2p.compile.manifest import Manifest  # noqa: F401  (compile extra present)
         from pcp_p2p.diloco import engine
-        from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
         from pcp_p2p.diloco.data import encode_dataset
-        from pcp_p2p.wire import encode
 
         self.phase = "compiling"
         # The shepherd reads and tokenises the corpus; workers get it as a blob.
@@ -252,17 +249,10 @@ class RunRuntime:
             self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
         dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset))
         self.node.leads.add(self.run_id)
-        wanted: set[str] = set()
-        for m in self.node.membership.live():
-            if self.run_id not in m.record.runs:
-                continue
-            caps = m.record.capabilities
-            runnable = [t.name for t in runnable_cpu_targets(cpu_of(caps.cpu_arch, caps.cpu_flags))]
-            allowed = [t for t in runnable if t in self.spec.targets]
-            if allowed:
-                wanted.add(allowed[0])
+        wanted = self._wanted_targets()
+        standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
         log.info("run %s: term %d: compiling the train program for %s", self.run_id[:16], eff.term, ", ".join(sorted(wanted)))
-        arts = await trio.to_thread.run_sync(
+        arts = standby or await trio.to_thread.run_sync(
             engine.build_train_artifacts, self.spec, self.dataset.vocab_size, sorted(wanted),
             self.node.identity, self.node.config.data_dir / "artifact-cache",
         )
@@ -400,8 +390,10 @@ class RunRuntime:
                 self.node.leads.discard(self.run_id)
                 log.info("run %s: stepping down from term %d (%s)", self.run_id[:16], e.term, e.reason)
             elif isinstance(e, LookupLease):
+                self._lookups_pending += 1  # on_lookups_done once every asked lookup answered
                 self._nursery.start_soon(self._lookup_lease)
             elif isinstance(e, LookupCommit):
+                self._lookups_pending += 1
                 self._nursery.start_soon(self._lookup_for_worker)
             elif isinstance(e, Rejected):
                 self._reject(e.peer or "?", e.error)
@@ -425,6 +417,38 @@ class RunRuntime:
             self._carry_out("worker", self.worker.start(now))
         else:
             self._carry_out("worker", self.worker.set_shepherd(e.term, e.peer, now, base=e.base))
+
+    def _wanted_targets(self) -> list[str]:
+        """The best allowed CPU target of each member taking part in the run."""
+        from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
+
+        wanted: set[str] = set()
+        for m in self.node.membership.live():
+            if self.run_id not in m.record.runs:
+                continue
+            caps = m.record.capabilities
+            runnable = [t.name for t in runnable_cpu_targets(cpu_of(caps.cpu_arch, caps.cpu_flags))]
+            allowed = [t for t in runnable if t in self.spec.targets]
+            if allowed:
+                wanted.add(allowed[0])
+        return sorted(wanted)
+
+    async def _prewarm(self) -> None:
+        """Hot standby: build the artifacts into the cache and the evaluator now, off the
+        critical path, so that taking over a term (failover, rotation) costs a cache hit."""
+        from pcp_p2p.diloco import engine
+
+        assert self.dataset is not None
+        try:
+            self._standby = await trio.to_thread.run_sync(
+                engine.build_train_artifacts, self.spec, self.dataset.vocab_size, self._wanted_targets(),
+                self.node.identity, self.node.config.data_dir / "artifact-cache",
+            )
+            if self._evaluate is None:
+                self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
+            log.info("run %s: standby ready (artifacts cached, evaluator built)", self.run_id[:16])
+        except PcpError as exc:
+            self.node.log_once("self", exc, "standby build failed")
 
     async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
         """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
@@ -511,6 +535,10 @@ class RunRuntime:
             self.stats.last_commit_at = time.time()
             if rec.checkpoint_cid and self._nursery is not None:
                 self._nursery.start_soon(self._replicate_checkpoint, rec.checkpoint_cid)
+            if (not self._prewarmed and self.dataset is not None and self.shepherd is None
+                    and self.node.capabilities.can_compile and self._nursery is not None):
+                self._prewarmed = True  # after the first commit: training is under way
+                self._nursery.start_soon(self._prewarm)
             if self.node.peer_id in rec.participants:
                 self.stats.contributed_rounds.append(rec.round)
                 if self.stats.first_contribution_s is None:
@@ -519,7 +547,7 @@ class RunRuntime:
             self.stats.history.append({
                 "round": rec.round, "theta": rec.theta_cid, "loss": rec.mean_loss,
                 "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
-                "term": rec.term,
+                "term": rec.term, "shepherd": rec.shepherd,
             })
             log.info("run %s: round %d committed, loss %.4f, val %.4s, %d workers",
                      self.run_id[:16], rec.round, rec.mean_loss,

@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="per committed round, the chance that a random worker is SIGKILLed (it is restarted "
                    "with its data dir a round later); default 0")
     p.add_argument("--kill-shepherd-every", type=int, default=0, metavar="N",
-                   help="SIGKILL the shepherd every N rounds (needs shepherd failover)")
+                   help="SIGKILL the shepherd every N committed rounds (it is restarted a round later); "
+                   "forces failovers to a new term")
     p.add_argument("--seed", type=int, default=0, help="seed for the churn schedule")
     p.add_argument("--dir", type=Path, default=None, help="keep data dirs and logs here (default: a temporary dir)")
     p.add_argument("--json", action="store_true", help="end with one JSON line summarising the run")
@@ -63,9 +64,8 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
         raise ConfigError("--rounds must be between 1 and 10000")
     if not 0.0 <= args.churn <= 1.0:
         raise ConfigError("--churn is a probability between 0 and 1")
-    if args.kill_shepherd_every:
-        raise ConfigError("--kill-shepherd-every needs shepherd failover (terms and leases), which this "
-                          "version does not have yet")
+    if args.kill_shepherd_every < 0:
+        raise ConfigError("--kill-shepherd-every must be >= 0")
     summary = trio.run(_run, args)
     if args.json:
         print(json.dumps(summary))
@@ -120,6 +120,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"run {run_id} created: {args.rounds} rounds of {args.time_budget:.0f} s, model {args.model}")
 
         history: dict[int, dict[str, Any]] = {}
+        failovers = 0
         killed: dict[str, tuple[NodeProcess, int]] = {}  # peer id -> (process, round killed at)
         rejoined: list[str] = []
         first_contribution: dict[str, float] = {}
@@ -143,6 +144,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                         _say(f"round {h['round'] + 1:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
                              f"workers {h['participants']}  ({time.monotonic() - t0:.0f} s)")
                         await _churn(args, rng, swarm, statuses, killed, rejoined, h["round"])
+                        if (args.kill_shepherd_every and (h["round"] + 1) % args.kill_shepherd_every == 0
+                                and h["round"] < args.rounds - 2):
+                            victim = next((w for w in swarm.workers if w.running and w.peer_id == h.get("shepherd")), None)
+                            if victim is not None and victim.peer_id not in killed:
+                                await swarm.kill(victim, signal.SIGKILL)
+                                killed[victim.peer_id] = (victim, h["round"])
+                                failovers += 1
+                                _say(f"  SIGKILLed the shepherd {victim.peer_id[-12:]} (term {h.get('term')})")
             for pid in rejoined:
                 fc = statuses.get(pid, {}).get("first_contribution_s")
                 if fc is not None:
@@ -167,8 +176,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "loss_history": [round(h["loss"], 4) for h in rounds],
         "val_loss_history": [round(h["val_loss"], 4) if h.get("val_loss") is not None else None for h in rounds],
         "participants": [h["participants"] for h in rounds],
-        "failovers": 0,
-        "churn_kills": len(killed) + len(rejoined),
+        "failovers": failovers,
+        "terms": sorted({h.get("term") for h in rounds if h.get("term") is not None}),
+        "churn_kills": len(killed) + len(rejoined) - failovers,
         "time_to_first_contribution_s": first_contribution,
         "final_theta_hash_agreement": agreement,
         "sample": sample,

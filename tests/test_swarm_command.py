@@ -1,0 +1,26 @@
+"""`pcp swarm` end to end: churn and forced failovers, every node a process (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_pcp_swarm_with_churn_and_shepherd_kills_commits_every_round() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "pcp_p2p.cli", "swarm", "--workers", "4", "--rounds", "8", "--churn", "0.25",
+         "--kill-shepherd-every", "3", "--time-budget", "3", "--json"],
+        capture_output=True, text=True, timeout=880,
+    )
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert summary["rounds_committed"] == 8
+    assert summary["final_theta_hash_agreement"] is True
+    assert summary["failovers"] >= 1 and len(summary["terms"]) >= 2
+    val = summary["val_loss_history"]
+    assert val[-1] < val[0]
