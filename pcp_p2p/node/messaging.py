@@ -27,7 +27,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.errors import PcpError, PeerGone, PeerTimeout, ProtocolError
 from pcp_p2p.wire import Message, decode, encode
-from pcp_p2p.wire.framing import read_exact, read_frame, write_frame
+from pcp_p2p.wire.framing import read_exact, read_frame, reset_quietly, write_frame
 
 if TYPE_CHECKING:
     from pcp_p2p.node.node import Node
@@ -125,17 +125,10 @@ class Messenger:
             await stream.close()
         except PcpError as exc:
             self.node._reject(sender, exc, "message")
-            await _reset(stream)
+            await reset_quietly(stream)
         except trio.Cancelled:
             raise
         except Exception as exc:  # a libp2p stream error: the peer's problem, not ours
             self.node._reject(sender, exc, "message")
-            await _reset(stream)
+            await reset_quietly(stream)
 
-
-async def _reset(stream: INetStream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception:
-            pass

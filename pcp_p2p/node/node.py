@@ -77,7 +77,7 @@ from pcp_p2p.node.status import (
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
 from pcp_p2p.wire import decode, encode
-from pcp_p2p.wire.framing import read_frame, write_frame
+from pcp_p2p.wire.framing import read_frame, reset_quietly, write_frame
 
 log = logging.getLogger("pcp.node")
 
@@ -449,18 +449,11 @@ class Node:
             await stream.close()
         except PcpError as exc:
             self._reject(peer, exc, "status")
-            await _reset(stream)
+            await reset_quietly(stream)
         except Exception as exc:  # a libp2p stream error mid-reply: the peer's problem
             self._reject(peer, exc, "status")
-            await _reset(stream)
+            await reset_quietly(stream)
 
-
-async def _reset(stream: INetStream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception:
-            pass
 
 
 def _local_ipv4s() -> list[str]:

@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         thetas = {st.get("theta") for st in statuses.values() if st}
         agreement = final is not None and thetas == {final["theta"]}
         sample = _sample(swarm, final, args) if final is not None else ""
+        # Next to the run's data; without --dir that is deleted at exit, so the plot
+        # goes to the system temp dir instead.
+        plot_dir = args.dir if args.dir is not None else Path(tempfile.gettempdir())
+        plot = write_loss_plot(plot_dir / f"pcp-swarm-{run_id[-12:]}-loss.png",
+                               [history[r] for r in sorted(history)], run_id)
         _say("")
         _say(f"rounds committed: {len(history)}/{args.rounds}; every live node holds θ {final['theta'] if final else '-'}: {agreement}")
+        if plot is not None:
+            _say(f"loss per round plotted in {plot}")
         if sample:
             _say("sample from the final θ:")
             _say(sample)
@@ -182,6 +190,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         "time_to_first_contribution_s": first_contribution,
         "final_theta_hash_agreement": agreement,
         "sample": sample,
+        "plot": str(plot) if plot is not None else None,
         "wall_s": round(time.monotonic() - t0, 1),
     }
 
@@ -202,6 +211,35 @@ async def _churn(args, rng, swarm, statuses, killed, rejoined, committed_round: 
             await swarm.kill(proc, signal.SIGKILL)
             killed[proc.peer_id] = (proc, committed_round)
             _say(f"  churn: SIGKILLed {proc.peer_id[-12:]} mid-run")
+
+
+def write_loss_plot(path: Path, rounds: list[dict[str, Any]], run_id: str) -> Path | None:
+    """Training and validation loss per committed round, as a PNG next to the run's data."""
+    if not rounds:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    xs = [h["round"] + 1 for h in rounds]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(xs, [h["loss"] for h in rounds], marker="o", label="training loss (mean over workers)")
+    val = [(x, h["val_loss"]) for x, h in zip(xs, rounds) if h.get("val_loss") is not None]
+    if val:
+        ax.plot([x for x, _ in val], [v for _, v in val], marker="s", label="validation loss")
+    for x, h, prev in zip(xs[1:], rounds[1:], rounds):
+        if h.get("term") != prev.get("term"):
+            ax.axvline(x - 0.5, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("outer round (dotted: a new shepherd term)")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title(f"PCP run {run_id[:20]}…", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def _sample(swarm, final: dict[str, Any], args: argparse.Namespace) -> str:  # type: ignore[no-untyped-def]

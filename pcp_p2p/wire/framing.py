@@ -66,3 +66,12 @@ async def write_frame(stream: ByteStream, data: bytes, *, timeout: float) -> Non
         return
     assert scope.cancelled_caught
     raise PeerTimeout(f"could not write a frame within {timeout:.1f} s")
+
+
+async def reset_quietly(stream: object) -> None:
+    """Reset a stream we are giving up on; the peer may already be gone, so never raise."""
+    with trio.move_on_after(1):
+        try:
+            await stream.reset()  # type: ignore[attr-defined]
+        except Exception:
+            pass
