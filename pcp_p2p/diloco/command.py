@@ -79,10 +79,19 @@ async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -
         run_id = run_id_of(signed)
         record = sign_record(identity, "run", run_id, signed, ttl_s=MAX_TTL_S)
         await node.put_record(record)
-        # Members announce themselves within a heartbeat or two; hand the spec to each.
+        # Members announce themselves within a heartbeat or two: wait (on membership
+        # events, up to --wait) until the view has stopped growing for a second.
+        def workers() -> int:
+            return sum(m.record.role == "worker" for m in node.membership.live())
+
         with trio.move_on_after(args.wait):
-            await node.wait_until(lambda: any(m.record.role == "worker" for m in node.membership.live()), args.wait)
-            await trio.sleep(min(2.0, args.wait))  # let the rest of the view fill in
+            while True:
+                seen = workers()
+                try:
+                    await node.wait_until(lambda: workers() > seen, timeout=1.0)
+                except trio.TooSlowError:
+                    if seen:
+                        break
         reached = 0
         for m in node.membership.live():
             if m.record.role != "worker":

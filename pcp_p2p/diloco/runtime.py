@@ -93,7 +93,7 @@ log = logging.getLogger("pcp.run")
 FETCH_ATTEMPTS = 6
 FINISH_GRACE_S = 30.0
 KEEP_CHECKPOINTS = 2
-SETTLE_S = 3.0  # at start, how long to let members advertise the run before ranking
+SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
 
 
@@ -325,9 +325,11 @@ class RunRuntime:
             _, round_, attempt, err = item
             self._carry_out("worker", self.worker.on_inner_failed(round_, attempt, err, now))
         elif kind == "commit_lookup":
-            if item[1] is not None:
-                self._on_commit(item[1], now)
-            self._lookup_done(now)
+            _, rec, for_election = item
+            if rec is not None:
+                self._on_commit(rec, now)
+            if for_election:  # a worker's own lookups must not end the election's wait
+                self._lookup_done(now)
         elif kind == "lease_lookup":
             if item[1] is not None and self.election is not None:
                 self._carry_out_election(self.election.on_lease(item[1], now))
@@ -394,7 +396,7 @@ class RunRuntime:
                 self._nursery.start_soon(self._lookup_lease)
             elif isinstance(e, LookupCommit):
                 self._lookups_pending += 1
-                self._nursery.start_soon(self._lookup_for_worker)
+                self._nursery.start_soon(self._lookup_and_post, True)
             elif isinstance(e, Rejected):
                 self._reject(e.peer or "?", e.error)
 
@@ -581,7 +583,7 @@ class RunRuntime:
                 if ev is not None:
                     ev.set()
             elif isinstance(e, LookupCommit):
-                self._nursery.start_soon(self._lookup_for_worker)
+                self._nursery.start_soon(self._lookup_and_post, False)
             elif isinstance(e, Rejected):
                 self._reject(e.peer or "?", e.error)
             elif isinstance(e, Committed):
@@ -738,8 +740,8 @@ class RunRuntime:
             return None
         return rec if isinstance(rec, CommitRecord) else None
 
-    async def _lookup_for_worker(self) -> None:
-        self._send.send_nowait(("commit_lookup", await self._lookup_commit()))
+    async def _lookup_and_post(self, for_election: bool) -> None:
+        self._send.send_nowait(("commit_lookup", await self._lookup_commit(), for_election))
 
     async def _publish_commit(self, rec: CommitRecord) -> None:
         signed = sign_record(self.node.identity, "commit", self.run_id, rec, ttl_s=MAX_TTL_S, seq=commit_seq(rec))

@@ -178,6 +178,7 @@ class Node:
         self.rejected: Counter[str] = Counter()
         self._changed = trio.Event()
         self._signed_record: SignedRecord | None = None
+        self._record: MemberRecord | None = None  # what _signed_record says, to see when it changes
         self._record_bytes = b""
         self._record_signed_at = 0.0
 
@@ -235,7 +236,7 @@ class Node:
         if (
             self._signed_record is None
             or now - self._record_signed_at > self.config.record_ttl / 2
-            or decode(self._signed_record.payload, MemberRecord) != record
+            or self._record != record
         ):
             self._record_seq += 1
             self._signed_record = sign_record(
@@ -243,6 +244,7 @@ class Node:
                 ttl_s=self.config.record_ttl, seq=self._record_seq, now=now,
             )
             self._record_bytes = encode(self._signed_record)
+            self._record = record
             self._record_signed_at = now
         return self._signed_record
 
