@@ -17,7 +17,7 @@ import pytest
 import urwid
 
 from pcp_p2p.errors import PeerGone
-from pcp_p2p.tui import fmt
+from pcp_p2p.tui import fmt, panels
 from pcp_p2p.tui.app import apply_result
 from pcp_p2p.tui.chart import bucket_means, line_chart
 from pcp_p2p.tui.fetcher import FetchResult, StatusFetcher, backoff
@@ -129,6 +129,67 @@ def test_larger_terminal_gives_the_tables_room() -> None:
     assert "swarm (7)" in text and "1-" not in text.split("\n")[1]  # all 7 members fit: no scroll range
     for pid in [m["peer_id"] for m in snapshot("run")["members"]]:
         assert fmt.short_id(pid) in text
+
+
+def live_run_snapshot(**run: Any) -> dict[str, Any]:
+    """The ``run`` snapshot in the schema a training node reports today (see
+    ``RunRuntime.status``): the run id is the spec's CID, with ``name`` and ``rounds``."""
+    obj = snapshot("run")
+    obj["run"].update(run_id="bafkreieoifb6jyx5zq2ftbd3fztcyfxqlwffbxgxfqxhgiv3mqepevvx4m", name="tui", rounds=40)
+    obj["run"].update(run)
+    return obj
+
+
+def test_a_training_node_s_run_is_named_by_its_spec_with_the_round_out_of_all() -> None:
+    view = make_view()
+    view.apply_status(live_run_snapshot())
+    text = screen(view)
+    assert "run    tui …evvx4m" in text and "bafkreieoifb" not in text
+    assert "round  31/40 collecting" in text
+
+
+def test_before_the_first_commit_the_quorum_is_unknown_not_failed() -> None:
+    view = make_view()
+    view.apply_status(live_run_snapshot(round=0, phase="training", participants=0, history=[], loss=None, val_loss=None))
+    text = screen(view)
+    assert "quorum -/3" in text and "✗" not in text and "no round committed yet" in text
+
+
+def test_a_finished_run_has_nothing_due_and_a_lost_shepherd_is_a_warning() -> None:
+    view = make_view()
+    view.apply_status(live_run_snapshot(round=40, phase="finished", deadline_s=7.0))
+    text = screen(view)
+    assert "round  40/40 finished" in text and "due    -" in text
+    lost = panels.run(live_run_snapshot(phase="fetching (shepherd lost)"), panels.Ctx(), 24, 4)
+    assert ("warn", "fetching (shepherd lost)") in lost.rows[1]
+    normal = panels.run(live_run_snapshot(), panels.Ctx(), 24, 4)
+    assert ("ok", "collecting") in normal.rows[1]
+
+
+def test_the_shepherd_is_marked_in_the_swarm_even_though_its_heartbeat_says_training() -> None:
+    obj = live_run_snapshot()
+    shepherd = obj["run"]["shepherd"]
+    for m in obj["members"]:
+        m["state"] = "training"
+    view = make_view()
+    view.apply_status(obj)
+    row = next(line for line in screen(view).splitlines() if fmt.short_id(shepherd) in line and "cpu" in line)
+    assert "shepherd" in row and "training" not in row
+
+
+def test_an_artifact_listed_twice_shows_once_and_null_cache_is_not_a_miss() -> None:
+    cid, other = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", "bafkreiab6ydd4x7cxvbmjqp2fmlfcu6f2xqbsn2ixb5bcvmfxyzqlmbu3e"
+    obj = live_run_snapshot()
+    # a shepherd: loaded into its executor (null) and compiled (false); a fetched-only one (null)
+    obj["artifacts"] = [{"target": "cpu-x86_64-v4", "cid": cid, "size": 10, "cache_hit": None},
+                        {"target": "cpu-x86_64-v4", "cid": cid, "size": 10, "cache_hit": False},
+                        {"target": "cpu-x86_64-v3", "cid": other, "size": 10, "cache_hit": None}]
+    view = make_view()
+    view.apply_status(obj)
+    rows = [line for line in screen(view).splitlines() if "cpu-x86_64-v" in line]
+    assert len(rows) == 2
+    assert "miss" in rows[0] and "bafkrei…4s52zy" in rows[0]
+    assert "miss" not in rows[1] and rows[1].rstrip("│ ").endswith("-")
 
 
 # -- keys ------------------------------------------------------------------------------------
@@ -287,6 +348,11 @@ def test_chart_plots_both_series_with_the_data_range() -> None:
     plot = [line[6:] for line in lines]
     assert plot[0][0] == "@"  # both series at 4.0 in round 1
     assert plot[3][3] == "*" and plot[2][3] == "o"  # loss 1.0 on the bottom row, val 1.5 above it
+
+
+def test_chart_labels_keep_a_narrow_range_apart() -> None:
+    lines = line_chart([[3.073], [3.071]], width=16, height=4, glyphs=ASCII)
+    assert lines[0].startswith("3.073+") and lines[-1].startswith("3.071+")
 
 
 def test_chart_squeezes_long_runs_and_handles_missing_values() -> None:

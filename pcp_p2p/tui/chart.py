@@ -36,7 +36,9 @@ def bucket_means(values: Sequence[float | None], n: int) -> list[float | None]:
     return out
 
 
-def _label(v: float) -> str:
+def _label(v: float, span: float = math.inf) -> str:
+    """The axis label of ``v``; a ``span`` (top minus bottom) under 0.05 earns a third
+    decimal, so that after one round "3.073" and "3.071" do not both read "3.07"."""
     a = abs(v)
     if a >= 1000:
         s = f"{v:.0e}"
@@ -44,6 +46,8 @@ def _label(v: float) -> str:
         s = f"{v:.0f}"
     elif a >= 10:
         s = f"{v:.1f}"
+    elif span < 0.05:
+        s = f"{v:.3f}"
     else:
         s = f"{v:.2f}"
     return s[: LABEL_WIDTH - 1].rjust(LABEL_WIDTH - 1)
@@ -90,9 +94,9 @@ def line_chart(
     lines = []
     for y in range(height):
         if y == 0:
-            label, axis = _label(hi), glyphs.tick
+            label, axis = _label(hi, hi - lo), glyphs.tick
         elif y == height - 1:
-            label, axis = _label(lo), glyphs.tick
+            label, axis = _label(lo, hi - lo), glyphs.tick
         else:
             label, axis = " " * (LABEL_WIDTH - 1), glyphs.axis
         lines.append(label + axis + "".join(grid[y]))

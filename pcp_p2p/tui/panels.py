@@ -108,9 +108,11 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
         return Content([header_line(SWARM_COLS, width, g)], [note("no members known yet")])
 
     def state_of(m: Mapping[str, Any]) -> str:
-        if m.get("state"):
-            return str(m["state"])
-        return "shepherd" if shepherd and m.get("peer_id") == shepherd else fmt.text(m.get("role"))
+        # The run's shepherd trains too, so its own heartbeat says "training";
+        # the run section knows better who leads, and that is what a reader looks for.
+        if shepherd and m.get("peer_id") == shepherd:
+            return "shepherd"
+        return str(m["state"]) if m.get("state") else fmt.text(m.get("role"))
 
     def key(m: Mapping[str, Any]) -> tuple[int, float]:
         return STATE_ORDER.get(state_of(m), 9), -(fmt.num(fmt.section(m, "capabilities").get("throughput_gflops")) or 0.0)
@@ -175,23 +177,38 @@ def run(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
     r = fmt.section(obj, "run")
     if not r:
         return Content([note("no run")], [])
+    phase = fmt.text(r.get("phase"))
     left = fmt.remaining(r.get("deadline_s"), since_fetch_s=ctx.since_fetch_s, wall_now=ctx.wall_now)
+    if phase == "finished":
+        left = None  # the last announcement's deadline still counts down at the node: nothing is due
     parts, quorum = fmt.num(r.get("participants")), fmt.num(r.get("quorum"))
+    if parts == 0 and not fmt.items(r, "history"):
+        parts = None  # nothing committed yet: "0/2 ✗" would read as a failed round
     if parts is not None and quorum is not None:
         met = parts >= quorum
         quorum_m: Markup = [f"{int(parts)}/{int(quorum)} ", ("ok" if met else "warn", g.ok if met else g.bad)]
     else:
         quorum_m = f"{fmt.si(parts, 0)}/{fmt.si(quorum, 0)}"
     due_attr = "bad" if left is not None and left < 0 else ("warn" if left is not None and left < 10 else None)
-    rnd = fmt.num(r.get("round"))
+    rnd, total = fmt.num(r.get("round")), fmt.num(r.get("rounds"))
+    round_s = "-" if rnd is None else str(int(rnd)) + ("" if total is None else f"/{int(total)}")
     rows: list[Markup] = [
-        [("label", "run    "), fmt.text(r.get("run_id"))],
-        [("label", "round  "), "-" if rnd is None else str(int(rnd)), " ", ("ok", fmt.text(r.get("phase")))],
+        [("label", "run    "), run_label(r, g)],
+        [("label", "round  "), round_s, " ", ("warn" if "lost" in phase else "ok", phase)],
         [("label", "due    "), (due_attr, fmt.countdown(left)) if due_attr else fmt.countdown(left)],
         [("label", "quorum "), quorum_m],
         [("label", "theta  "), fmt.short_cid(r.get("theta"), g)],
     ]
     return Content([], rows)
+
+
+def run_label(r: Mapping[str, Any], g: Glyphs) -> str:
+    """``tui …b6jyx5``: a run id is the CID of its signed spec, and every CID starts
+    ``bafkrei``, so the spec's name plus the id's tail is what tells runs apart."""
+    run_id, name = fmt.text(r.get("run_id")), r.get("name")
+    if not isinstance(name, str) or not name:
+        return run_id
+    return f"{name} {fmt.short_id(run_id, g, keep=6)}" if run_id != "-" else name
 
 
 # -- training ------------------------------------------------------------------------
@@ -252,14 +269,31 @@ def artifacts(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Cont
         return Content([note("no artifacts")], [])
     cols = ARTIFACT_COLS if width >= 40 else tuple(c for c in ARTIFACT_COLS if c.title != "size")
     rows = []
-    for a in arts:
-        hit = bool(a.get("cache_hit"))
+    for a in unique_artifacts(arts):
+        hit = a.get("cache_hit")
+        cache = (("ok", "hit") if hit else ("dim", "miss")) if isinstance(hit, bool) else ("dim", "-")
         cells = [(None, fmt.text(a.get("target"))), (None, fmt.short_cid(a.get("cid"), g)),
-                 (None, fmt.human_bytes(a.get("size"))), ("ok" if hit else "dim", "hit" if hit else "miss")]
+                 (None, fmt.human_bytes(a.get("size"))), cache]
         if len(cols) == 3:
             del cells[2]
         rows.append(table_line(cols, cells, width, g))
     return Content([header_line(cols, width, g)], rows)
+
+
+def unique_artifacts(arts: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One row per (target, CID). A shepherd lists its artifact twice, once compiled
+    (``cache_hit`` true or false) and once loaded into its own executor (``cache_hit``
+    null: not compiled here); the compiled entry is the one that says something."""
+    seen: dict[tuple[str, str], int] = {}
+    out: list[Mapping[str, Any]] = []
+    for a in arts:
+        key = (fmt.text(a.get("target")), fmt.text(a.get("cid")))
+        if key not in seen:
+            seen[key] = len(out)
+            out.append(a)
+        elif not isinstance(out[seen[key]].get("cache_hit"), bool) and isinstance(a.get("cache_hit"), bool):
+            out[seen[key]] = a
+    return out
 
 
 # -- network -------------------------------------------------------------------------
