@@ -168,6 +168,7 @@ def shown_round(text: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+@pytest.mark.timeout(300)  # ~30 s alone; the deadlines below leave room for a machine busy with other tests
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 async def test_tui_in_tmux_follows_a_training_run_round_by_round(tmp_path: Path) -> None:
     async with local_swarm(tmp_path, extra_args=["--trust-any"]) as swarm:
