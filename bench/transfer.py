@@ -8,8 +8,9 @@
 2. pcp: a provider process (``python -m pcp_p2p.blob.peerproc``) serves the same
    size of blob; this process fetches it by CID with BlobService over libp2p +
    the AES-256-GCM side channel, with every check on (Noise-authenticated
-   control stream, per-chunk sha256, whole-blob sha256 against the CID, atomic
-   commit into the store). Timed from ``fetch()`` to the committed file.
+   control stream, the chunk manifest against the CID, every chunk's sha256
+   against the manifest, atomic commit with fsync into the store). Timed from
+   ``fetch()`` to the committed file.
 3. fan-out: one provider holds a 50 MB blob; 8 nodes (libp2p hosts in this
    process, each with its own store) fetch it at once. Total time for all 8
    versus one fetch alone.
@@ -313,7 +314,7 @@ def main() -> None:
         "fanout_single_s": round(single, 3),
         "fanout_total_s": round(total, 3),
         "fanout_vs_single": round(total / single, 2),
-        "checks": "noise-authenticated control, AES-256-GCM records (HKDF key bound to both peer ids), per-chunk sha256, whole sha256 vs CID",
+        "checks": "noise-authenticated control, AES-256-GCM records (HKDF key bound to both peer ids), manifest vs CID, sha256 of every chunk vs manifest, fsync before commit",
     }))
 
 

@@ -20,8 +20,8 @@ CS = 64 * 1024
 
 def test_manifest_lists_every_chunk() -> None:
     data = os.urandom(3 * CS + 17)
-    m = hash_bytes(data, CS).manifest
-    assert m.count == 4 and m.size == len(data) and m.cid == cid_of(data)
+    m = hash_bytes(data, CS)
+    assert m.count == 4 and m.size == len(data) and m.cid == cid_of(data, CS)
     assert m.chunk_span(3) == (3 * CS, 17)
     for i in range(4):
         off, n = m.chunk_span(i)
@@ -31,14 +31,14 @@ def test_manifest_lists_every_chunk() -> None:
 
 
 def test_empty_blob_has_one_empty_chunk() -> None:
-    m = hash_bytes(b"", CS).manifest
+    m = hash_bytes(b"", CS)
     assert m.count == 1 and m.chunk_span(0) == (0, 0)
     m.verify_chunk(0, b"")
 
 
 def test_bad_chunk_is_hash_mismatch() -> None:
     data = os.urandom(2 * CS)
-    m = hash_bytes(data, CS).manifest
+    m = hash_bytes(data, CS)
     bad = bytearray(data[:CS])
     bad[5] ^= 1
     with pytest.raises(HashMismatch):
@@ -48,7 +48,7 @@ def test_bad_chunk_is_hash_mismatch() -> None:
 
 
 def test_manifest_is_content_addressed_and_checked() -> None:
-    m = hash_bytes(os.urandom(CS + 1), CS).manifest
+    m = hash_bytes(os.urandom(CS + 1), CS)
     raw = encode(m)
     assert manifest_cid(m) == cid_of(raw)
     assert parse_manifest(raw, expect_cid=m.cid, expect_manifest_cid=cid_of(raw), max_size=1 << 20) == m
@@ -59,13 +59,13 @@ def test_manifest_is_content_addressed_and_checked() -> None:
 
 
 def test_declared_size_above_limit_is_oversized() -> None:
-    m = hash_bytes(os.urandom(CS + 1), CS).manifest
+    m = hash_bytes(os.urandom(CS + 1), CS)
     with pytest.raises(OversizedMessage):
         parse_manifest(encode(m), expect_cid=m.cid, max_size=CS)
 
 
 def test_inconsistent_manifest_is_malformed() -> None:
-    m = hash_bytes(os.urandom(2 * CS), CS).manifest
+    m = hash_bytes(os.urandom(2 * CS), CS)
     # a huge declared size with too few digests: refused at decode, nothing allocated
     body = {"cid": m.cid, "size": 10**15, "chunk_size": CS, "digests": list(m.digests)}
     raw = msgpack.packb([1, "blob.manifest", body], use_bin_type=True)
@@ -85,7 +85,7 @@ def test_random_manifest_bytes_raise_only_pcp_errors(data: bytes) -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 10_000), st.integers(0, 255))
 def test_mutated_manifest_raises_only_pcp_errors(pos: int, byte: int) -> None:
-    m = hash_bytes(b"y" * (CS * 2 + 3), CS).manifest
+    m = hash_bytes(b"y" * (CS * 2 + 3), CS)
     raw = bytearray(encode(m))
     raw[pos % len(raw)] = byte
     try:

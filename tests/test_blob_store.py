@@ -24,7 +24,7 @@ def test_put_and_read_by_cid(tmp_path: Path) -> None:
     s = store(tmp_path)
     data = os.urandom(200_000)
     cid = s.put_bytes(data)
-    assert cid == cid_of(data)
+    assert cid == cid_of(data, CS)
     assert s.has(cid) and s.size(cid) == len(data)
     assert s.path(cid).read_bytes() == data
     assert s.read(cid, 10, 100) == data[10:110]
@@ -46,8 +46,8 @@ def test_put_file_copies_and_hashes(tmp_path: Path) -> None:
     data = os.urandom(3 * CS + 5)
     src.write_bytes(data)
     cid = s.put_file(src)
-    assert cid == cid_of(data) and s.path(cid).read_bytes() == data
-    assert s.manifest(cid) == hash_bytes(data, CS).manifest
+    assert cid == cid_of(data, CS) and s.path(cid).read_bytes() == data
+    assert s.manifest(cid) == hash_bytes(data, CS)
 
 
 def test_unknown_cid_is_blob_not_found(tmp_path: Path) -> None:
@@ -101,28 +101,34 @@ def test_store_full_when_pins_leave_no_room(tmp_path: Path) -> None:
         s.put_bytes(b"4" * 5000)  # bigger than the whole store
 
 
-def test_pending_blob_commits_only_matching_bytes(tmp_path: Path) -> None:
+def test_pending_blob_commits_only_when_every_chunk_was_verified(tmp_path: Path) -> None:
     s = store(tmp_path)
     data = os.urandom(100_000)
-    h = hash_bytes(data, CS)
-    with s.begin(h.manifest.cid, h.manifest) as p:
-        with open(p.path, "r+b") as f:
-            f.write(b"\0" * len(data))
-        with pytest.raises(HashMismatch):
-            p.commit(hash_bytes(b"\0" * len(data), CS).digest)
-    assert not s.has(h.manifest.cid)
-    assert s._reserved == 0
-    with s.begin(h.manifest.cid, h.manifest) as p:
+    m = hash_bytes(data, CS)
+    assert m.count == 2
+    with s.begin(m.cid, m) as p:
         with open(p.path, "r+b") as f:
             f.write(data)
-        path = p.commit(h.digest)
+        p.chunk_verified(0)
+        with pytest.raises(HashMismatch, match="1 chunk"):
+            p.commit()
+    assert not s.has(m.cid)
+    assert s._reserved == 0
+    with s.begin(m.cid, m) as p:
+        with open(p.path, "r+b") as f:
+            f.write(data)
+        with pytest.raises(IndexError):
+            p.chunk_verified(2)
+        p.chunk_verified(0)
+        p.chunk_verified(1)
+        path = p.commit()
     assert path.read_bytes() == data and s._reserved == 0
 
 
 def test_reservations_count_against_the_limit(tmp_path: Path) -> None:
     s = store(tmp_path, limit=150_000)
-    h = hash_bytes(os.urandom(100_000), CS)
+    m = hash_bytes(os.urandom(100_000), CS)
     s.put_bytes(b"k" * 10, pin=True)
-    with s.begin(h.manifest.cid, h.manifest):
+    with s.begin(m.cid, m):
         with pytest.raises(StoreFull):
             s.put_bytes(os.urandom(60_000))

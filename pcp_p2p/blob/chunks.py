@@ -1,38 +1,41 @@
 """Chunk manifests: how a large blob is cut so each piece is checked on arrival.
 
-A blob's CID is the sha2-256 of all its bytes (see :mod:`pcp_p2p.cid`), which a
-receiver can only check once it holds every byte. A 1 GB checkpoint pulled from
-three providers must not be thrown away whole because one of them sent one bad
-megabyte, and must not reveal *which* provider lied only at the end. So every
-blob also has a chunk manifest: its size, the chunk size and the sha256 of each
-chunk. A chunk is verified the moment it arrives; a bad one is fetched again
-from another provider and only that provider is blamed.
+A blob's CID (see :mod:`pcp_p2p.cid`) names, for anything larger than one
+chunk, the list of its chunks' sha256s. The chunk manifest *is* that list (plus
+the CID it hashes to), so a fetcher checks the manifest against the CID before
+a byte of data moves, and then each chunk against the manifest the moment it
+arrives. A 1 GB checkpoint pulled from three providers is never thrown away
+whole because one of them sent one bad megabyte: the bad chunk is fetched
+again from another provider and only its sender is blamed. A blob of one chunk
+has the raw CID of its bytes and a one-entry manifest.
 
 The manifest is deterministic (bytes + chunk size fix it) and is itself a wire
 message, so it is content-addressed too: every honest provider of a blob has
-the same manifest with the same :func:`manifest_cid`. It names the blob's CID
-inside it, and the fetcher still checks the whole-blob hash before anything
-enters the store, so a lying manifest can waste a fetch but never plant data.
+the same manifest with the same :func:`manifest_cid`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from pcp_p2p.cid import cid_from_digest, cid_of, digest_of_cid
+from pcp_p2p.cid import (
+    CHUNK_SIZE,
+    MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+    check_chunk_size,
+    chunk_digests,
+    chunked_cid,
+    cid_of,
+    parse_cid,
+)
 from pcp_p2p.errors import HashMismatch, MalformedMessage, OversizedMessage
 from pcp_p2p.wire import Message, decode, encode, wire_message
 
-CHUNK_SIZE = 4 * 1024 * 1024
-"""Default chunk size: large enough that per-chunk overhead (a record, a hash
-call, a thread hop) is noise, small enough that a re-fetch is cheap and a
-chunk in flight is bounded memory."""
+__all__ = ["CHUNK_SIZE", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "ChunkManifest", "hash_bytes",
+           "hash_file", "make_manifest", "manifest_cid", "n_chunks", "parse_manifest", "read_chunk"]
 
-MIN_CHUNK_SIZE = 64 * 1024
-MAX_CHUNK_SIZE = 8 * 1024 * 1024
 MANIFEST_MAX_SIZE = 1024 * 1024  # ~30k chunks: blobs up to ~120 GB at 4 MiB
 _DIGEST_LEN = 32
 
@@ -48,15 +51,18 @@ class ChunkManifest(Message):
 
     def __post_init__(self) -> None:
         # Raised as ValueError so the codec turns it into MalformedMessage.
-        digest_of_cid(self.cid)  # MalformedMessage if it is not a CID
+        parse_cid(self.cid)  # MalformedMessage if it is not a CID
         if self.size < 0:
             raise ValueError("negative blob size")
-        if not MIN_CHUNK_SIZE <= self.chunk_size <= MAX_CHUNK_SIZE:
-            raise ValueError(f"chunk size {self.chunk_size} outside allowed range")
+        check_chunk_size(self.chunk_size)
         if len(self.digests) != n_chunks(self.size, self.chunk_size):
             raise ValueError("chunk count does not match size / chunk size")
         if any(len(d) != _DIGEST_LEN for d in self.digests):
             raise ValueError("a chunk digest is not 32 bytes")
+        # The binding that makes a manifest trustworthy without its sender:
+        # the chunk list must hash to the CID it claims to describe.
+        if chunked_cid(self.size, self.chunk_size, self.digests) != self.cid:
+            raise ValueError(f"chunk list does not hash to {self.cid}")
 
     @property
     def count(self) -> int:
@@ -105,8 +111,11 @@ def parse_manifest(
 ) -> ChunkManifest:
     """Decode a manifest a peer sent and check it against what we asked for.
 
-    ``max_size`` is the largest blob this fetch accepts: a manifest declaring
-    more is refused (:class:`OversizedMessage`) before a byte of data moves.
+    A manifest that decodes hashes to its own ``cid`` (checked on
+    construction), so one naming ``expect_cid`` is the right chunk list, whoever
+    sent it. ``max_size`` is the largest blob this fetch accepts: a manifest
+    declaring more is refused (:class:`OversizedMessage`) before a byte of data
+    moves.
     """
     if expect_manifest_cid is not None and cid_of(data) != expect_manifest_cid:
         raise HashMismatch(f"manifest does not match {expect_manifest_cid}")
@@ -118,42 +127,29 @@ def parse_manifest(
     return manifest
 
 
-@dataclass(frozen=True, slots=True)
-class Hashed:
-    """A blob's manifest and its whole-content digest, computed in one read."""
-
-    manifest: ChunkManifest
-    digest: bytes
+def make_manifest(size: int, chunk_size: int, digests: list[bytes]) -> ChunkManifest:
+    """The manifest of a blob whose chunks hash to ``digests`` (its CID computed)."""
+    return ChunkManifest(chunked_cid(size, chunk_size, digests), size, chunk_size, tuple(digests))
 
 
-def hash_bytes(data: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZE) -> Hashed:
-    view = memoryview(data)
-    whole = hashlib.sha256(view)
-    digests = tuple(
-        hashlib.sha256(view[i : i + chunk_size]).digest()
-        for i in range(0, max(len(view), 1), chunk_size)
-    )
-    digest = whole.digest()
-    return Hashed(ChunkManifest(cid_from_digest(digest), len(view), chunk_size, digests), digest)
+def hash_bytes(data: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
+    """The manifest (and so the CID) of some bytes: one sha256 pass."""
+    return make_manifest(len(data), chunk_size, chunk_digests(data, chunk_size))
 
 
-def hash_file(path: Path, chunk_size: int = CHUNK_SIZE) -> Hashed:
-    """Whole digest and manifest of a file, one chunk in memory at a time."""
-    whole = hashlib.sha256()
+def hash_file(path: Path, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
+    """The manifest of a file, one chunk in memory at a time."""
     digests: list[bytes] = []
     size = 0
     with open(path, "rb", buffering=0) as f:
         while True:
             block = f.read(chunk_size)
-            if not block and digests:
-                break
-            whole.update(block)
-            digests.append(hashlib.sha256(block).digest())
-            size += len(block)
+            if block or not digests:
+                digests.append(hashlib.sha256(block).digest())
+                size += len(block)
             if len(block) < chunk_size:
                 break
-    digest = whole.digest()
-    return Hashed(ChunkManifest(cid_from_digest(digest), size, chunk_size, tuple(digests)), digest)
+    return make_manifest(size, chunk_size, digests)
 
 
 def read_chunk(fd: int, manifest: ChunkManifest, index: int) -> bytes:

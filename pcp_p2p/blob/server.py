@@ -15,10 +15,12 @@ Faults are injected in tests by overriding :meth:`BlobServer._send_chunk`.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import trio
@@ -240,14 +242,17 @@ class BlobServer:
             if hello != hello_plaintext(info):
                 raise VerificationError("side-channel hello does not match the transfer")
             fd = file.fileno()  # type: ignore[attr-defined]
-            plain = bytearray(manifest.chunk_size)
+            # Store files never change once in place, so the chunks are sealed
+            # straight from a read-only mapping of the page cache: one copy
+            # (pread into a buffer) less per byte. The size is checked first,
+            # since touching a mapping past the end of a file is SIGBUS.
+            if os.fstat(fd).st_size != manifest.size:
+                raise PeerGone("blob file does not have its manifest's size")
             out = bytearray(manifest.chunk_size + TAG_LEN)
-            for i in range(first, first + count):
-                offset, length = manifest.chunk_span(i)
-                view = memoryview(plain)[:length]
-                if os.preadv(fd, [view], offset) != length:
-                    raise PeerGone("blob file shorter than its manifest")
-                self._send_chunk(sock, s2c, i, view, out)
+            with _map(fd, manifest.size) as mapped:
+                for i in range(first, first + count):
+                    offset, length = manifest.chunk_span(i)
+                    self._send_chunk(sock, s2c, i, mapped[offset : offset + length], out)
             sock.shutdown(socket.SHUT_WR)
             # Wait for the client to close so its last bytes are not cut by a reset.
             sock.recv(1)
@@ -272,6 +277,21 @@ class BlobServer:
                 continue
         return "0.0.0.0"
 
+
+
+@contextmanager
+def _map(fd: int, size: int) -> Iterator[memoryview]:
+    """A read-only view of a whole file (an empty view for an empty file)."""
+    if size == 0:
+        yield memoryview(b"")
+        return
+    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    view = memoryview(mm)
+    try:
+        yield view
+    finally:
+        view.release()
+        mm.close()
 
 
 async def close_stream(stream: INetStream) -> None:

@@ -4,10 +4,10 @@
 :meth:`register` installs the ``/pcp/blob/1.0.0`` handler; :meth:`publish`
 stores and announces; :meth:`fetch` finds providers, takes the manifest from
 one, pulls chunks from several in parallel over authenticated side channels
-(:mod:`pcp_p2p.blob.sidechannel`), verifies each chunk on arrival, re-fetches
-bad or missing ones from the others (:class:`~pcp_p2p.blob.transfer.FetchPlan`),
-hashes the whole blob while chunks arrive, and commits it to the store only if
-it hashes to its CID.
+(:mod:`pcp_p2p.blob.sidechannel`), verifies each chunk on arrival against the
+manifest (which hashes to the CID), re-fetches bad or missing ones from the
+others (:class:`~pcp_p2p.blob.transfer.FetchPlan`), and commits it to the store
+only when every chunk was verified.
 
 Threads: the byte moving (socket I/O, AES-GCM, sha256, file I/O) runs in trio
 worker threads, all of which release the GIL, so the trio loop that also runs
@@ -31,7 +31,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.chunks import ChunkManifest, parse_manifest
-from pcp_p2p.blob.receiver import ChunkPool, WholeHasher, accept_chunk, receive_batch
+from pcp_p2p.blob.receiver import ChunkPool, accept_chunk, receive_batch
 from pcp_p2p.blob.routing import ContentRouting
 from pcp_p2p.blob.server import BlobConfig, BlobServer, close_stream
 from pcp_p2p.blob.sidechannel import (
@@ -46,7 +46,7 @@ from pcp_p2p.blob.sidechannel import (
 )
 from pcp_p2p.blob.store import BlobStore, PendingBlob
 from pcp_p2p.blob.transfer import FetchPlan
-from pcp_p2p.cid import cid_of, digest_of_cid
+from pcp_p2p.cid import cid_of, parse_cid
 from pcp_p2p.errors import (
     BlobNotFound,
     HashMismatch,
@@ -57,6 +57,7 @@ from pcp_p2p.errors import (
     PeerError,
     PeerGone,
     PeerTimeout,
+    ProtocolError,
 )
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import framing
@@ -72,6 +73,7 @@ class FetchReport:
     manifest_source: str = ""
     chunks_from: dict[str, int] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    bad_manifest: set[str] = field(default_factory=set)
     requests: int = 0
 
 
@@ -152,12 +154,13 @@ class BlobService(BlobServer):
         A fetched whole blob is announced (this node now provides it) unless
         ``announce=False``; an announcement failure is logged, not raised.
 
-        A whole blob is committed to the store only if it hashes to ``cid``. A
-        range is checked chunk by chunk against the manifest (pass
-        ``manifest_cid`` when a signed record names it; otherwise the
-        manifest is the provider's word) and is not stored.
+        The manifest is checked against ``cid`` before any data moves and
+        every chunk against the manifest as it arrives; a whole blob is
+        committed to the store once all chunks passed, a range is returned
+        and not stored. ``manifest_cid`` (when a signed record names it) pins
+        the exact manifest bytes as well.
         """
-        digest_of_cid(cid)  # MalformedMessage for a non-CID
+        parse_cid(cid)  # MalformedMessage for a non-CID
         if self.store.has(cid):
             if byte_range is not None:
                 start, end = byte_range
@@ -173,29 +176,21 @@ class BlobService(BlobServer):
             raise NoProviders(f"nobody provides {cid}")
         report = FetchReport(cid)
         self.last_fetch = report
-        # A manifest is the word of the provider that sent it until the whole
-        # blob hashes to the CID. If it does not, that provider lied (its chunks
-        # matched its own manifest): drop it and start over with another's.
-        while True:
-            manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
-            report.manifest_source = source
+        # The manifest is bound to the CID (it hashes to it), so whoever sent
+        # it, it is the right chunk list; only chunks can still be wrong.
+        manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
+        report.manifest_source = source
+        # A provider that sent a manifest that is not this CID's holds other
+        # content or lies: it gets no data requests.
+        providers = [p for p in providers if p.peer_id.to_base58() not in report.bad_manifest]
+        got = await self._fetch_with(cid, manifest, mcid, source, providers, report,
+                                     byte_range=byte_range, pin=pin)
+        if announce and byte_range is None:
             try:
-                got = await self._fetch_with(cid, manifest, mcid, source, providers, report,
-                                             byte_range=byte_range, pin=pin)
-            except HashMismatch as exc:
-                rest = [p for p in providers if p.peer_id.to_base58() != source]
-                if not rest or byte_range is not None:
-                    raise
-                log.info("blob: manifest from %s did not lead to %s (%s); retrying", source, cid, exc)
-                report.failures[source] = f"HashMismatch: manifest led to wrong content: {exc}"
-                providers = rest
-                continue
-            if announce and byte_range is None:
-                try:
-                    await self.announce(cid)
-                except PcpError as exc:
-                    log.warning("blob: fetched %s but could not announce it: %s", cid, exc)
-            return got
+                await self.announce(cid)
+            except PcpError as exc:
+                log.warning("blob: fetched %s but could not announce it: %s", cid, exc)
+        return got
 
     async def _fetch_with(
         self,
@@ -223,10 +218,8 @@ class BlobService(BlobServer):
             return joined[start - base : end - base]
         pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
         with pending:
-            digest = await self._pull(
-                manifest, mcid, providers, range(manifest.count), report, pending=pending
-            )
-            path = await trio.to_thread.run_sync(pending.commit, digest)
+            await self._pull(manifest, mcid, providers, range(manifest.count), report, pending=pending)
+            path = await trio.to_thread.run_sync(pending.commit)
         if pin:
             self.store.pin(cid)
         return path
@@ -249,6 +242,8 @@ class BlobService(BlobServer):
                 return manifest, cid_of(reply.manifest), pid
             except PcpError as exc:
                 report.failures[pid] = f"{type(exc).__name__}: {exc}"
+                if isinstance(exc, ProtocolError):
+                    report.bad_manifest.add(pid)
                 errors.append(exc)
         raise _aggregate(cid, errors)
 
@@ -307,30 +302,24 @@ class BlobService(BlobServer):
         *,
         pending: PendingBlob | None = None,
         chunks: dict[int, bytes] | None = None,
-    ) -> bytes:
-        """Fetch ``wanted`` chunks from ``providers``; the whole digest if ``pending``."""
+    ) -> None:
+        """Fetch ``wanted`` chunks from ``providers`` into ``pending`` or ``chunks``."""
         by_id = {p.peer_id.to_base58(): p for p in providers}
         plan = FetchPlan(wanted, list(by_id))
         changed = _Changed()
         errors: list[PcpError] = []
         fd = os.open(pending.path, os.O_RDWR) if pending is not None else -1
-        hasher = WholeHasher(manifest, fd) if pending is not None else None
         try:
             async with trio.open_nursery() as nursery:
                 for pid, info in by_id.items():
                     nursery.start_soon(
                         self._worker, info, pid, plan, changed, manifest, mcid, fd, chunks,
-                        hasher, errors, report,
+                        pending, errors, report,
                     )
             report.chunks_from = dict(plan.served)
             if not plan.complete:
                 raise _aggregate(manifest.cid, errors)
-            if hasher is None:
-                return b""
-            return await trio.to_thread.run_sync(hasher.digest)
         finally:
-            if hasher is not None:
-                hasher.close()
             if fd >= 0:
                 os.close(fd)
 
@@ -344,7 +333,7 @@ class BlobService(BlobServer):
         mcid: str,
         fd: int,
         chunks: dict[int, bytes] | None,
-        hasher: WholeHasher | None,
+        pending: PendingBlob | None,
         errors: list[PcpError],
         report: FetchReport,
     ) -> None:
@@ -361,7 +350,7 @@ class BlobService(BlobServer):
                 if pool is None:
                     pool = ChunkPool(manifest.chunk_size)
                 await self._fetch_batch(
-                    info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher, pool
+                    info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending, pool
                 )
                 plan.provider_finished_batch(pid, batch)
             except PcpError as exc:
@@ -384,11 +373,11 @@ class BlobService(BlobServer):
         batch: list[int],
         fd: int,
         chunks: dict[int, bytes] | None,
-        hasher: WholeHasher | None,
+        pending: PendingBlob | None,
         pool: ChunkPool,
     ) -> None:
         if pid in self._side_unreachable:
-            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher)
+            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending)
             return
         cid = manifest.cid
         nonce = secrets.token_bytes(P.NONCE_LEN)
@@ -407,7 +396,7 @@ class BlobService(BlobServer):
             # it and use the (slower) stream path for this peer from now on.
             log.info("blob: side channel to %s unreachable (%s); using the libp2p stream", pid, exc)
             self._side_unreachable.add(pid)
-            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, hasher)
+            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending)
             return
         token = trio.lowlevel.current_trio_token()
 
@@ -430,7 +419,7 @@ class BlobService(BlobServer):
                 await trio.to_thread.run_sync(
                     functools.partial(
                         receive_batch, sock, reader, manifest, batch, pool,
-                        fd=fd, chunks=chunks, hasher=hasher, on_ok=on_ok, stall=stall,
+                        fd=fd, chunks=chunks, pending=pending, on_ok=on_ok, stall=stall,
                     ),
                     abandon_on_cancel=True,
                 )
@@ -453,7 +442,7 @@ class BlobService(BlobServer):
         batch: list[int],
         fd: int,
         chunks: dict[int, bytes] | None,
-        hasher: WholeHasher | None,
+        pending: PendingBlob | None,
     ) -> None:
         """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""
         req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), mcid,
@@ -471,7 +460,7 @@ class BlobService(BlobServer):
                 try:
                     await trio.to_thread.run_sync(
                         functools.partial(accept_chunk, manifest, index, memoryview(buf),
-                                          fd=fd, chunks=chunks, hasher=hasher)
+                                          fd=fd, chunks=chunks, pending=pending)
                     )
                 except HashMismatch:
                     plan.chunk_bad(pid, index)

@@ -9,9 +9,10 @@ Layout under ``<data-dir>/blobs``::
 
 Why these rules:
 
-- **Nothing enters unless it hashes to its CID.** Every way in (:meth:`put_bytes`,
-  :meth:`put_file`, :class:`PendingBlob.commit`) compares a sha256 computed over
-  the very bytes written against the CID's digest before the rename.
+- **Nothing enters unless it hashes to its CID.** :meth:`put_bytes` and
+  :meth:`put_file` compute the manifest (so the CID) over the very bytes
+  written; :class:`PendingBlob.commit` requires every chunk of a manifest that
+  hashes to the CID to have been verified as it was written.
 - **Atomic writes.** A blob is written to ``tmp/``, fsynced, renamed into
   ``data/`` and the directory fsynced, so a crash leaves either the whole blob or
   nothing; ``tmp/`` is emptied at start.
@@ -30,17 +31,47 @@ run the large ones (put of a big file, hashing) in a worker thread.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, Hashed, hash_bytes
-from pcp_p2p.cid import cid_from_digest, digest_of_cid
+from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, hash_bytes, make_manifest
+from pcp_p2p.cid import check_chunk_size, parse_cid
 from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, StoreFull
 from pcp_p2p.wire import decode, encode
 
 _MF_SUFFIX = ".mf"
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing ``[offset, offset + length)`` to disk now.
+
+    Why: a fetch ends with an fsync before the blob is renamed into place. If
+    every chunk's writeback starts as soon as it is written, the disk works
+    while later chunks arrive, and that final fsync waits only for the tail
+    (measured here for 256 MB: 0.01–0.05 s instead of 0.07–0.13 s). It only
+    starts I/O (``SYNC_FILE_RANGE_WRITE``), never waits and guarantees
+    nothing; durability still comes from the fsync. A no-op off Linux.
+    """
+    if _sync_file_range is not None and length:
+        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,7 +86,8 @@ class PendingBlob:
     """A blob being written into the store (by a fetch); commit or abort it.
 
     The writer fills :attr:`path` (e.g. with ``os.pwrite`` at chunk offsets)
-    and hands :meth:`commit` the sha256 it computed over the bytes it wrote.
+    and calls :meth:`chunk_verified` for each chunk it checked against the
+    manifest before writing it; :meth:`commit` refuses until all are.
     """
 
     def __init__(self, store: BlobStore, cid: str, manifest: ChunkManifest, path: Path) -> None:
@@ -64,14 +96,24 @@ class PendingBlob:
         self.manifest = manifest
         self.path = path
         self._done = False
+        self._verified: set[int] = set()
 
-    def commit(self, digest: bytes) -> Path:
-        """Move the finished blob into place if ``digest`` matches its CID."""
+    def chunk_verified(self, index: int) -> None:
+        """Chunk ``index`` matched its manifest digest and is in the file.
+
+        Called from the verifier thread; a set add is atomic under the GIL.
+        """
+        self.manifest.chunk_span(index)  # IndexError for a chunk it does not have
+        self._verified.add(index)
+
+    def commit(self) -> Path:
+        """Move the finished blob into place once every chunk was verified."""
         if self._done:
             raise LocalError("pending blob already committed or aborted")
         try:
-            if digest != digest_of_cid(self.cid):
-                raise HashMismatch(f"fetched bytes do not hash to {self.cid}")
+            missing = self.manifest.count - len(self._verified)
+            if missing:
+                raise HashMismatch(f"{self.cid}: {missing} chunk(s) never verified")
             if self.path.stat().st_size != self.manifest.size:
                 raise HashMismatch(f"fetched file has the wrong size for {self.cid}")
             return self.store._install(self.path, self.cid, self.manifest)
@@ -99,6 +141,7 @@ class BlobStore:
 
     def __init__(self, root: Path, max_bytes: int, *, chunk_size: int = CHUNK_SIZE) -> None:
         self.root = Path(root)
+        check_chunk_size(chunk_size)
         self.max_bytes = max_bytes
         self.chunk_size = chunk_size
         self._data = self.root / "data"
@@ -204,8 +247,8 @@ class BlobStore:
 
     def put_bytes(self, data: bytes, *, cid: str | None = None, pin: bool = False) -> str:
         """Store ``data``; if ``cid`` is given the bytes must hash to it."""
-        hashed = hash_bytes(data, self.chunk_size)
-        self._check_expected(hashed, cid)
+        manifest = hash_bytes(data, self._chunking(cid))
+        self._check_expected(manifest, cid)
         with self._reservation(len(data)):
             tmp = self._tmp_path()
             try:
@@ -213,48 +256,43 @@ class BlobStore:
                     f.write(data)
                     f.flush()
                     os.fsync(f.fileno())
-                self._install(tmp, hashed.manifest.cid, hashed.manifest)
+                self._install(tmp, manifest.cid, manifest)
             finally:
                 tmp.unlink(missing_ok=True)
         if pin:
-            self.pin(hashed.manifest.cid)
-        return hashed.manifest.cid
+            self.pin(manifest.cid)
+        return manifest.cid
 
     def put_file(self, src: Path, *, cid: str | None = None, pin: bool = False) -> str:
         """Copy the file at ``src`` into the store, hashing what is copied."""
         size = Path(src).stat().st_size
+        chunk_size = self._chunking(cid)
         with self._reservation(size):
             tmp = self._tmp_path()
             try:
-                whole = hashlib.sha256()
                 digests: list[bytes] = []
                 with open(src, "rb") as fin, open(tmp, "wb") as fout:
                     while True:
-                        block = fin.read(self.chunk_size)
+                        block = fin.read(chunk_size)
                         if not block and digests:
                             break
-                        whole.update(block)
                         digests.append(hashlib.sha256(block).digest())
                         fout.write(block)
-                        if len(block) < self.chunk_size:
+                        if len(block) < chunk_size:
                             break
                     fout.flush()
                     os.fsync(fout.fileno())
-                digest = whole.digest()
-                written = fout_size = tmp.stat().st_size
-                manifest = ChunkManifest(
-                    cid_from_digest(digest), fout_size, self.chunk_size, tuple(digests)
-                )
-                hashed = Hashed(manifest, digest)
-                self._check_expected(hashed, cid)
+                written = tmp.stat().st_size
+                manifest = make_manifest(written, chunk_size, digests)
+                self._check_expected(manifest, cid)
                 if written != size:
                     raise HashMismatch(f"{src} changed size while it was being stored")
-                self._install(tmp, hashed.manifest.cid, hashed.manifest)
+                self._install(tmp, manifest.cid, manifest)
             finally:
                 tmp.unlink(missing_ok=True)
         if pin:
-            self.pin(hashed.manifest.cid)
-        return hashed.manifest.cid
+            self.pin(manifest.cid)
+        return manifest.cid
 
     def begin(self, cid: str, manifest: ChunkManifest) -> PendingBlob:
         """Reserve room for a blob about to be fetched and give its temp file.
@@ -290,8 +328,12 @@ class BlobStore:
 
     # --- internals ----------------------------------------------------------------
 
-    def _check_expected(self, hashed: Hashed, cid: str | None) -> None:
-        if cid is not None and hashed.digest != digest_of_cid(cid):
+    def _chunking(self, cid: str | None) -> int:
+        """The chunk size to cut content by: the expected CID's, else the store's."""
+        return (parse_cid(cid).chunk_size if cid is not None else None) or self.chunk_size
+
+    def _check_expected(self, manifest: ChunkManifest, cid: str | None) -> None:
+        if cid is not None and manifest.cid != cid:
             raise HashMismatch(f"content does not match {cid}")
 
     def _tmp_path(self) -> Path:
