@@ -1,6 +1,6 @@
 """Blob transfer throughput against raw TCP, and fan-out, on loopback.
 
-    .venv/bin/python bench/transfer.py [--size-mb 256] [--fanout-mb 50] [--nodes 8] [--repeat 5]
+    .venv/bin/python bench/transfer.py [--size-mb 256] [--fanout-mb 50] [--nodes 8] [--repeat 7]
 
 1. raw: a child process sends the blob's bytes over a plain TCP socket
    (``sendall`` of 1 MiB slices; the parent ``recv_into`` a preallocated buffer).
@@ -254,7 +254,7 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256)
     ap.add_argument("--fanout-mb", type=int, default=50)
     ap.add_argument("--nodes", type=int, default=8)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--stream-mb", type=int, default=64, help="size for the plain libp2p stream figure")
     ap.add_argument("--raw-child", nargs=2, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--stream-child", type=int, help=argparse.SUPPRESS)
