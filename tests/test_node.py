@@ -186,3 +186,18 @@ async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> Non
             raise
     await b.wait_until(lambda: b.rejected["message:ProtocolError"] + b.rejected["message:MalformedMessage"] >= 2, timeout=10)
     assert (await fetch_status(b.addrs()[0])).peer_id == b.peer_id
+
+
+async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(swarm3) -> None:
+    boot, a, b = swarm3
+    before_a, before_b = a.status().network, b.status().network
+    # every connection since start is counted, Noise handshakes and heartbeats included
+    assert before_a["bytes_in"] > 0 and before_a["bytes_out"] > 0
+    payload = bytes(range(256)) * 8192  # 2 MiB: travels as one side-channel record
+    cid = await a.blobs.publish(payload)
+    await b.blobs.fetch(cid, providers=[a.host.get_peerstore().peer_info(a.host.get_id())])
+    after_a, after_b = a.status().network, b.status().network
+    assert after_a["bytes_out"] - before_a["bytes_out"] >= len(payload)
+    assert after_b["bytes_in"] - before_b["bytes_in"] >= len(payload)
+    # the figures are per node, not per process: the bootstrap server moved no blob
+    assert boot.status().network["bytes_out"] < len(payload)

@@ -29,6 +29,7 @@ from libp2p.abc import IHost, INetStream
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import (
+    HEADER,
     KIND_CHUNK,
     KIND_HELLO,
     TAG_LEN,
@@ -51,6 +52,7 @@ from pcp_p2p.errors import (
     ProtocolError,
     VerificationError,
 )
+from pcp_p2p.node.traffic import Traffic
 from pcp_p2p.wire import framing
 
 log = logging.getLogger("pcp_p2p.blob.service")
@@ -83,6 +85,7 @@ class BlobServer:
     store: BlobStore
     config: BlobConfig
     peer_id: str
+    traffic: Traffic | None
     _uploads: trio.Semaphore
 
     def register(self) -> None:
@@ -253,6 +256,8 @@ class BlobServer:
                 for i in range(first, first + count):
                     offset, length = manifest.chunk_span(i)
                     self._send_chunk(sock, s2c, i, mapped[offset : offset + length], out)
+                    if self.traffic is not None:
+                        self.traffic.sent(HEADER.size + length + TAG_LEN)
             sock.shutdown(socket.SHUT_WR)
             # Wait for the client to close so its last bytes are not cut by a reset.
             sock.recv(1)

@@ -60,6 +60,7 @@ from pcp_p2p.errors import (
     ProtocolError,
 )
 from pcp_p2p.node.identity import Identity
+from pcp_p2p.node.traffic import Traffic
 from pcp_p2p.wire import framing
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,10 @@ class BlobService(BlobServer):
         routing: ContentRouting,
         identity: Identity,
         config: BlobConfig | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         self.host = host
+        self.traffic = traffic  # side-channel bytes are counted here (libp2p's by the node)
         self.store = store
         self.routing = routing
         self.identity = identity
@@ -414,7 +417,7 @@ class BlobService(BlobServer):
             c2s = RecordCipher.for_direction(key, client_to_server=True)
             s2c = RecordCipher.for_direction(key, client_to_server=False)
             await trio.to_thread.run_sync(send_record, sock, c2s, KIND_HELLO, hello_plaintext(info_bytes))
-            reader = RecordReader(sock, s2c, manifest.chunk_size)
+            reader = RecordReader(sock, s2c, manifest.chunk_size, self.traffic)
             try:
                 await trio.to_thread.run_sync(
                     functools.partial(

@@ -44,6 +44,7 @@ from pcp_p2p.errors import (
     PeerTimeout,
     VerificationError,
 )
+from pcp_p2p.node.traffic import Traffic
 
 HEADER = struct.Struct(">B3xI")
 TAG_LEN = 16
@@ -174,9 +175,11 @@ def send_record(
 class RecordReader:
     """Reads records from a socket into one reused buffer (bounded memory)."""
 
-    def __init__(self, sock: socket.socket, cipher: RecordCipher, max_plaintext: int) -> None:
+    def __init__(self, sock: socket.socket, cipher: RecordCipher, max_plaintext: int,
+                 traffic: Traffic | None = None) -> None:
         self.sock = sock
         self.cipher = cipher
+        self.traffic = traffic
         self.max_len = max_plaintext + TAG_LEN
         self._hdr = bytearray(HEADER.size)
         self._buf = bytearray(self.max_len)
@@ -198,6 +201,8 @@ class RecordReader:
             raise OversizedMessage("record larger than the receive buffer")
         view = memoryview(self._buf)[:length]
         recv_exact_into(self.sock, view)
+        if self.traffic is not None:
+            self.traffic.received(HEADER.size + length)
         n = length - TAG_LEN
         self.cipher.open_into(header, view, memoryview(out)[:n])
         return n

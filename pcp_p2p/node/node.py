@@ -76,6 +76,7 @@ from pcp_p2p.node.status import (
     StatusRequest,
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
+from pcp_p2p.node.traffic import Traffic, count_host_traffic
 from pcp_p2p.wire import decode, encode
 from pcp_p2p.wire.framing import read_frame, reset_quietly, write_frame
 
@@ -423,6 +424,7 @@ class Node:
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
             "rejected": dict(self.rejected),
+            **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
         }
         extra = {name: fn() for name, fn in self.config.extra_status.items()}
         return StatusReply(
@@ -502,7 +504,9 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     )
     pubsub = Pubsub(host, gossipsub, strict_signing=True)
     store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
-    blobs = BlobService(host, store, DhtRouting(dht), identity)
+    traffic = Traffic()
+    count_host_traffic(host, traffic)
+    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic)
     async with host.run(listen_addrs=listen):
         async with background_trio_service(dht), background_trio_service(pubsub), background_trio_service(gossipsub):
             await pubsub.wait_until_ready()
