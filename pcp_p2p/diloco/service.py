@@ -65,16 +65,29 @@ class TrainingService:
         self.node.nursery.start_soon(self._run, runtime)
 
     async def _run(self, runtime: RunRuntime) -> None:
+        async def idle_once_finished() -> None:
+            # run_forever lingers up to FINISH_GRACE_S after the last commit
+            # (final sends, announcements); the member record says so at once.
+            await runtime.finished.wait()
+            self._refresh_state()
+
         try:
-            await runtime.run_forever()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(idle_once_finished)
+                await runtime.run_forever()
+                nursery.cancel_scope.cancel()
         except PcpError as exc:
             runtime.phase = f"stopped: {exc}"
             log.error("run %s stopped: %s", runtime.run_id, exc)
         finally:
             self.node.runs.discard(runtime.run_id)
             self.node.leads.discard(runtime.run_id)
-            if not self.node.runs:
-                self.node.state = "idle"
+            self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        """``training`` while any run this node takes part in is unfinished, else ``idle``."""
+        busy = any(not r.finished.is_set() for rid, r in self.runtimes.items() if rid in self.node.runs)
+        self.node.state = "training" if busy else "idle"
 
     async def _discovery_loop(self) -> None:
         while True:
