@@ -42,9 +42,15 @@ class ChunkPool:
 
     def __init__(self, chunk_size: int, n: int = 4) -> None:
         self.chunk_size = chunk_size
+        self._n = n
         self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
         for _ in range(n):
             self._free.put(bytearray(chunk_size))
+
+    @property
+    def complete(self) -> bool:
+        """Every buffer is back (the pool may be reused by another fetch)."""
+        return self._free.qsize() == self._n
 
     def get(self, timeout: float) -> bytearray:
         try:

@@ -65,6 +65,8 @@ from pcp_p2p.wire import framing
 
 log = logging.getLogger(__name__)
 
+_POOLS_KEPT = 2  # idle receive buffer pools a service keeps (16 MiB each at 4 MiB chunks)
+
 
 @dataclass
 class FetchReport:
@@ -115,6 +117,7 @@ class BlobService(BlobServer):
         self.last_fetch: FetchReport | None = None
         # Peers whose side port we could not reach: fetched over the stream path.
         self._side_unreachable: set[str] = set()
+        self._pools: list[ChunkPool] = []  # idle receive buffers, at most _POOLS_KEPT
 
     # --- public API ------------------------------------------------------------
 
@@ -341,29 +344,48 @@ class BlobService(BlobServer):
         report: FetchReport,
     ) -> None:
         pool: ChunkPool | None = None
-        while True:
-            batch = plan.next_batch(pid)
-            if batch is None:
-                return
-            if not batch:
-                await changed.wait()
-                continue
-            try:
-                report.requests += 1
-                if pool is None:
-                    pool = ChunkPool(manifest.chunk_size)
-                await self._fetch_batch(
-                    info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending, pool
-                )
-                plan.provider_finished_batch(pid, batch)
-            except PcpError as exc:
-                log.info("blob: provider %s failed: %s", pid, exc)
-                errors.append(exc)
-                report.failures[pid] = f"{type(exc).__name__}: {exc}"
-                plan.provider_failed(pid, str(exc))
+        try:
+            while True:
+                batch = plan.next_batch(pid)
+                if batch is None:
+                    return
+                if not batch:
+                    await changed.wait()
+                    continue
+                try:
+                    report.requests += 1
+                    if pool is None:
+                        pool = self._take_pool(manifest.chunk_size)
+                    await self._fetch_batch(
+                        info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending, pool
+                    )
+                    plan.provider_finished_batch(pid, batch)
+                except PcpError as exc:
+                    log.info("blob: provider %s failed: %s", pid, exc)
+                    errors.append(exc)
+                    report.failures[pid] = f"{type(exc).__name__}: {exc}"
+                    plan.provider_failed(pid, str(exc))
+                    changed.fire()
+                    return
                 changed.fire()
-                return
-            changed.fire()
+        except BaseException:
+            pool = None  # cancelled: an abandoned receive thread may still hold its buffers
+            raise
+        finally:
+            if pool is not None:
+                self._give_back_pool(pool)
+
+    def _take_pool(self, chunk_size: int) -> ChunkPool:
+        """A receive buffer pool, reused across fetches: allocating (and page-faulting)
+        16 MiB of fresh buffers cost ~8 ms per fetch, 3% of a 256 MB transfer here."""
+        for i, pool in enumerate(self._pools):
+            if pool.chunk_size == chunk_size:
+                return self._pools.pop(i)
+        return ChunkPool(chunk_size)
+
+    def _give_back_pool(self, pool: ChunkPool) -> None:
+        if pool.complete and len(self._pools) < _POOLS_KEPT:
+            self._pools.append(pool)
 
     async def _fetch_batch(
         self,
