@@ -17,7 +17,11 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
-from pcp_p2p.compile.targets import COMMON_FLAGS, Target
+from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers import them here)
+    allowed_flag_lists,
+    compile_flag_choices,
+    compile_flags,
+)
 from pcp_p2p.errors import CompileError
 
 TOOL = "iree-compile"
@@ -57,11 +61,6 @@ def compiler_version() -> str:
             # "IREE compiler version 3.13.0rc20261016 @ 89ece87b..." -> "3.13.0rc20261016@89ece87b..."
             return line.removeprefix("IREE compiler version").strip().replace(" @ ", "@")
     raise CompileError(f"unrecognised {TOOL} --version output: {out[:200]!r}")
-
-
-def compile_flags(target: Target) -> tuple[str, ...]:
-    """The exact flag list for ``target`` (recorded in the manifest and the cache key)."""
-    return (*COMMON_FLAGS, *target.flags)
 
 
 def run_compiler(stablehlo: str, flags: tuple[str, ...], timeout: float = 1800) -> bytes:

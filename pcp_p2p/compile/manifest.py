@@ -23,7 +23,7 @@ from typing import Any
 
 from pcp_p2p.cid import check_cid, digest_of_cid
 from pcp_p2p.compile.signature import TensorSpec
-from pcp_p2p.compile.targets import COMMON_FLAGS, TARGETS
+from pcp_p2p.compile.targets import TARGETS, allowed_flag_lists
 from pcp_p2p.errors import BadSignature, ConfigError, HashMismatch, MalformedMessage
 from pcp_p2p.node.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, decode, encode, signing_bytes, wire_message
@@ -84,7 +84,7 @@ def check_fields(manifest: Manifest) -> None:
         raise MalformedMessage(f"manifest names an unknown target {manifest.target!r:.40}")
     if manifest.driver != target.driver:
         raise MalformedMessage(f"driver {manifest.driver!r:.20} is not {target.name}'s")
-    if manifest.flags != (*COMMON_FLAGS, *target.flags):
+    if manifest.flags not in allowed_flag_lists(target):
         raise MalformedMessage(f"flags do not match this node's definition of {target.name}")
     if manifest.program not in ("train", "eval", "sample"):
         raise MalformedMessage(f"unknown program {manifest.program!r:.40}")

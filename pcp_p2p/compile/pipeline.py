@@ -25,11 +25,12 @@ from pathlib import Path
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, atomic_write, cache_key
-from pcp_p2p.compile.iree_compile import compile_flags, compiler_version, run_compiler
+from pcp_p2p.compile.iree_compile import compile_flag_choices, compiler_version, run_compiler
 from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
 from pcp_p2p.compile.targets import Target
+from pcp_p2p.errors import CompileError
 from pcp_p2p.node.identity import Identity
 
 
@@ -75,18 +76,24 @@ def compile_lowered(
     cache: ArtifactCache | None = None,
 ) -> Artifact:
     """Compile (or fetch from ``cache``) one lowered program for one target, and sign it."""
-    flags = compile_flags(target)
+    p = lowered.program
+    choices = compile_flag_choices(target, p.config.n_embd)
     version = compiler_version()
-    key = cache_key(lowered.stablehlo_hash, target.name, version, flags)
-    vmfb = cache.get(key) if cache is not None else None
+    keys = [cache_key(lowered.stablehlo_hash, target.name, version, f) for f in choices]
+    vmfb, flags = None, choices[-1]
+    if cache is not None:  # any choice already built (best first) is a hit
+        for f, key in zip(choices, keys):
+            vmfb = cache.get(key)
+            if vmfb is not None:
+                flags = f
+                break
     cached = vmfb is not None
     t0 = time.perf_counter()
     if vmfb is None:
-        vmfb = run_compiler(lowered.stablehlo, flags)
+        vmfb, flags = _compile_first(lowered.stablehlo, choices)
         if cache is not None:
-            cache.put(key, vmfb)
+            cache.put(keys[choices.index(flags)], vmfb)
     elapsed = 0.0 if cached else time.perf_counter() - t0
-    p = lowered.program
     manifest = Manifest(
         program=p.name,
         model=model_name,
@@ -104,6 +111,21 @@ def compile_lowered(
         signer="",
     )
     return Artifact(vmfb, sign_manifest(manifest, identity), elapsed, cached)
+
+
+def _compile_first(stablehlo: str, choices: Sequence[tuple[str, ...]]) -> tuple[bytes, tuple[str, ...]]:
+    """The vmfb from the first flag list that compiles (the last one's error if none does).
+
+    Only a target's optional faster flags (data tiling) are expected to fail,
+    and only for some shapes; the last choice is the target's plain list.
+    """
+    for i, flags in enumerate(choices):
+        try:
+            return run_compiler(stablehlo, flags), flags
+        except CompileError:
+            if i == len(choices) - 1:
+                raise
+    raise CompileError("no compile flags to try")  # choices is never empty
 
 
 def build_artifacts(

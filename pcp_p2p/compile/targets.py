@@ -43,21 +43,40 @@ class Target:
     arch: str | None = None  # CPU architecture for CPU targets: x86_64, aarch64, arm64-apple
     cpu_flags: tuple[str, ...] = ()  # /proc/cpuinfo flags required (x86 only)
     preference: int = 0  # among runnable CPU variants, the highest wins
+    # Flags tried first (appended to ``flags``) for models at least ``wide_min_embd`` wide;
+    # if the compiler rejects them, ``flags`` alone is the fallback. See WIDE_FLAGS_V4.
+    wide_flags: tuple[str, ...] = ()
+    wide_min_embd: int = 0
 
     @property
     def is_cpu(self) -> bool:
         return self.driver == "local-task"
 
 
-def _cpu(name: str, cpu: str, flags: tuple[str, ...], pref: int) -> Target:
+# IREE's data tiling (matmul operands packed into tiles the AVX-512 kernels
+# stream through) cuts the CPU time of a 10.7M-parameter (d 384) train step by
+# ~15% on x86-64-v4, which brings it from ~0.85-0.95x to ~0.70-0.78x of
+# jax.jit (bench/step.py). It is fragile in IREE 3.13: it fails to compile
+# ("operations with large vector sizes", "exceeded stack allocation limit")
+# for narrower models (d 64-256) and for d 384 with few rows per step (B*T =
+# 128), and on x86-64-v3 it fails even for d 384. So it is tried only for
+# models at least WIDE_MIN_EMBD wide on v4, and a compile that fails falls back
+# to the plain flag list; both lists are this target's, and a manifest may
+# carry either (see compile_flag_choices and allowed_flag_lists below).
+WIDE_FLAGS_V4 = ("--iree-opt-data-tiling",)
+WIDE_MIN_EMBD = 384
+
+
+def _cpu(name: str, cpu: str, flags: tuple[str, ...], pref: int,
+         wide_flags: tuple[str, ...] = ()) -> Target:
     return Target(name, (*_X86, f"--iree-llvmcpu-target-cpu={cpu}"), "local-task", "x86_64",
-                  flags, pref)
+                  flags, pref, wide_flags, WIDE_MIN_EMBD if wide_flags else 0)
 
 
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        _cpu("cpu-x86_64-v4", "x86-64-v4", X86_64_V4_FLAGS, 40),
+        _cpu("cpu-x86_64-v4", "x86-64-v4", X86_64_V4_FLAGS, 40, WIDE_FLAGS_V4),
         _cpu("cpu-x86_64-v3", "x86-64-v3", X86_64_V3_FLAGS, 30),
         _cpu("cpu-x86_64-generic", "generic", (), 10),
         Target(
@@ -106,3 +125,27 @@ def parse_targets(spec: str) -> list[Target]:
     if not names:
         raise ConfigError("no targets given")
     return [get_target(n) for n in dict.fromkeys(names)]
+
+
+def compile_flags(target: Target) -> tuple[str, ...]:
+    """The plain flag list for ``target``: what every model compiles with as a last resort."""
+    return (*COMMON_FLAGS, *target.flags)
+
+
+def compile_flag_choices(target: Target, n_embd: int | None = None) -> tuple[tuple[str, ...], ...]:
+    """The flag lists to try for a model ``n_embd`` wide, best first; the last always applies.
+
+    A target's ``wide_flags`` (data tiling on x86-64-v4) are faster for wide
+    models but do not compile for every shape, so they come first and the
+    plain list is the fallback. Whichever compiled is recorded in the manifest.
+    """
+    plain = compile_flags(target)
+    if target.wide_flags and n_embd is not None and n_embd >= target.wide_min_embd:
+        return ((*plain, *target.wide_flags), plain)
+    return (plain,)
+
+
+def allowed_flag_lists(target: Target) -> tuple[tuple[str, ...], ...]:
+    """Every flag list a manifest for ``target`` may carry (both are this node's own)."""
+    plain = compile_flags(target)
+    return ((*plain, *target.wide_flags), plain) if target.wide_flags else (plain,)
