@@ -117,6 +117,10 @@ class CompileError(LocalError):
     """Lowering or ``iree-compile`` failed."""
 
 
+class CompilerRejected(CompileError):
+    """``iree-compile`` ran and refused the program with these flags (not a timeout or a missing tool)."""
+
+
 class IncompatibleArtifact(LocalError):
     """An artifact for a target (CPU level, driver) this machine cannot run."""
 

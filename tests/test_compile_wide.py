@@ -23,7 +23,8 @@ pytest.importorskip("iree.compiler")
 from conftest_compile import CACHE, shepherd  # noqa: E402
 
 from pcp_p2p.cid import cid_of  # noqa: E402
-from pcp_p2p.compile.iree_compile import run_compiler  # noqa: E402
+from pcp_p2p.compile.cache import ArtifactCache, cache_key  # noqa: E402
+from pcp_p2p.compile.iree_compile import compiler_version, run_compiler  # noqa: E402
 from pcp_p2p.compile.manifest import check_fields, sign_manifest, verify_manifest  # noqa: E402
 from pcp_p2p.compile.model import GPTConfig, init_params, param_names  # noqa: E402
 from pcp_p2p.compile.pipeline import Artifact, compile_lowered, lower_program  # noqa: E402
@@ -35,7 +36,7 @@ from pcp_p2p.compile.targets import (  # noqa: E402
     compile_flags,
     get_target,
 )
-from pcp_p2p.errors import MalformedMessage  # noqa: E402
+from pcp_p2p.errors import CompilerRejected, MalformedMessage  # noqa: E402
 from pcp_p2p.node.cpu import cpu_can_run, local_cpu  # noqa: E402
 
 V4 = get_target("cpu-x86_64-v4")
@@ -76,13 +77,32 @@ def test_wide_model_compiles_with_data_tiling_deterministically():
     assert cid_of(run_compiler(_lowered(TILED_OPTS).stablehlo, m.flags)) == m.artifact_cid
 
 
+def _key(opts: ProgramOptions, flags: tuple[str, ...]) -> str:
+    return cache_key(_lowered(opts).stablehlo_hash, V4.name, compiler_version(), flags)
+
+
 def test_shape_that_data_tiling_rejects_falls_back_to_plain_flags():
     art = _artifact(FALLBACK_OPTS)
     assert art.manifest.flags == compile_flags(V4)
     verify_manifest(art.manifest, art.vmfb, expected_signer=shepherd().peer_id)
-    # the cache remembers the fallback: no second (failing) data-tiling attempt
+    # the cache remembers that data tiling fails here, so the next build does not retry it
+    assert CACHE.failed(_key(FALLBACK_OPTS, (*compile_flags(V4), *WIDE_FLAGS_V4)))
     again = compile_lowered(_lowered(FALLBACK_OPTS), V4, shepherd(), "wide", CACHE)
     assert again.cached and again.compile_s == 0.0 and again.vmfb == art.vmfb
+
+
+def test_cached_plain_build_does_not_shadow_the_data_tiled_one(tmp_path):
+    """A cache filled before v4 gained data tiling holds a plain build: it is not served."""
+    cache = ArtifactCache(tmp_path / "cache")
+    cache.put(_key(TILED_OPTS, compile_flags(V4)), b"an older plain build")
+    art = compile_lowered(_lowered(TILED_OPTS), V4, shepherd(), "wide", cache)
+    assert not art.cached and "--iree-opt-data-tiling" in art.manifest.flags
+    assert art.vmfb == _artifact(TILED_OPTS).vmfb
+
+
+def test_compiler_rejection_is_a_typed_error():
+    with pytest.raises(CompilerRejected):
+        run_compiler("this is not MLIR", compile_flags(V4))
 
 
 def test_manifest_with_flags_outside_the_targets_lists_is_refused():

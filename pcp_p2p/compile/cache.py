@@ -5,6 +5,8 @@ StableHLO hash, the target name, the compiler version and the exact flag
 list. Each entry is ``<root>/<key[:2]>/<key>.vmfb`` with a ``.cid`` sidecar
 holding the artifact's CID; a read re-hashes the bytes against the sidecar,
 so a damaged entry is a miss (and is removed), never a wrong artifact.
+A ``<key>.failed`` file records that a compile with *optional* flags (a
+target's data tiling) failed, so the fallback is used without retrying it.
 Writes go to a temporary file in the same directory, are fsynced and then
 renamed over the final name, so a crash leaves either the old state or the
 new, and two processes filling the same entry race harmlessly.
@@ -87,6 +89,18 @@ class ArtifactCache:
         atomic_write(vmfb, data)
         atomic_write(cid_path, cid.encode())  # last: an entry without it is a miss
         return cid
+
+    def _failure_path(self, key: str) -> Path:
+        vmfb, _ = self._paths(key)
+        return vmfb.with_suffix(".failed")
+
+    def put_failure(self, key: str, reason: str) -> None:
+        """Remember that ``key``'s compile fails (deterministic for the same key), with why."""
+        atomic_write(self._failure_path(key), reason.encode()[-4000:])
+
+    def failed(self, key: str) -> bool:
+        """Whether a compile for ``key`` is known to fail (see :meth:`put_failure`)."""
+        return self._failure_path(key).is_file()
 
     def discard(self, key: str) -> None:
         for p in self._paths(key):

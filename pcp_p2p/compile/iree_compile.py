@@ -22,7 +22,7 @@ from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers impor
     compile_flag_choices,
     compile_flags,
 )
-from pcp_p2p.errors import CompileError
+from pcp_p2p.errors import CompileError, CompilerRejected
 
 TOOL = "iree-compile"
 
@@ -75,7 +75,7 @@ def run_compiler(stablehlo: str, flags: tuple[str, ...], timeout: float = 1800) 
         raise CompileError(f"cannot run {TOOL}: {exc}") from exc
     if proc.returncode != 0 or not proc.stdout:
         err = proc.stderr.decode(errors="replace").strip()
-        raise CompileError(f"{TOOL} exited {proc.returncode}: {_tail(err)}")
+        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err)}")
     return proc.stdout
 
 

@@ -30,7 +30,7 @@ from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
 from pcp_p2p.compile.targets import Target
-from pcp_p2p.errors import CompileError
+from pcp_p2p.errors import CompilerRejected
 from pcp_p2p.node.identity import Identity
 
 
@@ -80,19 +80,33 @@ def compile_lowered(
     choices = compile_flag_choices(target, p.config.n_embd)
     version = compiler_version()
     keys = [cache_key(lowered.stablehlo_hash, target.name, version, f) for f in choices]
-    vmfb, flags = None, choices[-1]
-    if cache is not None:  # any choice already built (best first) is a hit
-        for f, key in zip(choices, keys):
+    vmfb, flags, cached = None, choices[-1], False
+    t0 = time.perf_counter()
+    # Best choice first. A cached fallback is used only once the better choice
+    # is known to fail, so a cache filled before a target gained faster flags
+    # does not keep serving the slower build.
+    for i, (f, key) in enumerate(zip(choices, keys)):
+        last = i == len(choices) - 1
+        if cache is not None:
             vmfb = cache.get(key)
             if vmfb is not None:
-                flags = f
+                flags, cached = f, True
                 break
-    cached = vmfb is not None
-    t0 = time.perf_counter()
-    if vmfb is None:
-        vmfb, flags = _compile_first(lowered.stablehlo, choices)
+            if not last and cache.failed(key):
+                continue
+        try:
+            vmfb = run_compiler(lowered.stablehlo, f)
+        except CompilerRejected as exc:  # a timeout or a missing tool is not a verdict: raise it
+            if last:
+                raise
+            if cache is not None:
+                cache.put_failure(key, str(exc))
+            continue
+        flags = f
         if cache is not None:
-            cache.put(keys[choices.index(flags)], vmfb)
+            cache.put(key, vmfb)
+        break
+    assert vmfb is not None  # the last choice either compiled or raised
     elapsed = 0.0 if cached else time.perf_counter() - t0
     manifest = Manifest(
         program=p.name,
@@ -111,21 +125,6 @@ def compile_lowered(
         signer="",
     )
     return Artifact(vmfb, sign_manifest(manifest, identity), elapsed, cached)
-
-
-def _compile_first(stablehlo: str, choices: Sequence[tuple[str, ...]]) -> tuple[bytes, tuple[str, ...]]:
-    """The vmfb from the first flag list that compiles (the last one's error if none does).
-
-    Only a target's optional faster flags (data tiling) are expected to fail,
-    and only for some shapes; the last choice is the target's plain list.
-    """
-    for i, flags in enumerate(choices):
-        try:
-            return run_compiler(stablehlo, flags), flags
-        except CompileError:
-            if i == len(choices) - 1:
-                raise
-    raise CompileError("no compile flags to try")  # choices is never empty
 
 
 def build_artifacts(
