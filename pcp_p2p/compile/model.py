@@ -203,5 +203,10 @@ def loss_fn(cfg: GPTConfig, params: dict[str, Any], x: Any, y: Any) -> Any:
 
     logits = forward(cfg, params, x)  # (B, T, V)
     logp = jax.nn.log_softmax(logits, axis=-1)  # (B, T, V)
-    picked = jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0]  # (B, T)
+    # Pick each target's log-probability with a one-hot product, not take_along_axis:
+    # the latter's gradient is a scatter-add that IREE 3.13 cannot compile when B = 1
+    # ("iree_linalg_ext.scatter op expected indices to be equal to batch rank"). The
+    # product is exact (x * 1 plus zeros) and costs B*T*vocab multiplies.
+    onehot = jax.nn.one_hot(y, logits.shape[-1], dtype=logp.dtype)  # (B, T, V)
+    picked = jnp.sum(logp * onehot, axis=-1)  # (B, T)
     return -jnp.mean(picked)
