@@ -10,7 +10,9 @@ back only the losses, as a worker does during a round.
 Cases: ``<model>_runtime`` uses the shapes a DiLoCo worker really runs: the
 run spec's default ``inner.batch_size`` x ``inner.seq_len`` (16 x 64) and
 the engine's chunk of ``CHUNK_STEPS`` (5) inner steps per call, read from
-:mod:`pcp_p2p.diloco`. ``<model>_h1`` / ``_h10`` are the older fixed shapes
+:mod:`pcp_p2p.diloco`; ``medium_runtime_h1`` / ``_h10`` are the same batch
+shape with the issue's one step and ten steps per call. ``<model>_h1`` /
+``_h10`` are the older fixed shapes
 (tiny 8 x 64, medium 4 x 128) with one step or ten steps per call, kept for
 comparison with earlier runs.
 
@@ -62,6 +64,8 @@ CASES: dict[str, tuple[str, int, int, int]] = {
     "tiny_h1": ("tiny", 8, 64, 1),
     "tiny_h10": ("tiny", 8, 64, 10),
     "medium_runtime": ("medium", _RT.batch_size, _RT.seq_len, CHUNK_STEPS),
+    "medium_runtime_h1": ("medium", _RT.batch_size, _RT.seq_len, 1),
+    "medium_runtime_h10": ("medium", _RT.batch_size, _RT.seq_len, 10),
     "medium_h1": ("medium", 4, 128, 1),
     "medium_h10": ("medium", 4, 128, 10),
 }
