@@ -18,7 +18,7 @@ def test_pcp_swarm_with_churn_and_shepherd_kills_commits_every_round() -> None:
         capture_output=True, text=True, timeout=880,
     )
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-2000:]}"
     assert summary["rounds_committed"] == 8
     assert summary["final_theta_hash_agreement"] is True
     assert summary["failovers"] >= 1 and len(summary["terms"]) >= 2

@@ -74,7 +74,7 @@ from pcp_p2p.diloco.election import (
     PublishLease,
     StepDown,
 )
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
+from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
@@ -93,6 +93,8 @@ log = logging.getLogger("pcp.run")
 FETCH_ATTEMPTS = 6
 FINISH_GRACE_S = 30.0
 KEEP_CHECKPOINTS = 2
+REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
+REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
 
@@ -143,14 +145,28 @@ class RunRuntime:
         self._lookups_pending = 0
         self._prewarmed = False
         self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
-        self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover  # blobs a store task is about to hold  # joins that reached us while we were still becoming shepherd
+        self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
 
     async def deliver(self, sender: str, msg: Message) -> None:
-        """A round message from ``sender`` (called by the node's messenger)."""
-        getattr(msg, "run_id", None) == self.run_id and self._send.send_nowait(("msg", sender, msg))
+        """A round message from ``sender`` (called by the node's messenger).
+
+        A commit from the shepherd that signed it is acknowledged only once this
+        node holds its checkpoint (the messenger acks after this returns): the
+        shepherd waits for one such ack before the commit goes anywhere else,
+        so a shepherd killed right after committing never takes the only copy
+        of θ with it (see :meth:`_replicate_then_commit`).
+        """
+        if getattr(msg, "run_id", None) != self.run_id:
+            return
+        if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
+            verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
+            with trio.move_on_after(REPLICATE_TIMEOUT_S):
+                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
+        self._send.send_nowait(("msg", sender, msg))
 
     # -- main loop ----------------------------------------------------------------------
 
@@ -493,12 +509,16 @@ class RunRuntime:
             self._becoming = False
             self._send.send_nowait(("shepherd_ready", None))
 
-    async def _replicate_checkpoint(self, cid: str) -> None:
+    async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
         """Hold the latest committed checkpoints so any candidate can take over the run."""
+        if cid in self._replicas:
+            return
         try:
-            await self._fetch_bytes(cid)
+            await self._fetch_bytes(cid, hint)
         except PcpError as exc:
             self.node.log_once("self", exc, "replicating a checkpoint failed")
+            return
+        if cid in self._replicas:  # replicated meanwhile by the commit's own delivery
             return
         self._replicas.append(cid)
         while len(self._replicas) > KEEP_CHECKPOINTS:
@@ -557,6 +577,64 @@ class RunRuntime:
 
     def _carry_out(self, who: str, effects: list[Effect]) -> None:
         assert self._nursery is not None
+        if who == "shepherd":
+            if self._held is not None:  # a commit is replicating: keep the shepherd's order
+                self._held.append(effects)
+                return
+            first = next((i for i, e in enumerate(effects) if isinstance(e, Send)
+                          and isinstance(e.message, CommitRecord) and e.to != self.node.peer_id), None)
+            if first is not None:
+                self._carry_out_now(who, effects[:first])
+                self._held = [effects[first:]]
+                self._nursery.start_soon(self._replicate_then_commit, effects[first].message)
+                return
+        self._carry_out_now(who, effects)
+
+    async def _replicate_then_commit(self, commit: CommitRecord) -> None:
+        """Make one other node hold the checkpoint, then let the commit out.
+
+        Until this returns, the commit is nowhere: not in the DHT, not with
+        our own worker, not with any other. The commit message itself is the
+        request: a worker acknowledges it only once it holds the checkpoint
+        (:meth:`deliver`). Two workers are asked at once and the first ack
+        wins; with none reachable in ``REPLICATE_TIMEOUT_S`` the commit goes
+        out anyway (a swarm of one must still make progress) and the risk is
+        logged.
+        """
+        assert self._held is not None
+        peers = [e.to for e in self._held[0] if isinstance(e, Send)
+                 and e.message is commit and e.to != self.node.peer_id]
+        # Workers that just submitted to this round are the likeliest to be alive.
+        targets = sorted(peers, key=lambda p: p not in commit.participants)[:REPLICAS]
+        acked: list[str] = []
+        done = trio.Event()
+
+        async def ask(peer: str) -> None:
+            if await self._send_to(peer, commit):
+                acked.append(peer)
+                done.set()
+
+        async with trio.open_nursery() as n:
+            for peer in targets:
+                n.start_soon(ask, peer)
+            with trio.move_on_after(REPLICATE_TIMEOUT_S):
+                await done.wait()
+            n.cancel_scope.cancel()  # one replica suffices; the others get the commit below
+        if not acked:
+            log.warning("run %s: round %d commit goes out with its checkpoint on this node only",
+                        self.run_id[:16], commit.round)
+        held, self._held = self._held, None
+        first, rest = held[0], held[1:]
+        self._carry_out_now("shepherd", [e for e in first if not (
+            isinstance(e, Send) and e.message is commit and e.to in acked)])
+        for i, batch in enumerate(rest):
+            if self._held is not None:  # another commit started replicating: it keeps the rest
+                self._held.extend(rest[i:])
+                break
+            self._carry_out("shepherd", batch)
+
+    def _carry_out_now(self, who: str, effects: list[Effect]) -> None:
+        assert self._nursery is not None
         for e in effects:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s effect %s", who, _describe(e))
@@ -605,7 +683,8 @@ class RunRuntime:
 
     # -- effect workers -----------------------------------------------------------------
 
-    async def _send_to(self, peer: str, msg: Message) -> None:
+    async def _send_to(self, peer: str, msg: Message) -> bool:
+        """Send and wait for the ack; False (logged once) if it did not arrive."""
         if isinstance(msg, Submission):
             self.stats.bytes_submitted += len(encode(msg))
         if isinstance(msg, (RoundAnnouncement, CommitRecord)):
@@ -616,6 +695,8 @@ class RunRuntime:
             await self.node.messenger.send(peer, msg)
         except PcpError as exc:
             self.node.log_once(peer, exc, f"sending {msg.TAG} failed")
+            return False
+        return True
 
     async def _store(self, cid: str, data: bytes) -> None:
         try:
