@@ -14,7 +14,7 @@ import pytest
 def test_pcp_swarm_with_churn_and_shepherd_kills_commits_every_round() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "pcp_p2p.cli", "swarm", "--workers", "4", "--rounds", "8", "--churn", "0.25",
-         "--kill-shepherd-every", "3", "--time-budget", "3", "--json"],
+         "--kill-shepherd-every", "3", "--time-budget", "3", "--seed", "2", "--json"],
         capture_output=True, text=True, timeout=880,
     )
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -22,6 +22,7 @@ def test_pcp_swarm_with_churn_and_shepherd_kills_commits_every_round() -> None:
     assert summary["rounds_committed"] == 8
     assert summary["final_theta_hash_agreement"] is True
     assert summary["failovers"] >= 1 and len(summary["terms"]) >= 2
+    assert summary["churn_kills"] >= 1  # seed 2 kills non-shepherd workers after rounds 3 and 5
     val = summary["val_loss_history"]
     assert val[-1] < val[0]
 

@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--kill-shepherd-every", type=int, default=0, metavar="N",
                    help="SIGKILL the shepherd every N committed rounds (it is restarted a round later); "
                    "forces failovers to a new term")
-    p.add_argument("--seed", type=int, default=0, help="seed for the churn schedule")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed for the churn schedule, the run and the sample (default: random, "
+                        "printed in the summary so a run can be repeated)")
     p.add_argument("--dir", type=Path, default=None, help="keep data dirs and logs here (default: a temporary dir)")
     p.add_argument("--json", action="store_true", help="end with one JSON line summarising the run")
     p.set_defaults(func=_cmd_swarm)
@@ -67,6 +69,8 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
         raise ConfigError("--churn is a probability between 0 and 1")
     if args.kill_shepherd_every < 0:
         raise ConfigError("--kill-shepherd-every must be >= 0")
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(1_000_000)
     summary = trio.run(_run, args)
     if args.json:
         print(json.dumps(summary))
@@ -179,6 +183,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = [history[r] for r in sorted(history)]
     return {
         "run_id": run_id,
+        "seed": args.seed,
         "workers": args.workers,
         "rounds_committed": len(rounds),
         "loss_history": [round(h["loss"], 4) for h in rounds],
