@@ -128,8 +128,8 @@ def cid_of(data: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZE) -
     return chunked_cid(len(data), chunk_size, chunk_digests(data, chunk_size))
 
 
-def cid_of_file(f: BinaryIO, chunk_size: int = CHUNK_SIZE) -> str:
-    """The CID of a file's contents, one chunk in memory at a time."""
+def file_chunk_digests(f: BinaryIO, chunk_size: int = CHUNK_SIZE) -> tuple[int, list[bytes]]:
+    """Size and per-chunk sha256 of a file's contents, one chunk in memory at a time."""
     digests: list[bytes] = []
     size = 0
     while True:
@@ -139,6 +139,12 @@ def cid_of_file(f: BinaryIO, chunk_size: int = CHUNK_SIZE) -> str:
             size += len(block)
         if len(block) < chunk_size:
             break
+    return size, digests
+
+
+def cid_of_file(f: BinaryIO, chunk_size: int = CHUNK_SIZE) -> str:
+    """The CID of a file's contents, one chunk in memory at a time."""
+    size, digests = file_chunk_digests(f, chunk_size)
     return chunked_cid(size, chunk_size, digests)
 
 

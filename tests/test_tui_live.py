@@ -62,6 +62,14 @@ class Tmux:
                 await trio.sleep(0.25)
         raise AssertionError(f"screen never showed {what} within {deadline_s:.0f} s; it shows:\n{text}")
 
+    async def quit(self, rc_file: Path) -> str:
+        """Press ``q`` and return the exit code the shell wrote to ``rc_file``."""
+        self("send-keys", "-t", "tui", "q")
+        with trio.fail_after(15):  # the file is written by another process: poll it
+            while not (rc_file.exists() and rc_file.read_text().strip()):
+                await trio.sleep(0.1)
+        return rc_file.read_text().strip()
+
     def kill(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
 
@@ -101,11 +109,7 @@ async def test_tui_in_tmux_shows_the_members_and_quits_on_q(tmp_path: Path) -> N
             text = await tmux.wait_for("disconnected, retrying")
             assert "Traceback" not in text
 
-            tmux("send-keys", "-t", "tui", "q")
-            with trio.fail_after(15):
-                while not (rc_file.exists() and rc_file.read_text().strip()):
-                    await trio.sleep(0.1)
-            assert rc_file.read_text().strip() == "0"
+            assert await tmux.quit(rc_file) == "0"
 
             # a dumb terminal without colours: plain ASCII, same content
             rc_file.unlink()
@@ -114,11 +118,7 @@ async def test_tui_in_tmux_shows_the_members_and_quits_on_q(tmp_path: Path) -> N
             tmux("new-session", "-d", "-s", "tui", "-x", "80", "-y", "24", "-c", str(REPO), cmd)
             text = await tmux.wait_for(["+ > swarm", "* " + "~" + b.peer_id[-8:], "live"])
             assert text.isascii()
-            tmux("send-keys", "-t", "tui", "q")
-            with trio.fail_after(15):
-                while not (rc_file.exists() and rc_file.read_text().strip()):
-                    await trio.sleep(0.1)
-            assert rc_file.read_text().strip() == "0"
+            assert await tmux.quit(rc_file) == "0"
         finally:
             tmux.kill()
 
@@ -228,10 +228,6 @@ async def test_tui_in_tmux_follows_a_training_run_round_by_round(tmp_path: Path)
                 assert len(lines) <= 24 and all(len(line) <= 80 for line in lines), t
                 assert "Traceback" not in t, t
 
-            tmux("send-keys", "-t", "tui", "q")
-            with trio.fail_after(15):
-                while not (rc_file.exists() and rc_file.read_text().strip()):
-                    await trio.sleep(0.1)
-            assert rc_file.read_text().strip() == "0"
+            assert await tmux.quit(rc_file) == "0"
         finally:
             tmux.kill()

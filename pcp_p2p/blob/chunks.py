@@ -28,6 +28,7 @@ from pcp_p2p.cid import (
     chunk_digests,
     chunked_cid,
     cid_of,
+    file_chunk_digests,
     parse_cid,
 )
 from pcp_p2p.errors import HashMismatch, MalformedMessage, OversizedMessage
@@ -139,16 +140,8 @@ def hash_bytes(data: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZ
 
 def hash_file(path: Path, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
     """The manifest of a file, one chunk in memory at a time."""
-    digests: list[bytes] = []
-    size = 0
     with open(path, "rb", buffering=0) as f:
-        while True:
-            block = f.read(chunk_size)
-            if block or not digests:
-                digests.append(hashlib.sha256(block).digest())
-                size += len(block)
-            if len(block) < chunk_size:
-                break
+        size, digests = file_chunk_digests(f, chunk_size)
     return make_manifest(size, chunk_size, digests)
 
 
