@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from pcp_p2p.blob.chunks import hash_bytes
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
+from pcp_p2p.cid import cid_from_digest, cid_of
 from pcp_p2p.errors import BlobNotFound, HashMismatch, StoreFull
 
 CS = 64 * 1024  # small chunks keep the tests fast
@@ -74,6 +76,22 @@ def test_blob_without_manifest_is_dropped_at_start(tmp_path: Path) -> None:
     cid = s.put_bytes(b"x" * 10)
     (tmp_path / "blobs" / "data" / (cid + ".mf")).unlink()  # crash between the renames
     assert not store(tmp_path).has(cid)
+
+
+def test_entries_with_a_manifest_that_does_not_decode_are_dropped_at_start(tmp_path: Path) -> None:
+    # e.g. a large blob stored before CIDs named chunk lists: its manifest pairs a
+    # raw CID with several chunks, which no longer decodes
+    s = store(tmp_path)
+    good = s.put_bytes(os.urandom(3 * CS))
+    old = cid_from_digest(hashlib.sha256(b"old").digest())
+    data = tmp_path / "blobs" / "data"
+    (data / old).write_bytes(b"o" * (3 * CS))
+    m = s.manifest(good)
+    body = {"cid": old, "size": m.size, "chunk_size": m.chunk_size, "digests": list(m.digests)}
+    (data / (old + ".mf")).write_bytes(msgpack.packb([1, "blob.manifest", body], use_bin_type=True))
+    s2 = store(tmp_path)
+    assert s2.has(good) and not s2.has(old)
+    assert not (data / old).exists() and not (data / (old + ".mf")).exists()
 
 
 def test_lru_eviction_keeps_pins_and_recent(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, hash_bytes, make_manifest
 from pcp_p2p.cid import check_chunk_size, parse_cid
-from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, StoreFull
+from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, ProtocolError, StoreFull
 from pcp_p2p.wire import decode, encode
 
 _MF_SUFFIX = ".mf"
@@ -158,8 +158,12 @@ class BlobStore:
         for entry in self._data.iterdir():
             if entry.suffix == _MF_SUFFIX:
                 continue
-            if not (self._data / (entry.name + _MF_SUFFIX)).exists():
+            mf = self._data / (entry.name + _MF_SUFFIX)
+            if not mf.exists():
                 entry.unlink(missing_ok=True)  # blob without manifest: half-installed
+                continue
+            if not self._manifest_ok(entry, mf):
+                entry.unlink(missing_ok=True)
                 continue
             self._sizes[entry.name] = entry.stat().st_size
         for mf in self._data.glob("*" + _MF_SUFFIX):
@@ -168,6 +172,20 @@ class BlobStore:
         self._pins: set[str] = set()
         if self._pins_file.exists():
             self._pins = {ln for ln in self._pins_file.read_text().split() if ln}
+
+    @staticmethod
+    def _manifest_ok(blob: Path, mf: Path) -> bool:
+        """Whether a held blob's manifest decodes (so hashes to its CID) and names it.
+
+        A store written before large blobs were named by their chunk list holds
+        them under the sha256 of all their bytes; their manifests no longer
+        decode, and such entries are dropped at start rather than served.
+        """
+        try:
+            manifest = decode(mf.read_bytes(), ChunkManifest)
+        except (ProtocolError, OSError):
+            return False
+        return manifest.cid == blob.name and manifest.size == blob.stat().st_size
 
     # --- queries ------------------------------------------------------------------
 
