@@ -57,10 +57,7 @@ rotate_every = 0
         root = Path(tmp)
         async with local_swarm(root, extra_args=["--trust-any"]) as swarm:
             boot = await swarm.start_bootstrap()
-            async with trio.open_nursery() as n:
-                for _ in range(args.workers):
-                    n.start_soon(swarm.add_worker)
-            await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
+            await swarm.add_workers(args.workers, deadline_s=60)
             (root / "run.toml").write_text(spec)
             await trio.to_thread.run_sync(lambda: subprocess.run(
                 [*pcp_command(), "run", "create", str(root / "run.toml"), "--bootstrap", boot.addr,

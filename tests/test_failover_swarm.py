@@ -11,7 +11,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import trio
 
 from test_training_swarm import committed, create_run, wait_for
 from pcp_p2p.node.local_swarm import local_swarm
@@ -37,10 +36,7 @@ rotate_every = {ROTATE}
 async def test_shepherd_killed_mid_round_is_replaced_and_terms_rotate(tmp_path: Path) -> None:
     async with local_swarm(tmp_path, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
-        async with trio.open_nursery() as n:
-            for _ in range(4):
-                n.start_soon(swarm.add_worker)
-        await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
+        await swarm.add_workers(4, deadline_s=60)
         await create_run(swarm, boot.addr, tmp_path, SPEC)
 
         statuses = await wait_for(swarm, swarm.workers, lambda s: committed(s) >= 2, 180)

@@ -6,7 +6,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import trio
 
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.membership import DEFAULT_TIMEOUT_S
@@ -17,12 +16,8 @@ pytestmark = pytest.mark.timeout(240)
 async def test_eight_nodes_see_each_other_leave_on_kill_and_rejoin_with_same_id(tmp_path: Path) -> None:
     async with local_swarm(tmp_path) as swarm:
         await swarm.start_bootstrap()
-        async with trio.open_nursery() as n:
-            for _ in range(8):
-                n.start_soon(swarm.add_worker)
-        ids = {w.peer_id for w in swarm.workers}
+        ids = {w.peer_id for w in await swarm.add_workers(8, deadline_s=90)}
         assert len(ids) == 8
-        await swarm.wait_views(ids, deadline_s=90)
 
         # SIGKILL: no goodbye; every view must drop the node within the timeout
         # (plus the time a poll round and one heartbeat interval can add).

@@ -72,10 +72,7 @@ async def create_run(swarm: LocalSwarm, boot_addr: str, tmp_path: Path, spec: st
 async def test_training_survives_a_kill_and_a_late_joiner(tmp_path: Path) -> None:
     async with local_swarm(tmp_path, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
-        async with trio.open_nursery() as n:
-            for _ in range(3):
-                n.start_soon(swarm.add_worker)
-        await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
+        await swarm.add_workers(3, deadline_s=60)
         assert (await create_run(swarm, boot.addr, tmp_path, SPEC))["nodes_reached"] == 3
 
         # Round 1 commits with everyone; then kill a worker that is not the shepherd, mid-round.

@@ -173,12 +173,8 @@ def shown_round(text: str) -> int | None:
 async def test_tui_in_tmux_follows_a_training_run_round_by_round(tmp_path: Path) -> None:
     async with local_swarm(tmp_path, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
-        async with trio.open_nursery() as n:
-            for _ in range(2):
-                n.start_soon(swarm.add_worker)
-        a, b = swarm.workers
+        a, b = await swarm.add_workers(2, deadline_s=60)
         suffixes = {a.peer_id[-8:], b.peer_id[-8:]}
-        await swarm.wait_views({a.peer_id, b.peer_id}, deadline_s=60)
 
         rc_file = tmp_path / "tui.rc"
         cmd = f"{shlex.join([*pcp_command(), 'status', '--connect', a.addr])}; echo $? > {shlex.quote(str(rc_file))}"

@@ -386,26 +386,29 @@ class ElectionWorld:
                     with trio.move_on_at(min(w if w > now else now + 0.5 for w in wakes if w is not None)):
                         item = await recv.receive()
                     now = trio.current_time()
-                    effects = self._handle(node, item, now)
-                    f = self._fault_for(node, effects)
-                    if f is not None:
-                        self._strike(node, f, effects, nursery)
-                        if f.action == "kill":
-                            return
+                    struck = self._carry_out_or_strike(node, self._handle(node, item, now), nursery)
+                    if struck == "kill":
+                        return
+                    if struck is not None:
                         continue
-                    self.carry_out(node, effects, nursery)
                     self.carry_out(node, node.election.on_members(self.view_of(node, now), now), nursery)
                     self.carry_out(node, node.worker.tick(now), nursery)
                     if node.shepherd is not None:
-                        effects = node.shepherd.tick(now)
-                        f = self._fault_for(node, effects)
-                        if f is not None:
-                            self._strike(node, f, effects, nursery)
-                            if f.action == "kill":
-                                return
+                        struck = self._carry_out_or_strike(node, node.shepherd.tick(now), nursery)
+                        if struck == "kill":
+                            return
+                        if struck is not None:
                             continue
-                        self.carry_out(node, effects, nursery)
                     self._check_done()
+
+    def _carry_out_or_strike(self, node: SimNode, effects: list[Any], nursery: trio.Nursery) -> str | None:
+        """Carry out ``effects`` unless a scheduled fault strikes them; the fault's action if so."""
+        f = self._fault_for(node, effects)
+        if f is None:
+            self.carry_out(node, effects, nursery)
+            return None
+        self._strike(node, f, effects, nursery)
+        return f.action
 
     def _handle(self, node: SimNode, item: tuple[Any, ...] | None, now: float) -> list[Any]:
         if item is None:

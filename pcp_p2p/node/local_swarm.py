@@ -95,6 +95,19 @@ class LocalSwarm:
         self.workers.append(proc)
         return proc
 
+    async def add_workers(self, n: int, *, deadline_s: float) -> list[NodeProcess]:
+        """Start ``n`` workers at once; return them when every worker sees all the others."""
+        started: list[NodeProcess] = []
+
+        async def one() -> None:
+            started.append(await self.add_worker())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+        await self.wait_views({w.peer_id for w in self.workers}, deadline_s=deadline_s)
+        return started
+
     async def restart(self, proc: NodeProcess) -> None:
         """Start a stopped node again with the same data dir (and so the same identity)."""
         if proc.running:

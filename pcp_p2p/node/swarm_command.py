@@ -105,11 +105,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     async with local_swarm(args.dir, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
         _say(f"bootstrap server  {boot.addr}")
-        async with trio.open_nursery() as n:
-            for _ in range(args.workers):
-                n.start_soon(swarm.add_worker)
-        ids = {w.peer_id for w in swarm.workers}
-        await swarm.wait_views(ids, deadline_s=120)
+        ids = {w.peer_id for w in await swarm.add_workers(args.workers, deadline_s=120)}
         _say(f"{len(ids)} nodes up and in each other's view after {time.monotonic() - t0:.1f} s")
 
         spec_path = swarm.root / "run.toml"
