@@ -30,6 +30,7 @@ from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import (
     BlobNotFound,
     HashMismatch,
+    LocalError,
     MalformedMessage,
     NoProviders,
     OversizedMessage,
@@ -476,3 +477,46 @@ async def test_edge_sizes_round_trip(tmp_path: Path, size: int) -> None:
         c = await net.node()
         c._side_unreachable.add(a.peer_id)
         assert (await c.fetch(cid, providers=[info(a)])).read_bytes() == data
+
+
+async def test_fetch_into_memory_checks_every_chunk_and_stores_nothing(tmp_path: Path) -> None:
+    data = os.urandom(8 * CS + 11)
+    async with network(tmp_path) as net:
+        bad, good = await net.node(CorruptChunk), await net.node()
+        cid = await bad.publish(data)
+        await good.publish(data)
+        f = await net.node()
+        out = bytearray(9 * CS)  # reused across fetches, larger than the blob
+        got = await f.fetch_into(cid, out, providers=[info(bad), info(good)])
+        assert bytes(got) == data and got.obj is out  # in place, no copy
+        report = f.last_fetch
+        assert report is not None and "HashMismatch" in report.failures[bad.peer_id]
+        assert report.chunks_from == {good.peer_id: 9}
+        assert not f.store.has(cid) and tmp_is_empty(f)
+        assert cid not in net.routing.table or f.peer_id not in net.routing.table[cid]  # not announced
+        # only the liar: a typed error, never a "verified" buffer
+        g = await net.node()
+        with pytest.raises(HashMismatch):
+            await g.fetch_into(cid, out, providers=[info(bad)])
+        # the stream path lands in the same buffer, copied into place
+        h = await net.node()
+        h._side_unreachable.add(good.peer_id)
+        out[:] = bytes(len(out))
+        assert bytes(await h.fetch_into(cid, out, providers=[info(good)])) == data
+        # a blob the store holds is read from it
+        assert bytes(await good.fetch_into(cid)) == data
+
+
+async def test_fetch_into_refuses_a_small_buffer_and_an_oversized_blob(tmp_path: Path) -> None:
+    data = os.urandom(3 * CS)
+    async with network(tmp_path) as net:
+        a = await net.node()
+        cid = await a.publish(data)
+        f = await net.node(max_in_memory=2 * CS)
+        with pytest.raises(LocalError):
+            await f.fetch_into(cid, bytearray(3 * CS - 1), providers=[info(a)])
+        with pytest.raises(LocalError):
+            await f.fetch_into(cid, b"\0" * (3 * CS), providers=[info(a)])  # read-only
+        with pytest.raises(OversizedMessage):
+            await f.fetch_into(cid, providers=[info(a)])  # would allocate above the limit
+        assert bytes(await f.fetch_into(cid, bytearray(3 * CS), providers=[info(a)])) == data

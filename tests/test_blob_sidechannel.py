@@ -6,11 +6,13 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from pcp_p2p.blob.chunks import hash_bytes
-from pcp_p2p.blob.receiver import ChunkPool, receive_batch
+from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.blob.receiver import ChunkPool, ChunkSink, FileSink, MemorySink, receive_batch
 from pcp_p2p.blob.sidechannel import (
     HEADER,
     KIND_CHUNK,
@@ -24,6 +26,7 @@ from pcp_p2p.blob.sidechannel import (
 from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import (
     HashMismatch,
+    LocalError,
     MalformedMessage,
     OversizedMessage,
     PcpError,
@@ -153,8 +156,9 @@ def test_stalled_record_is_peer_timeout(pair: tuple[socket.socket, socket.socket
         RecordReader(b, RecordCipher.for_direction(key_for("A", "B"), client_to_server=False), 2000).read(KIND_CHUNK)
 
 
+@pytest.mark.parametrize("into", ["memory", "file"])
 def test_receive_batch_rejects_a_bad_chunk_and_names_it(
-    pair: tuple[socket.socket, socket.socket], tmp_path: object
+    pair: tuple[socket.socket, socket.socket], tmp_path: Path, into: str
 ) -> None:
     a, b = pair
     data = os.urandom(3 * CS)
@@ -172,14 +176,43 @@ def test_receive_batch_rejects_a_bad_chunk_and_names_it(
 
     sender = threading.Thread(target=send_all, daemon=True)
     sender.start()
-    got: dict[int, bytes] = {}
     ok: list[int] = []
     reader = RecordReader(b, RecordCipher.for_direction(k, client_to_server=False), CS)
-    with pytest.raises(HashMismatch) as info:
-        receive_batch(b, reader, m, [0, 1, 2], ChunkPool(CS), fd=-1, chunks=got, pending=None,
-                      on_ok=ok.append, stall=1.0)
-    assert info.value.index == 1  # type: ignore[attr-defined]
-    # chunk 0 is verified and kept; the bad chunk 1 never is (chunk 2 may be,
-    # by the second verifier thread, before the failure stops the batch)
-    assert 0 in ok and 1 not in ok and got[0] == chunks[0] and 1 not in got
+    store = BlobStore(tmp_path / "store", 1 << 30)
+    pending = store.begin(m.cid, m)
+    fd = os.open(pending.path, os.O_RDWR)
+    out = bytearray(len(data))
+    sink: ChunkSink = MemorySink(m, range(3), memoryview(out)) if into == "memory" else FileSink(pending, fd)
+    try:
+        with pytest.raises(HashMismatch) as info:
+            receive_batch(b, reader, [0, 1, 2], sink, ChunkPool(CS), on_ok=ok.append, stall=1.0)
+        assert info.value.index == 1  # type: ignore[attr-defined]
+        # chunk 0 is verified and kept; the bad chunk 1 never is (chunk 2 may be,
+        # by the second verifier thread, before the failure stops the batch)
+        assert 0 in ok and 1 not in ok
+        if into == "memory":
+            assert out[:CS] == chunks[0] and not sink.complete  # type: ignore[attr-defined]
+        else:
+            assert os.pread(fd, CS, 0) == chunks[0]
+            assert os.pread(fd, CS, CS) == b"\0" * CS  # the lie was never written
+            with pytest.raises(HashMismatch):
+                pending.commit()
+    finally:
+        os.close(fd)
+        pending.abort()
     sender.join(timeout=5)
+
+
+def test_memory_sink_takes_a_copy_only_of_chunks_received_elsewhere() -> None:
+    data = os.urandom(3 * CS)
+    m = hash_bytes(data, CS)
+    out = bytearray(2 * CS)
+    sink = MemorySink(m, range(1, 3), memoryview(out))
+    assert sink.slot(1).tobytes() == b"\0" * CS and len(sink.slot(2)) == CS
+    sink.put(2, memoryview(data[2 * CS :]))  # e.g. from the stream path: copied
+    assert out[CS:] == data[2 * CS :] and not sink.complete
+    sink.slot(1)[:] = data[CS : 2 * CS]
+    sink.put(1, sink.slot(1), in_place=True)
+    assert bytes(out) == data[CS:] and sink.complete
+    with pytest.raises(LocalError):
+        MemorySink(m, range(3), memoryview(bytearray(3 * CS - 1)))

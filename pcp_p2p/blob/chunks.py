@@ -1,8 +1,8 @@
 """Chunk manifests: how a large blob is cut so each piece is checked on arrival.
 
 A blob's CID (see :mod:`pcp_p2p.cid`) names, for anything larger than one
-chunk, the list of its chunks' sha256s. The chunk manifest *is* that list (plus
-the CID it hashes to), so a fetcher checks the manifest against the CID before
+chunk, the list of its chunks' BLAKE3 digests. The chunk manifest *is* that
+list (plus the CID it hashes to), so a fetcher checks the manifest against the CID before
 a byte of data moves, and then each chunk against the manifest the moment it
 arrives. A 1 GB checkpoint pulled from three providers is never thrown away
 whole because one of them sent one bad megabyte: the bad chunk is fetched
@@ -16,7 +16,6 @@ the same manifest with the same :func:`manifest_cid`.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from pcp_p2p.cid import (
     chunked_cid,
     cid_of,
     file_chunk_digests,
+    leaf_digest,
     parse_cid,
 )
 from pcp_p2p.errors import HashMismatch, MalformedMessage, OversizedMessage
@@ -43,7 +43,7 @@ _DIGEST_LEN = 32
 
 @wire_message("blob.manifest", max_size=MANIFEST_MAX_SIZE)
 class ChunkManifest(Message):
-    """Size, chunk size and per-chunk sha256 of one blob."""
+    """Size, chunk size and per-chunk digest of one blob (see :func:`leaf_digest`)."""
 
     cid: str
     size: int
@@ -89,7 +89,7 @@ class ChunkManifest(Message):
         _, length = self.chunk_span(index)
         if len(data) != length:
             raise HashMismatch(f"{self.cid} chunk {index}: {len(data)} bytes, expected {length}")
-        if hashlib.sha256(data).digest() != self.digests[index]:
+        if leaf_digest(self.size, self.chunk_size)(data) != self.digests[index]:
             raise HashMismatch(f"{self.cid} chunk {index} does not match its hash")
 
 
@@ -134,7 +134,7 @@ def make_manifest(size: int, chunk_size: int, digests: list[bytes]) -> ChunkMani
 
 
 def hash_bytes(data: bytes | bytearray | memoryview, chunk_size: int = CHUNK_SIZE) -> ChunkManifest:
-    """The manifest (and so the CID) of some bytes: one sha256 pass."""
+    """The manifest (and so the CID) of some bytes: one hashing pass."""
     return make_manifest(len(data), chunk_size, chunk_digests(data, chunk_size))
 
 

@@ -1,24 +1,31 @@
-"""The receiving end of a side-channel batch: receive, decrypt, verify, write.
+"""The receiving end of a side-channel batch: receive, decrypt, verify, keep.
 
 Why threads and reused buffers: on this 2-core class of machine every byte of a
-fetch costs a kernel copy in, an AES-GCM open, a sha256 for its chunk and a
-write into the page cache. All of those release the GIL, so they run in plain
-threads, in a pipeline:
+fetch costs a kernel copy in, an AES-GCM open and a BLAKE3 for its chunk, and,
+for a fetch into the store, a write into the page cache. All of those release
+the GIL, so they run in plain threads, in a pipeline:
 
-    receiver thread    recv_into + decrypt_into a pooled chunk buffer
-          │ queue (bounded: the pool has a few buffers, so memory is bounded)
-    verifier threads   sha256 of the chunk against the manifest, pwrite,
-    (two)              start its writeback, report
+    receiver thread    recv_into + decrypt_into the chunk's place
+          │ queue (bounded: at most a few chunks wait, so memory is bounded)
+    verifier threads   hash the chunk against the manifest, then hand it to
+    (two)              the sink (a store file: pwrite and start its writeback)
 
-Two verifiers because hashing and writing a chunk costs ~3x receiving and
-decrypting it: with one, the verifier was the pipeline's bottleneck.
+Where a chunk is decrypted to depends on the :class:`ChunkSink`:
+
+- :class:`MemorySink` (a fetch into memory): straight into its place in the
+  caller's buffer, so a byte is touched by the kernel's copy, the cipher and
+  the hash, and nothing else. A chunk that fails its hash is overwritten when
+  it is fetched again; the buffer is handed out only once every chunk passed.
+- :class:`FileSink` (a fetch into the store): into one of a few pooled chunk
+  buffers (:class:`ChunkPool`), written to the blob's temp file only after it
+  passed its hash, so no unverified byte ever lands in the store's files.
+
+Buffers are allocated once and reused, because fresh memory on these VMs
+costs page faults worth ~2 GB/s, i.e. more than a BLAKE3 pass.
 
 The manifest was checked against the CID before the batch started (see
 :mod:`pcp_p2p.cid`), so the chunk hashes are the only hashing a fetch does.
-
-Buffers are allocated once per provider and reused, because fresh 4 MiB
-allocations on this VM cost page faults worth ~2 GB/s, i.e. as much as a
-sha256 pass. Nothing here touches trio: the caller passes callbacks.
+Nothing here touches trio: the caller passes callbacks.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import Callable
 from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordReader
 from pcp_p2p.blob.store import PendingBlob, start_writeback
-from pcp_p2p.errors import HashMismatch, PcpError
+from pcp_p2p.errors import HashMismatch, LocalError, PcpError
 
 VERIFIERS = 2
 
@@ -62,67 +69,117 @@ class ChunkPool:
         self._free.put(buf)
 
 
-def accept_chunk(
-    manifest: ChunkManifest,
-    index: int,
-    view: memoryview,
-    *,
-    fd: int,
-    chunks: dict[int, bytes] | None,
-    pending: PendingBlob | None,
-) -> None:
-    """Verify one received chunk, then keep it (``chunks``) or write it (``fd``,
-    the file of ``pending``, which learns the chunk is verified).
+class ChunkSink:
+    """Where the verified chunks of one fetch go.
 
-    A mismatch raises :class:`HashMismatch` with ``.index`` and writes nothing.
+    :meth:`slot` says where chunk ``index`` may be received in place (``None``:
+    into a pooled buffer); :meth:`put` takes a chunk that matched its hash.
+    ``put`` runs in verifier threads, for different chunks at once.
+    """
+
+    manifest: ChunkManifest
+    receives_in_place = False  # True: every chunk has a slot (no buffer pool needed)
+
+    def slot(self, index: int) -> memoryview | None:
+        return None
+
+    def put(self, index: int, view: memoryview, *, in_place: bool = False) -> None:
+        """Keep verified chunk ``index``; ``in_place``: ``view`` is its :meth:`slot`."""
+        raise NotImplementedError
+
+
+class FileSink(ChunkSink):
+    """Chunks into the temp file of a :class:`PendingBlob`, which learns each one."""
+
+    def __init__(self, pending: PendingBlob, fd: int) -> None:
+        self.manifest = pending.manifest
+        self.pending = pending
+        self.fd = fd
+
+    def put(self, index: int, view: memoryview, *, in_place: bool = False) -> None:
+        offset = self.manifest.chunk_span(index)[0]
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        start_writeback(self.fd, offset, len(view))
+        self.pending.chunk_verified(index)
+
+
+class MemorySink(ChunkSink):
+    """Chunks ``wanted`` of a blob into ``out``, chunk ``wanted[0]`` at offset 0."""
+
+    receives_in_place = True
+
+    def __init__(self, manifest: ChunkManifest, wanted: range, out: memoryview) -> None:
+        self.manifest = manifest
+        self.wanted = wanted
+        self.base = manifest.chunk_span(wanted[0])[0] if len(wanted) else 0
+        end = manifest.chunk_span(wanted[-1])[0] + manifest.chunk_span(wanted[-1])[1] if len(wanted) else 0
+        if len(out) < end - self.base:
+            raise LocalError(f"buffer of {len(out)} bytes for {end - self.base} bytes of {manifest.cid}")
+        self.out = out
+        self._verified: set[int] = set()
+
+    def slot(self, index: int) -> memoryview:
+        offset, length = self.manifest.chunk_span(index)
+        return self.out[offset - self.base : offset - self.base + length]
+
+    def put(self, index: int, view: memoryview, *, in_place: bool = False) -> None:
+        if not in_place:  # received elsewhere (the stream path): copy it in
+            self.slot(index)[:] = view
+        self._verified.add(index)  # atomic under the GIL
+
+    @property
+    def complete(self) -> bool:
+        """Every wanted chunk is in ``out`` and matched its hash."""
+        return len(self._verified) == len(self.wanted)
+
+
+def accept_chunk(sink: ChunkSink, index: int, view: memoryview, *, in_place: bool = False) -> None:
+    """Verify one received chunk against the manifest, then give it to ``sink``.
+
+    A mismatch raises :class:`HashMismatch` with ``.index`` and keeps nothing.
     """
     try:
-        manifest.verify_chunk(index, view)
+        sink.manifest.verify_chunk(index, view)
     except HashMismatch as exc:
         exc.index = index  # type: ignore[attr-defined]
         raise
-    if chunks is not None:
-        chunks[index] = bytes(view)
-        return
-    offset = manifest.chunk_span(index)[0]
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-    start_writeback(fd, offset, len(view))
-    if pending is not None:
-        pending.chunk_verified(index)
+    sink.put(index, view, in_place=in_place)
 
 
 def receive_batch(
     sock: socket.socket,
     reader: RecordReader,
-    manifest: ChunkManifest,
     batch: list[int],
-    pool: ChunkPool,
+    sink: ChunkSink,
+    pool: ChunkPool | None,
     *,
-    fd: int,
-    chunks: dict[int, bytes] | None,
-    pending: PendingBlob | None,
     on_ok: Callable[[int], None],
     stall: float,
 ) -> None:
-    """Receive ``batch`` from ``sock`` (blocking; run in a worker thread).
+    """Receive ``batch`` from ``sock`` into ``sink`` (blocking; run in a worker thread).
 
-    Each chunk is verified against ``manifest`` before it is written to ``fd``
-    (or kept in ``chunks``) and reported with ``on_ok(index)``. Raises the
-    first error of either stage (:class:`HashMismatch` has ``.index``).
+    Each chunk is verified against the sink's manifest before the sink keeps
+    it and it is reported with ``on_ok(index)``. ``pool`` supplies buffers for
+    a sink that has no slot for a chunk. Raises the first error of either
+    stage (:class:`HashMismatch` has ``.index``).
     """
-    work: queue.Queue[tuple[int, bytearray, int] | None] = queue.Queue(maxsize=VERIFIERS)
+    work: queue.Queue[tuple[int, memoryview, bytearray | None] | None] = queue.Queue(maxsize=VERIFIERS)
     failure: list[BaseException] = []
+
+    def give_back(buf: bytearray | None) -> None:
+        if buf is not None and pool is not None:
+            pool.put(buf)
 
     def verifier() -> None:
         try:
             while (item := work.get()) is not None:
-                index, buf, n = item
+                index, view, buf = item
                 try:
-                    accept_chunk(manifest, index, memoryview(buf)[:n], fd=fd, chunks=chunks, pending=pending)
+                    accept_chunk(sink, index, view, in_place=buf is None)
                 finally:
-                    pool.put(buf)
+                    give_back(buf)
                 on_ok(index)
         except BaseException as exc:
             failure.append(exc)
@@ -134,7 +191,7 @@ def receive_batch(
                 item = work.get()
                 if item is None:
                     return
-                pool.put(item[1])
+                give_back(item[2])
 
     threads = [threading.Thread(target=verifier, name=f"blob-verify-{k}", daemon=True)
                for k in range(VERIFIERS)]
@@ -144,13 +201,19 @@ def receive_batch(
         for index in batch:
             if failure:
                 break
-            buf = pool.get(timeout=stall * 2)
+            place = sink.slot(index)
+            buf = None
+            if place is None:
+                if pool is None:
+                    raise LocalError("a sink without slots needs a buffer pool")
+                buf = pool.get(timeout=stall * 2)
+                place = memoryview(buf)
             try:
-                n = reader.read_into(KIND_CHUNK, buf)
+                n = reader.read_into(KIND_CHUNK, place)
             except BaseException:
-                pool.put(buf)
+                give_back(buf)
                 raise
-            work.put((index, buf, n))
+            work.put((index, place[:n], buf))
     except BaseException as exc:
         if not failure:
             failure.append(exc)

@@ -63,7 +63,7 @@ class BlobConfig:
     """Limits and deadlines of the blob exchange (both the fetching and the serving end)."""
 
     max_blob_size: int = 16 * 1024**3  # a fetch refuses manifests declaring more
-    max_range: int = 256 * 1024**2  # byte-range fetches are held in memory
+    max_in_memory: int = 256 * 1024**2  # a byte range, or fetch_into without a buffer, is held in memory
     request_timeout: float = 20.0  # one control exchange on the libp2p stream
     stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot

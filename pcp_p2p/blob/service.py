@@ -7,9 +7,10 @@ one, pulls chunks from several in parallel over authenticated side channels
 (:mod:`pcp_p2p.blob.sidechannel`), verifies each chunk on arrival against the
 manifest (which hashes to the CID), re-fetches bad or missing ones from the
 others (:class:`~pcp_p2p.blob.transfer.FetchPlan`), and commits it to the store
-only when every chunk was verified.
+only when every chunk was verified. :meth:`fetch_into` does the same into a
+buffer in memory, for content that is used once and need not be stored.
 
-Threads: the byte moving (socket I/O, AES-GCM, sha256, file I/O) runs in trio
+Threads: the byte moving (socket I/O, AES-GCM, BLAKE3, file I/O) runs in trio
 worker threads, all of which release the GIL, so the trio loop that also runs
 libp2p stays responsive and receiving, decrypting and hashing overlap. The side
 socket's timeout is the stall detector (no byte for ``stall_timeout`` seconds).
@@ -31,7 +32,14 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.chunks import ChunkManifest, parse_manifest
-from pcp_p2p.blob.receiver import ChunkPool, accept_chunk, receive_batch
+from pcp_p2p.blob.receiver import (
+    ChunkPool,
+    ChunkSink,
+    FileSink,
+    MemorySink,
+    accept_chunk,
+    receive_batch,
+)
 from pcp_p2p.blob.routing import ContentRouting
 from pcp_p2p.blob.server import BlobConfig, BlobServer, close_stream
 from pcp_p2p.blob.sidechannel import (
@@ -44,12 +52,13 @@ from pcp_p2p.blob.sidechannel import (
     transcript,
     tune,
 )
-from pcp_p2p.blob.store import BlobStore, PendingBlob
+from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.blob.transfer import FetchPlan
 from pcp_p2p.cid import cid_of, parse_cid
 from pcp_p2p.errors import (
     BlobNotFound,
     HashMismatch,
+    LocalError,
     MalformedMessage,
     NoProviders,
     OversizedMessage,
@@ -174,6 +183,75 @@ class BlobService(BlobServer):
             if pin:
                 self.store.pin(cid)
             return self.store.path(cid)
+        manifest, mcid, providers, report = await self._prepare(cid, providers, manifest_cid)
+        if byte_range is not None:
+            return await self._fetch_range(manifest, mcid, providers, report, byte_range)
+        pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
+        with pending:
+            fd = os.open(pending.path, os.O_RDWR)
+            try:
+                await self._pull(manifest, mcid, providers, range(manifest.count), report,
+                                 FileSink(pending, fd))
+            finally:
+                os.close(fd)
+            path = await trio.to_thread.run_sync(pending.commit)
+        if pin:
+            self.store.pin(cid)
+        if announce:
+            try:
+                await self.announce(cid)
+            except PcpError as exc:
+                log.warning("blob: fetched %s but could not announce it: %s", cid, exc)
+        return path
+
+    async def fetch_into(
+        self,
+        cid: str,
+        out: bytearray | memoryview | None = None,
+        *,
+        providers: list[PeerInfo] | None = None,
+        manifest_cid: str | None = None,
+    ) -> memoryview:
+        """The whole blob, verified, in memory and not stored: ``out[:size]``.
+
+        For content a node uses once and need not keep (the pseudo-gradients a
+        shepherd averages): a fetch into the store writes every byte to disk,
+        fsyncs it and reads it back, which on the machines we measured cost
+        more than receiving it. Chunks are decrypted straight into their place
+        in ``out`` and hashed there, so a caller that reuses one buffer per
+        round touches no fresh memory. ``out`` must hold the blob's size
+        (:class:`LocalError` otherwise); without it a buffer is allocated, up
+        to ``config.max_in_memory`` bytes (:class:`OversizedMessage` above).
+        A blob the store already holds is read from it. Until this returns,
+        ``out`` may hold chunks that failed their hash; once it returns every
+        byte of ``out[:size]`` was checked against the CID.
+        """
+        parse_cid(cid)
+        if self.store.has(cid):
+            size = self.store.size(cid)
+            view = self._buffer_for(cid, size, out)
+            await trio.to_thread.run_sync(self.store.read_into, cid, view)
+            return view
+        manifest, mcid, providers, report = await self._prepare(cid, providers, manifest_cid)
+        view = self._buffer_for(cid, manifest.size, out)
+        sink = MemorySink(manifest, range(manifest.count), view)
+        await self._pull(manifest, mcid, providers, range(manifest.count), report, sink)
+        return view
+
+    def _buffer_for(self, cid: str, size: int, out: bytearray | memoryview | None) -> memoryview:
+        if out is None:
+            if size > self.config.max_in_memory:
+                raise OversizedMessage(f"{cid} has {size} bytes > in-memory limit {self.config.max_in_memory}")
+            return memoryview(bytearray(size))
+        view = memoryview(out).cast("B")
+        if view.readonly or len(view) < size:
+            raise LocalError(f"a writable buffer of {size} bytes is needed for {cid}, got {len(view)}")
+        return view[:size]
+
+    async def _prepare(
+        self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None
+    ) -> tuple[ChunkManifest, str, list[PeerInfo], FetchReport]:
+        """Providers (from the DHT unless given) and the manifest, checked against ``cid``."""
         if providers is None:
             providers = await self.routing.find_providers(cid)
         me = self.host.get_id()
@@ -187,48 +265,31 @@ class BlobService(BlobServer):
         manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
-        # content or lies: it gets no data requests.
+        # content or lies: it gets no data requests. The one that gave the
+        # manifest goes first: it is known to be alive.
         providers = [p for p in providers if p.peer_id.to_base58() not in report.bad_manifest]
-        got = await self._fetch_with(cid, manifest, mcid, source, providers, report,
-                                     byte_range=byte_range, pin=pin)
-        if announce and byte_range is None:
-            try:
-                await self.announce(cid)
-            except PcpError as exc:
-                log.warning("blob: fetched %s but could not announce it: %s", cid, exc)
-        return got
+        providers.sort(key=lambda p: p.peer_id.to_base58() != source)
+        return manifest, mcid, providers, report
 
-    async def _fetch_with(
+    async def _fetch_range(
         self,
-        cid: str,
         manifest: ChunkManifest,
         mcid: str,
-        source: str,
         providers: list[PeerInfo],
         report: FetchReport,
-        *,
-        byte_range: tuple[int, int] | None,
-        pin: bool,
-    ) -> Path | bytes:
-        # The provider that gave the manifest goes first: it is known to be alive.
-        providers = sorted(providers, key=lambda p: p.peer_id.to_base58() != source)
-        if byte_range is not None:
-            start, end = byte_range
-            wanted = manifest.chunks_covering(start, end)
-            if end - start > self.config.max_range:
-                raise OversizedMessage(f"range of {end - start} bytes > limit {self.config.max_range}")
-            chunks: dict[int, bytes] = {}
-            await self._pull(manifest, mcid, providers, wanted, report, chunks=chunks)
-            joined = b"".join(chunks[i] for i in wanted)
-            base = wanted.start * manifest.chunk_size if len(wanted) else start
-            return joined[start - base : end - base]
-        pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
-        with pending:
-            await self._pull(manifest, mcid, providers, range(manifest.count), report, pending=pending)
-            path = await trio.to_thread.run_sync(pending.commit)
-        if pin:
-            self.store.pin(cid)
-        return path
+        byte_range: tuple[int, int],
+    ) -> bytes:
+        start, end = byte_range
+        wanted = manifest.chunks_covering(start, end)
+        if end - start > self.config.max_in_memory:
+            raise OversizedMessage(f"range of {end - start} bytes > limit {self.config.max_in_memory}")
+        if not wanted:
+            return b""
+        base = manifest.chunk_span(wanted.start)[0]
+        last_off, last_len = manifest.chunk_span(wanted[-1])
+        buf = bytearray(last_off + last_len - base)
+        await self._pull(manifest, mcid, providers, wanted, report, MemorySink(manifest, wanted, memoryview(buf)))
+        return bytes(memoryview(buf)[start - base : end - base])
 
     # --- client side ------------------------------------------------------------
 
@@ -305,29 +366,19 @@ class BlobService(BlobServer):
         providers: list[PeerInfo],
         wanted: range,
         report: FetchReport,
-        *,
-        pending: PendingBlob | None = None,
-        chunks: dict[int, bytes] | None = None,
+        sink: ChunkSink,
     ) -> None:
-        """Fetch ``wanted`` chunks from ``providers`` into ``pending`` or ``chunks``."""
+        """Fetch ``wanted`` chunks from ``providers`` into ``sink``."""
         by_id = {p.peer_id.to_base58(): p for p in providers}
         plan = FetchPlan(wanted, list(by_id))
         changed = _Changed()
         errors: list[PcpError] = []
-        fd = os.open(pending.path, os.O_RDWR) if pending is not None else -1
-        try:
-            async with trio.open_nursery() as nursery:
-                for pid, info in by_id.items():
-                    nursery.start_soon(
-                        self._worker, info, pid, plan, changed, manifest, mcid, fd, chunks,
-                        pending, errors, report,
-                    )
-            report.chunks_from = dict(plan.served)
-            if not plan.complete:
-                raise _aggregate(manifest.cid, errors)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        async with trio.open_nursery() as nursery:
+            for pid, info in by_id.items():
+                nursery.start_soon(self._worker, info, pid, plan, changed, mcid, sink, errors, report)
+        report.chunks_from = dict(plan.served)
+        if not plan.complete:
+            raise _aggregate(manifest.cid, errors)
 
     async def _worker(
         self,
@@ -335,11 +386,8 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        manifest: ChunkManifest,
         mcid: str,
-        fd: int,
-        chunks: dict[int, bytes] | None,
-        pending: PendingBlob | None,
+        sink: ChunkSink,
         errors: list[PcpError],
         report: FetchReport,
     ) -> None:
@@ -354,11 +402,9 @@ class BlobService(BlobServer):
                     continue
                 try:
                     report.requests += 1
-                    if pool is None:
-                        pool = self._take_pool(manifest.chunk_size)
-                    await self._fetch_batch(
-                        info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending, pool
-                    )
+                    if pool is None and not sink.receives_in_place:
+                        pool = self._take_pool(sink.manifest.chunk_size)
+                    await self._fetch_batch(info, pid, plan, changed, mcid, batch, sink, pool)
                     plan.provider_finished_batch(pid, batch)
                 except PcpError as exc:
                     log.info("blob: provider %s failed: %s", pid, exc)
@@ -393,17 +439,15 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        manifest: ChunkManifest,
         mcid: str,
         batch: list[int],
-        fd: int,
-        chunks: dict[int, bytes] | None,
-        pending: PendingBlob | None,
-        pool: ChunkPool,
+        sink: ChunkSink,
+        pool: ChunkPool | None,
     ) -> None:
         if pid in self._side_unreachable:
-            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending)
+            await self._fetch_batch_stream(info, pid, plan, changed, mcid, batch, sink)
             return
+        manifest = sink.manifest
         cid = manifest.cid
         nonce = secrets.token_bytes(P.NONCE_LEN)
         req = P.BlobRequest("data", cid, nonce, mcid, batch[0], len(batch))
@@ -421,7 +465,7 @@ class BlobService(BlobServer):
             # it and use the (slower) stream path for this peer from now on.
             log.info("blob: side channel to %s unreachable (%s); using the libp2p stream", pid, exc)
             self._side_unreachable.add(pid)
-            await self._fetch_batch_stream(info, pid, plan, changed, manifest, mcid, batch, fd, chunks, pending)
+            await self._fetch_batch_stream(info, pid, plan, changed, mcid, batch, sink)
             return
         token = trio.lowlevel.current_trio_token()
 
@@ -442,10 +486,7 @@ class BlobService(BlobServer):
             reader = RecordReader(sock, s2c, manifest.chunk_size, self.traffic)
             try:
                 await trio.to_thread.run_sync(
-                    functools.partial(
-                        receive_batch, sock, reader, manifest, batch, pool,
-                        fd=fd, chunks=chunks, pending=pending, on_ok=on_ok, stall=stall,
-                    ),
+                    functools.partial(receive_batch, sock, reader, batch, sink, pool, on_ok=on_ok, stall=stall),
                     abandon_on_cancel=True,
                 )
             except HashMismatch as exc:
@@ -462,14 +503,12 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        manifest: ChunkManifest,
         mcid: str,
         batch: list[int],
-        fd: int,
-        chunks: dict[int, bytes] | None,
-        pending: PendingBlob | None,
+        sink: ChunkSink,
     ) -> None:
         """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""
+        manifest = sink.manifest
         req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), mcid,
                             batch[0], len(batch), via="stream")
         stream, _, _ = await self._open_exchange(info, req)
@@ -483,10 +522,7 @@ class BlobService(BlobServer):
                         timeout=self.config.stall_timeout,
                     )
                 try:
-                    await trio.to_thread.run_sync(
-                        functools.partial(accept_chunk, manifest, index, memoryview(buf),
-                                          fd=fd, chunks=chunks, pending=pending)
-                    )
+                    await trio.to_thread.run_sync(accept_chunk, sink, index, memoryview(buf))
                 except HashMismatch:
                     plan.chunk_bad(pid, index)
                     raise

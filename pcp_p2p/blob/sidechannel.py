@@ -163,9 +163,11 @@ def send_record(
         header, ct = cipher.seal_into(kind, memoryview(plaintext), out)
     try:
         sent = sock.sendmsg([header, ct])
-        total = len(header) + len(ct)
-        if sent < total:  # a partial send (rare): finish with a copy and sendall
-            sock.sendall(memoryview(header + bytes(ct))[sent:])
+        if sent < len(header):  # partial sends happen (a socket with a timeout
+            sock.sendall(header[sent:])  # sends what fits): finish without copying
+            sent = len(header)
+        if sent - len(header) < len(ct):
+            sock.sendall(memoryview(ct)[sent - len(header) :])
     except TimeoutError as exc:
         raise PeerTimeout("side channel: peer stopped reading") from exc
     except OSError as exc:
@@ -192,7 +194,7 @@ class RecordReader:
         recv_exact_into(self.sock, view)
         return self.cipher.open(header, view)
 
-    def read_into(self, kind: int, out: bytearray) -> int:
+    def read_into(self, kind: int, out: bytearray | memoryview) -> int:
         """Read one record and decrypt it into ``out``; returns the plaintext length."""
         recv_exact_into(self.sock, memoryview(self._hdr))
         header = bytes(self._hdr)

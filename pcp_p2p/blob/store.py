@@ -32,14 +32,13 @@ run the large ones (put of a big file, hashing) in a worker thread.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, hash_bytes, make_manifest
-from pcp_p2p.cid import check_chunk_size, parse_cid
+from pcp_p2p.cid import check_chunk_size, leaf_digest, parse_cid
 from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, ProtocolError, StoreFull
 from pcp_p2p.wire import decode, encode
 
@@ -218,6 +217,19 @@ class BlobStore:
             f.seek(offset)
             return f.read(length)
 
+    def read_into(self, cid: str, out: memoryview) -> None:
+        """The whole blob into ``out``, which must have exactly its size."""
+        size = self.size(cid)
+        if len(out) != size:
+            raise LocalError(f"buffer of {len(out)} bytes for a blob of {size}")
+        with open(self.path(cid), "rb", buffering=0) as f:
+            got = 0
+            while got < size:
+                n = f.readinto(out[got:])
+                if not n:
+                    raise BlobNotFound(f"{cid}: file shorter than its size")
+                got += n
+
     def manifest(self, cid: str) -> ChunkManifest:
         self.size(cid)
         return decode((self._data / (cid + _MF_SUFFIX)).read_bytes(), ChunkManifest)
@@ -285,6 +297,7 @@ class BlobStore:
         """Copy the file at ``src`` into the store, hashing what is copied."""
         size = Path(src).stat().st_size
         chunk_size = self._chunking(cid)
+        digest = leaf_digest(size, chunk_size)  # a size change is caught below
         with self._reservation(size):
             tmp = self._tmp_path()
             try:
@@ -294,7 +307,7 @@ class BlobStore:
                         block = fin.read(chunk_size)
                         if not block and digests:
                             break
-                        digests.append(hashlib.sha256(block).digest())
+                        digests.append(digest(block))
                         fout.write(block)
                         if len(block) < chunk_size:
                             break
