@@ -12,7 +12,7 @@ import pytest
 
 from pcp_p2p.blob.chunks import hash_bytes
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.blob.receiver import ChunkPool, ChunkSink, FileSink, MemorySink, receive_batch
+from pcp_p2p.blob.receiver import ChunkPool, ChunkSink, FileSink, MemorySink, accept_chunk, receive_batch
 from pcp_p2p.blob.sidechannel import (
     HEADER,
     KIND_CHUNK,
@@ -216,3 +216,48 @@ def test_memory_sink_takes_a_copy_only_of_chunks_received_elsewhere() -> None:
     assert bytes(out) == data[CS:] and sink.complete
     with pytest.raises(LocalError):
         MemorySink(m, range(3), memoryview(bytearray(3 * CS - 1)))
+
+
+def test_file_sink_writes_aligned_chunks_directly_and_the_rest_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from pcp_p2p.blob import receiver
+
+    data = os.urandom(3 * CS + 5000)  # last chunk: 4096 bytes direct, 904 through the cache
+    m = hash_bytes(data, CS)
+    store = BlobStore(tmp_path / "store", 1 << 30, chunk_size=CS)
+    pool = ChunkPool(CS)
+
+    def fill(sink: FileSink, index: int, aligned: bool = True) -> None:
+        off, ln = m.chunk_span(index)
+        if aligned:
+            buf = pool.get(1.0)
+            buf[:ln] = data[off : off + ln]
+            accept_chunk(sink, index, memoryview(buf)[:ln])
+            pool.put(buf)
+        else:  # e.g. the stream path's bytearray
+            accept_chunk(sink, index, memoryview(bytearray(data[off : off + ln])))
+
+    refused: list[int] = []
+    real_pwrite = os.pwrite
+    pending = store.begin(m.cid, m)
+    with FileSink.open(pending) as sink:
+        direct = sink.direct_fd
+        fill(sink, 0)
+        fill(sink, 1, aligned=False)
+        if direct is not None:  # a direct write refused mid-fetch: the cache from then on
+
+            def pwrite(fd: int, buf: memoryview, offset: int) -> int:
+                if fd == direct:
+                    refused.append(offset)
+                    raise OSError(errno.EINVAL, "refused")
+                return real_pwrite(fd, buf, offset)
+
+            monkeypatch.setattr(receiver.os, "pwrite", pwrite)
+        fill(sink, 2)
+        fill(sink, 3)
+        assert sink.direct_fd is None
+    assert refused == ([2 * CS] if direct is not None else [])
+    assert pending.commit().read_bytes() == data

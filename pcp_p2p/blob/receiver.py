@@ -18,7 +18,12 @@ Where a chunk is decrypted to depends on the :class:`ChunkSink`:
   it is fetched again; the buffer is handed out only once every chunk passed.
 - :class:`FileSink` (a fetch into the store): into one of a few pooled chunk
   buffers (:class:`ChunkPool`), written to the blob's temp file only after it
-  passed its hash, so no unverified byte ever lands in the store's files.
+  passed its hash, so no unverified byte ever lands in the store's files. The
+  write is direct I/O (``O_DIRECT``) where the file system allows it: on these
+  VMs a buffered write into fresh page-cache pages cost anywhere from 0.1 to
+  2.5 CPU-seconds per GB (the host backs each new page on first touch), a
+  direct write from a reused, page-aligned buffer ~0.05 and never more, and
+  the fsync before the commit then has nothing left to flush.
 
 Buffers are allocated once and reused, because fresh memory on these VMs
 costs page faults worth ~2 GB/s, i.e. more than a BLAKE3 pass.
@@ -30,11 +35,15 @@ Nothing here touches trio: the caller passes callbacks.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import os
 import queue
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordReader
@@ -42,30 +51,35 @@ from pcp_p2p.blob.store import PendingBlob, start_writeback
 from pcp_p2p.errors import HashMismatch, LocalError, PcpError
 
 VERIFIERS = 2
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length (any block size up to a page)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class ChunkPool:
-    """A few chunk-sized buffers, reused for every batch of one provider."""
+    """A few chunk-sized buffers, reused for every batch of one provider.
+
+    Anonymous mappings, so each starts on a page boundary, as direct I/O needs.
+    """
 
     def __init__(self, chunk_size: int, n: int = 4) -> None:
         self.chunk_size = chunk_size
         self._n = n
-        self._free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
         for _ in range(n):
-            self._free.put(bytearray(chunk_size))
+            self._free.put(mmap.mmap(-1, chunk_size))
 
     @property
     def complete(self) -> bool:
         """Every buffer is back (the pool may be reused by another fetch)."""
         return self._free.qsize() == self._n
 
-    def get(self, timeout: float) -> bytearray:
+    def get(self, timeout: float) -> mmap.mmap:
         try:
             return self._free.get(timeout=timeout)
         except queue.Empty:
             raise PcpError("receive pipeline stuck: no free chunk buffer") from None
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: mmap.mmap) -> None:
         self._free.put(buf)
 
 
@@ -89,20 +103,69 @@ class ChunkSink:
 
 
 class FileSink(ChunkSink):
-    """Chunks into the temp file of a :class:`PendingBlob`, which learns each one."""
+    """Chunks into the temp file of a :class:`PendingBlob`, which learns each one.
 
-    def __init__(self, pending: PendingBlob, fd: int) -> None:
+    Open it with :meth:`open`. Aligned data goes through a direct-I/O
+    descriptor when the file system takes one (a tail shorter than
+    :data:`DIRECT_ALIGN`, or a chunk in an unaligned buffer, is written
+    through the page cache); if a direct write is refused, the sink falls
+    back to the page cache for good.
+    """
+
+    def __init__(self, pending: PendingBlob, fd: int, direct_fd: int | None = None) -> None:
         self.manifest = pending.manifest
         self.pending = pending
         self.fd = fd
+        self.direct_fd = direct_fd
+
+    @classmethod
+    @contextmanager
+    def open(cls, pending: PendingBlob, *, direct: bool = True) -> Iterator[FileSink]:
+        fd = os.open(pending.path, os.O_RDWR)
+        direct_fd = None
+        if direct and _O_DIRECT:
+            try:
+                direct_fd = os.open(pending.path, os.O_RDWR | _O_DIRECT)
+            except OSError:  # tmpfs and some others refuse O_DIRECT
+                direct_fd = None
+        try:
+            yield cls(pending, fd, direct_fd)
+        finally:
+            os.close(fd)
+            if direct_fd is not None:
+                os.close(direct_fd)
 
     def put(self, index: int, view: memoryview, *, in_place: bool = False) -> None:
         offset = self.manifest.chunk_span(index)[0]
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
-        start_writeback(self.fd, offset, len(view))
+        direct_fd = self.direct_fd
+        if direct_fd is not None and offset % DIRECT_ALIGN == 0 and _aligned(view):
+            n = len(view) - len(view) % DIRECT_ALIGN
+            try:
+                _pwrite_all(direct_fd, view[:n], offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.direct_fd = None  # (closed by open()'s exit)
+                n = 0
+            view, offset = view[n:], offset + n
+        if len(view):
+            _pwrite_all(self.fd, view, offset)
+            start_writeback(self.fd, offset, len(view))
         self.pending.chunk_verified(index)
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether a (writable) buffer starts on a :data:`DIRECT_ALIGN` boundary."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view)) % DIRECT_ALIGN == 0
+    except (TypeError, ValueError):  # read-only or empty: take the page cache
+        return False
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 class MemorySink(ChunkSink):
@@ -165,10 +228,10 @@ def receive_batch(
     a sink that has no slot for a chunk. Raises the first error of either
     stage (:class:`HashMismatch` has ``.index``).
     """
-    work: queue.Queue[tuple[int, memoryview, bytearray | None] | None] = queue.Queue(maxsize=VERIFIERS)
+    work: queue.Queue[tuple[int, memoryview, mmap.mmap | None] | None] = queue.Queue(maxsize=VERIFIERS)
     failure: list[BaseException] = []
 
-    def give_back(buf: bytearray | None) -> None:
+    def give_back(buf: mmap.mmap | None) -> None:
         if buf is not None and pool is not None:
             pool.put(buf)
 

@@ -67,6 +67,7 @@ class BlobConfig:
     request_timeout: float = 20.0  # one control exchange on the libp2p stream
     stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
+    direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -187,13 +186,8 @@ class BlobService(BlobServer):
         if byte_range is not None:
             return await self._fetch_range(manifest, mcid, providers, report, byte_range)
         pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
-        with pending:
-            fd = os.open(pending.path, os.O_RDWR)
-            try:
-                await self._pull(manifest, mcid, providers, range(manifest.count), report,
-                                 FileSink(pending, fd))
-            finally:
-                os.close(fd)
+        with pending, FileSink.open(pending, direct=self.config.direct_io) as sink:
+            await self._pull(manifest, mcid, providers, range(manifest.count), report, sink)
             path = await trio.to_thread.run_sync(pending.commit)
         if pin:
             self.store.pin(cid)

@@ -80,7 +80,7 @@ from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.diloco.worker import Worker
-from pcp_p2p.errors import BlobNotFound, PcpError, PeerError, VerificationError
+from pcp_p2p.errors import BlobNotFound, OversizedMessage, PcpError, PeerError, VerificationError
 from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:
@@ -729,10 +729,17 @@ class RunRuntime:
         assert self._nursery is not None
         self._nursery.start_soon(announce)
 
-    async def _fetch_bytes(self, cid: str, hint: str | None = None) -> bytes:
+    async def _fetch_bytes(self, cid: str, hint: str | None = None, *, keep: bool = True) -> bytes:
         """A blob, from the hinted peer first (a blob just published may not have a
         provider record in the DHT yet), then from any provider, retrying a few
-        times while provider records propagate."""
+        times while provider records propagate.
+
+        ``keep=False`` is for a Δ the shepherd averages once and nobody asks it
+        for again: it is fetched into memory only (``fetch_into``), not written
+        to disk, pinned or announced, so a shepherd's store does not fill up
+        with every worker's Δ of every round. A blob above the in-memory limit
+        goes through the store after all.
+        """
         storing = self._storing.get(cid)
         if storing is not None:
             await storing.wait()
@@ -740,10 +747,14 @@ class RunRuntime:
             hinted = self._peer_info(hint or self.shepherd_peer)
             delay = 0.5
             for attempt in range(FETCH_ATTEMPTS):
+                providers = [hinted] if hinted and attempt % 2 == 0 else None
                 try:
-                    await self.blobs.fetch(
-                        cid, pin=True, providers=[hinted] if hinted and attempt % 2 == 0 else None, announce=False,
-                    )
+                    if not keep:
+                        try:
+                            return bytes(await self.blobs.fetch_into(cid, providers=providers))
+                        except OversizedMessage:
+                            keep = True
+                    await self.blobs.fetch(cid, pin=True, providers=providers, announce=False)
                     self._announce_later(cid)
                     break
                 except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
@@ -764,7 +775,8 @@ class RunRuntime:
 
     async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
         try:
-            data = await self._fetch_bytes(cid, hint)
+            # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
+            data = await self._fetch_bytes(cid, hint, keep=who != "shepherd")
             if who == "worker" and self._is_artifact(cid):
                 await self._prepare_artifact(data)
         except PcpError as exc:

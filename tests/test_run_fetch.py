@@ -1,0 +1,59 @@
+"""How a run's runtime fetches blobs: a shepherd's Δs stay in memory, the rest is kept."""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import libp2p
+import trio
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from pcp_p2p.blob.routing import MemoryRouting
+from pcp_p2p.blob.service import BlobConfig, BlobService
+from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.node.identity import Identity
+
+CS = 64 * 1024
+logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+
+
+async def _service(stack: AsyncExitStack, root: Path, routing: MemoryRouting, **cfg: object) -> BlobService:
+    ident = Identity.generate()
+    host = libp2p.new_host(key_pair=ident.key_pair)
+    await stack.enter_async_context(host.run(listen_addrs=[Multiaddr("/ip4/127.0.0.1/tcp/0")]))
+    svc = BlobService(host, BlobStore(root, 1 << 30, chunk_size=CS),
+                      routing.for_peer(PeerInfo(host.get_id(), host.get_addrs())), ident,
+                      BlobConfig(**cfg))  # type: ignore[arg-type]
+    svc.register()
+    return svc
+
+
+def _runtime(blobs: BlobService, nursery: trio.Nursery) -> RunRuntime:
+    """Just enough of a runtime for its fetch path (no node, no run)."""
+    rt = RunRuntime.__new__(RunRuntime)
+    rt.blobs, rt._storing, rt.shepherd_peer, rt._nursery = blobs, {}, None, nursery
+    return rt
+
+
+async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: Path) -> None:
+    routing = MemoryRouting()
+    delta, theta, big = os.urandom(5 * CS + 3), os.urandom(3 * CS), os.urandom(9 * CS)
+    async with AsyncExitStack() as stack:
+        worker = await _service(stack, tmp_path / "w", routing)
+        shepherd = await _service(stack, tmp_path / "s", routing, max_in_memory=8 * CS)
+        cids = [await worker.publish(b) for b in (delta, theta, big)]
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        rt = _runtime(shepherd, nursery)
+        assert await rt._fetch_bytes(cids[0], keep=False) == delta
+        assert not shepherd.store.has(cids[0])  # not written, pinned or announced
+        assert shepherd.peer_id not in routing.table[cids[0]]
+        assert await rt._fetch_bytes(cids[1]) == theta  # everything else is kept and pinned
+        assert shepherd.store.has(cids[1]) and cids[1] in shepherd.store.pinned()
+        # a Δ above the in-memory limit goes through the store after all
+        assert await rt._fetch_bytes(cids[2], keep=False) == big
+        assert shepherd.store.has(cids[2])
