@@ -56,6 +56,14 @@ class CorruptChunk(BlobService):
         send_record(sock, cipher, KIND_CHUNK, bytes(bad))
 
 
+class CorruptInline(BlobService):
+    """Sends an honest manifest with a small blob inline whose bytes are wrong."""
+
+    def _inline(self, cid):  # type: ignore[no-untyped-def]
+        data = super()._inline(cid)
+        return None if data is None else bytes(b ^ 1 for b in data)
+
+
 class StallMidChunk(BlobService):
     """Sends half a record, then goes silent with the connection open."""
 
@@ -525,3 +533,30 @@ async def test_fetch_into_refuses_a_small_buffer_and_an_oversized_blob(tmp_path:
         with pytest.raises(OversizedMessage):
             await f.fetch_into(cid, providers=[info(a)])  # would allocate above the limit
         assert bytes(await f.fetch_into(cid, bytearray(3 * CS), providers=[info(a)])) == data
+
+
+async def test_a_small_blob_comes_inline_with_its_manifest_and_is_checked(tmp_path: Path) -> None:
+    small, large = os.urandom(1000), os.urandom(P.INLINE_MAX + 1)
+    async with network(tmp_path) as net:
+        a = await net.node()
+        cids = [await a.publish(small), await a.publish(large)]
+        f = await net.node()
+        assert (await f.fetch(cids[0], providers=[info(a)])).read_bytes() == small
+        assert f.last_fetch is not None and f.last_fetch.requests == 1  # one exchange
+        assert bytes(await f.fetch_into(cids[1], providers=[info(a)])) == large
+        assert f.last_fetch is not None and f.last_fetch.requests == 2  # manifest, then data
+        # a provider whose inline bytes lie is blamed; the blob comes from another
+        liar = await net.node(CorruptInline)
+        await liar.publish(small)
+        g = await net.node()
+        got = await g.fetch_into(cids[0], providers=[info(liar), info(a)])
+        assert bytes(got) == small
+        report = g.last_fetch
+        assert report is not None and report.manifest_source == liar.peer_id
+        assert "HashMismatch" in report.failures[liar.peer_id] and report.chunks_from == {a.peer_id: 1}
+        h = await net.node()
+        with pytest.raises(HashMismatch):
+            await h.fetch(cids[0], providers=[info(liar)])
+        assert not h.store.has(cids[0]) and tmp_is_empty(h)
+    with pytest.raises(ValueError):  # a reply may not carry a larger blob inline
+        P.BlobReply(P.OK, data=b"x" * (P.INLINE_MAX + 1))

@@ -42,7 +42,7 @@ from pcp_p2p.blob.sidechannel import (
     tune,
 )
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
+from pcp_p2p.cid import cid_of, parse_cid
 from pcp_p2p.errors import (
     BlobNotFound,
     MalformedMessage,
@@ -138,7 +138,8 @@ class BlobServer:
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
         if req.kind == "manifest":
-            await P.write_frame(stream, P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid)), timeout=self.config.request_timeout)
+            reply = P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid), data=self._inline(req.cid))
+            await P.write_frame(stream, reply, timeout=self.config.request_timeout)
             return None
         mf_bytes = self.store.manifest_bytes(req.cid)
         if cid_of(mf_bytes) != req.manifest_cid:
@@ -266,6 +267,16 @@ class BlobServer:
             raise PeerGone(f"side channel broke: {exc}") from exc
         finally:
             sock.close()
+
+    def _inline(self, cid: str) -> bytes | None:
+        """The blob itself if it is small enough to ride in the manifest reply
+        (tests override this to inject faults)."""
+        try:  # only a blob of one chunk (a raw CID): it is then checked as that chunk
+            if parse_cid(cid).chunk_size is not None or self.store.size(cid) > P.INLINE_MAX:
+                return None
+            return self.store.read(cid)
+        except (BlobNotFound, OSError):  # evicted meanwhile: the client fetches it the long way
+            return None
 
     def _send_chunk(
         self, sock: socket.socket, cipher: RecordCipher, index: int, data: memoryview, out: bytearray

@@ -86,6 +86,7 @@ class FetchReport:
     failures: dict[str, str] = field(default_factory=dict)
     bad_manifest: set[str] = field(default_factory=set)
     requests: int = 0
+    inline: bytes | None = field(default=None, repr=False)  # the blob, if it came with the manifest
 
 
 class _Changed:
@@ -245,7 +246,8 @@ class BlobService(BlobServer):
     async def _prepare(
         self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None
     ) -> tuple[ChunkManifest, str, list[PeerInfo], FetchReport]:
-        """Providers (from the DHT unless given) and the manifest, checked against ``cid``."""
+        """Providers (from the DHT unless given) and the manifest, checked against
+        ``cid``; a blob that came inline with it waits in ``report.inline``."""
         if providers is None:
             providers = await self.routing.find_providers(cid)
         me = self.host.get_id()
@@ -256,7 +258,7 @@ class BlobService(BlobServer):
         self.last_fetch = report
         # The manifest is bound to the CID (it hashes to it), so whoever sent
         # it, it is the right chunk list; only chunks can still be wrong.
-        manifest, mcid, source = await self._get_manifest(cid, providers, manifest_cid, report)
+        manifest, mcid, source, report.inline = await self._get_manifest(cid, providers, manifest_cid, report)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
         # content or lies: it gets no data requests. The one that gave the
@@ -289,7 +291,8 @@ class BlobService(BlobServer):
 
     async def _get_manifest(
         self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport
-    ) -> tuple[ChunkManifest, str, str]:
+    ) -> tuple[ChunkManifest, str, str, bytes | None]:
+        """The manifest, its CID, who sent it, and the blob if it came inline."""
         errors: list[PcpError] = []
         for info in providers:
             pid = info.peer_id.to_base58()
@@ -300,7 +303,8 @@ class BlobService(BlobServer):
                     reply.manifest, expect_cid=cid, expect_manifest_cid=want_mcid,
                     max_size=self.config.max_blob_size,
                 )
-                return manifest, cid_of(reply.manifest), pid
+                inline = reply.data if manifest.count == 1 else None
+                return manifest, cid_of(reply.manifest), pid, inline
             except PcpError as exc:
                 report.failures[pid] = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ProtocolError):
@@ -363,6 +367,18 @@ class BlobService(BlobServer):
         sink: ChunkSink,
     ) -> None:
         """Fetch ``wanted`` chunks from ``providers`` into ``sink``."""
+        if report.inline is not None:  # a small blob came with its manifest: check it like a chunk
+            inline, report.inline = report.inline, None
+            source = report.manifest_source
+            try:
+                await trio.to_thread.run_sync(accept_chunk, sink, 0, memoryview(inline))
+                report.chunks_from = {source: 1}
+                return
+            except HashMismatch as exc:
+                report.failures[source] = f"{type(exc).__name__}: {exc}"
+                providers = [p for p in providers if p.peer_id.to_base58() != source]
+                if not providers:
+                    raise
         by_id = {p.peer_id.to_base58(): p for p in providers}
         plan = FetchPlan(wanted, list(by_id))
         changed = _Changed()
