@@ -15,6 +15,7 @@ from multiaddr import Multiaddr
 from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
 from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.node.identity import Identity
 
@@ -37,6 +38,7 @@ def _runtime(blobs: BlobService, nursery: trio.Nursery) -> RunRuntime:
     """Just enough of a runtime for its fetch path (no node, no run)."""
     rt = RunRuntime.__new__(RunRuntime)
     rt.blobs, rt._storing, rt.shepherd_peer, rt._nursery = blobs, {}, None, nursery
+    rt.pins = RunPins()
     return rt
 
 
@@ -50,10 +52,11 @@ async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: P
         nursery = await stack.enter_async_context(trio.open_nursery())
         rt = _runtime(shepherd, nursery)
         assert await rt._fetch_bytes(cids[0], keep=False) == delta
-        assert not shepherd.store.has(cids[0])  # not written, pinned or announced
+        assert not shepherd.store.has(cids[0]) and cids[0] not in rt.pins  # not written, pinned or announced
         assert shepherd.peer_id not in routing.table[cids[0]]
         assert await rt._fetch_bytes(cids[1]) == theta  # everything else is kept and pinned
-        assert shepherd.store.has(cids[1]) and cids[1] in shepherd.store.pinned()
+        assert shepherd.store.has(cids[1]) and cids[1] in shepherd.store.pinned() and cids[1] in rt.pins
         # a Δ above the in-memory limit goes through the store after all
         assert await rt._fetch_bytes(cids[2], keep=False) == big
         assert shepherd.store.has(cids[2])
+

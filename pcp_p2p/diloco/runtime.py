@@ -75,6 +75,7 @@ from pcp_p2p.diloco.election import (
     StepDown,
 )
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
@@ -146,6 +147,7 @@ class RunRuntime:
         self._prewarmed = False
         self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        self.pins = RunPins()  # what this run keeps pinned in the store, and until when
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self.finished = trio.Event()
 
@@ -263,7 +265,7 @@ class RunRuntime:
         # The shepherd reads and tokenises the corpus; workers get it as a blob.
         if self.dataset is None:
             self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
-        dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset))
+        dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset), for_run=True)
         self.node.leads.add(self.run_id)
         wanted = self._wanted_targets()
         standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
@@ -280,8 +282,8 @@ class RunRuntime:
                          self.run_id[:16], art.manifest.target, art.cid)
             self.artifacts.append({"target": art.manifest.target, "cid": art.cid,
                                    "size": len(art.vmfb), "cache_hit": art.cached})
-            await self._keep(art.vmfb)
-            artifacts[art.manifest.target] = await self._keep(encode(art.manifest))
+            await self._keep(art.vmfb, for_run=True)
+            artifacts[art.manifest.target] = await self._keep(encode(art.manifest), for_run=True)
         if self._evaluate is None:
             self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
         state = OuterState.initial(engine.initial_theta(self.spec, self.dataset.vocab_size))
@@ -371,6 +373,9 @@ class RunRuntime:
         if self.worker is not None:
             self._carry_out("worker", self.worker.on_commit(rec, now))
             self._after_worker_input()
+            accepted = self.worker.last_commit  # (a forged or stale record moves nothing)
+            if accepted is not None:
+                self._release_pins(accepted.round)
 
     def _lookup_done(self, now: float) -> None:
         if self._lookups_pending > 0:
@@ -520,13 +525,8 @@ class RunRuntime:
             return
         if cid in self._replicas:  # replicated meanwhile by the commit's own delivery
             return
-        self._replicas.append(cid)
-        while len(self._replicas) > KEEP_CHECKPOINTS:
-            old = self._replicas.pop(0)
-            try:
-                self.blobs.store.unpin(old)
-            except PcpError:
-                pass
+        self._replicas.append(cid)  # (unpinned with its round, by self.pins)
+        del self._replicas[:-KEEP_CHECKPOINTS]
 
     async def _publish_lease(self, lease: Lease) -> None:
         members = [m.record.peer_id for m in self.node.membership.live()
@@ -666,6 +666,7 @@ class RunRuntime:
                 self._reject(e.peer or "?", e.error)
             elif isinstance(e, Committed):
                 self._nursery.start_soon(self._publish_commit, e.record)
+                self._release_pins(e.record.round)
                 if self.election is not None:
                     self._carry_out_election(self.election.on_commit(e.record, time.time()))
             elif isinstance(e, Discarded):
@@ -708,16 +709,27 @@ class RunRuntime:
             if done is not None:
                 done.set()
 
-    async def _keep(self, data: bytes) -> str:
-        """Store and pin a blob now; announce it in the background.
+    async def _keep(self, data: bytes, *, for_run: bool = False) -> str:
+        """Store and pin a blob now (for the run's life, or for its round: see
+        :mod:`pcp_p2p.diloco.pins`); announce it in the background.
 
         Peers that need it get the hint of who holds it (the shepherd), so they
         need not wait for a provider record, and a DHT announcement on a busy
         swarm can take tens of seconds.
         """
         cid = await trio.to_thread.run_sync(lambda: self.blobs.store.put_bytes(data, pin=True))
+        self._pin(cid, for_run)
         self._announce_later(cid)
         return cid
+
+    def _pin(self, cid: str, for_run: bool) -> None:
+        (self.pins.for_run if for_run else self.pins.for_round)(cid)
+        self.blobs.store.pin(cid)
+
+    def _release_pins(self, round_: int) -> None:
+        """Round ``round_``'s commit was accepted: let the old rounds' blobs go."""
+        for cid in self.pins.on_commit(round_):
+            self.blobs.store.unpin(cid)
 
     def _announce_later(self, cid: str) -> None:
         async def announce() -> None:
@@ -729,7 +741,9 @@ class RunRuntime:
         assert self._nursery is not None
         self._nursery.start_soon(announce)
 
-    async def _fetch_bytes(self, cid: str, hint: str | None = None, *, keep: bool = True) -> bytes:
+    async def _fetch_bytes(
+        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False
+    ) -> bytes:
         """A blob, from the hinted peer first (a blob just published may not have a
         provider record in the DHT yet), then from any provider, retrying a few
         times while provider records propagate.
@@ -738,7 +752,8 @@ class RunRuntime:
         for again: it is fetched into memory only (``fetch_into``), not written
         to disk, pinned or announced, so a shepherd's store does not fill up
         with every worker's Δ of every round. A blob above the in-memory limit
-        goes through the store after all.
+        goes through the store after all. A kept blob is pinned for the run's
+        life (``for_run``: dataset, artifacts) or for its round.
         """
         storing = self._storing.get(cid)
         if storing is not None:
@@ -763,6 +778,8 @@ class RunRuntime:
                     log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
                     await trio.sleep(delay)
                     delay = min(delay * 2, 8.0)
+        if keep:
+            self._pin(cid, for_run)
         return await trio.to_thread.run_sync(self.blobs.store.read, cid)
 
     def _peer_info(self, peer_id: str | None) -> PeerInfo | None:
@@ -776,7 +793,7 @@ class RunRuntime:
     async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
         try:
             # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
-            data = await self._fetch_bytes(cid, hint, keep=who != "shepherd")
+            data = await self._fetch_bytes(cid, hint, keep=who != "shepherd", for_run=self._is_artifact(cid))
             if who == "worker" and self._is_artifact(cid):
                 await self._prepare_artifact(data)
         except PcpError as exc:
@@ -803,9 +820,9 @@ class RunRuntime:
             ann = self.worker.current
             if ann is None or not ann.dataset_cid:
                 raise VerificationError("the announcement names no dataset blob")
-            data = await self._fetch_bytes(ann.dataset_cid, ann.shepherd)
+            data = await self._fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True)
             self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
-        await self._fetch_bytes(manifest.artifact_cid)
+        await self._fetch_bytes(manifest.artifact_cid, for_run=True)
         vmfb_path = self.blobs.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, self.shepherd_peer)
         self.engine = engine.InnerEngine(executor, self.spec, self.dataset)

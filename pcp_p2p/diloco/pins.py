@@ -1,0 +1,55 @@
+"""Which of a run's blobs a node keeps pinned, and when it lets them go (sans-IO).
+
+Why: a run stores or fetches blobs every round (θ, the checkpoint, a Δ above
+the inline limit) and used to pin every one of them for good. Pinned blobs are
+never evicted, so a node's store only grew: a model whose θ is 40 MB fills the
+default 10 GiB store in about 250 rounds, and from then on every fetch fails
+with ``StoreFull``. What a run really needs kept:
+
+- for its whole life: the dataset and the artifacts (manifests and vmfbs), which
+  every joining worker fetches (:meth:`RunPins.for_run`);
+- of the per-round blobs, those of the last :data:`KEEP_ROUNDS` commits: the
+  θ every worker starts the next round from, the checkpoints a new shepherd
+  takes over from, the Δs still being collected (:meth:`RunPins.for_round`).
+
+Older per-round blobs are unpinned once a newer commit is accepted
+(:meth:`RunPins.on_commit`): they stay in the store as a cache the LRU may
+evict, not deleted. The final θ is never unpinned, since no commit follows it.
+"""
+
+from __future__ import annotations
+
+KEEP_ROUNDS = 2
+
+
+class RunPins:
+    """The pin ledger of one run on one node; the caller pins and unpins in the store."""
+
+    def __init__(self, keep_rounds: int = KEEP_ROUNDS) -> None:
+        self.keep_rounds = keep_rounds
+        self.committed = -1  # the latest committed round this node accepted
+        self._for_run: set[str] = set()
+        self._since: dict[str, int] = {}  # per-round cid -> `committed` when last pinned
+
+    def for_run(self, cid: str) -> None:
+        """``cid`` stays pinned as long as the run (dataset, artifacts)."""
+        self._for_run.add(cid)
+        self._since.pop(cid, None)
+
+    def for_round(self, cid: str) -> None:
+        """``cid`` belongs to the current rounds; pinning it again renews it."""
+        if cid not in self._for_run:
+            self._since[cid] = self.committed
+
+    def on_commit(self, round_: int) -> list[str]:
+        """Round ``round_`` was committed (and accepted): the CIDs to unpin now."""
+        if round_ <= self.committed:
+            return []
+        self.committed = round_
+        old = [cid for cid, since in self._since.items() if since < round_ - self.keep_rounds]
+        for cid in old:
+            del self._since[cid]
+        return old
+
+    def __contains__(self, cid: str) -> bool:
+        return cid in self._for_run or cid in self._since
