@@ -34,11 +34,11 @@ async def _service(stack: AsyncExitStack, root: Path, routing: MemoryRouting, **
     return svc
 
 
-def _runtime(blobs: BlobService, nursery: trio.Nursery) -> RunRuntime:
+def _runtime(blobs: BlobService, nursery: trio.Nursery, work_dir: Path) -> RunRuntime:
     """Just enough of a runtime for its fetch path (no node, no run)."""
     rt = RunRuntime.__new__(RunRuntime)
     rt.blobs, rt._storing, rt.shepherd_peer, rt._nursery = blobs, {}, None, nursery
-    rt.pins = RunPins()
+    rt.pins, rt.work_dir = RunPins(), work_dir
     return rt
 
 
@@ -50,12 +50,13 @@ async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: P
         shepherd = await _service(stack, tmp_path / "s", routing, max_in_memory=8 * CS)
         cids = [await worker.publish(b) for b in (delta, theta, big)]
         nursery = await stack.enter_async_context(trio.open_nursery())
-        rt = _runtime(shepherd, nursery)
+        rt = _runtime(shepherd, nursery, tmp_path)
         assert await rt._fetch_bytes(cids[0], keep=False) == delta
         assert not shepherd.store.has(cids[0]) and cids[0] not in rt.pins  # not written, pinned or announced
         assert shepherd.peer_id not in routing.table[cids[0]]
         assert await rt._fetch_bytes(cids[1]) == theta  # everything else is kept and pinned
         assert shepherd.store.has(cids[1]) and cids[1] in shepherd.store.pinned() and cids[1] in rt.pins
+        assert cids[1] in RunPins.load(tmp_path / "pins.json")  # the ledger is saved
         # a Δ above the in-memory limit goes through the store after all
         assert await rt._fetch_bytes(cids[2], keep=False) == big
         assert shepherd.store.has(cids[2])

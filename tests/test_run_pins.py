@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pcp_p2p.diloco.pins import RunPins
 
 
@@ -21,3 +23,20 @@ def test_run_pins_keep_the_runs_blobs_and_let_old_rounds_go() -> None:
     assert "dataset" in pins and "theta0" not in pins  # the run's own blobs stay
     pins.for_round("dataset")  # a run blob is never demoted to a round blob
     assert pins.on_commit(200) == [] and "dataset" in pins
+
+
+def test_the_ledger_survives_a_restart_and_a_bad_file_loses_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "pins.json"
+    assert RunPins.load(path).committed == -1  # none yet
+    pins = RunPins()
+    pins.for_run("artifact")
+    pins.on_commit(5)
+    pins.for_round("theta5")
+    pins.save(path)
+    again = RunPins.load(path)
+    assert again.committed == 5 and "artifact" in again and "theta5" in again
+    assert again.on_commit(8) == ["theta5"]  # released by the restarted node
+    for bad in (b"{not json", b'{"committed": "x", "for_run": [], "since": {}}', b"[]", b"\xff"):
+        path.write_bytes(bad)
+        fresh = RunPins.load(path)  # a fresh ledger: the old pins stay pinned, nothing is lost
+        assert fresh.committed == -1 and "artifact" not in fresh

@@ -15,11 +15,21 @@ with ``StoreFull``. What a run really needs kept:
 Older per-round blobs are unpinned once a newer commit is accepted
 (:meth:`RunPins.on_commit`): they stay in the store as a cache the LRU may
 evict, not deleted. The final θ is never unpinned, since no commit follows it.
+
+The ledger is saved with the run's state (:meth:`RunPins.load` /
+:meth:`RunPins.save`), so pins taken before a restart (churn restarts nodes
+often) are still released later.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+from pathlib import Path
+
 KEEP_ROUNDS = 2
+log = logging.getLogger(__name__)
 
 
 class RunPins:
@@ -53,3 +63,32 @@ class RunPins:
 
     def __contains__(self, cid: str) -> bool:
         return cid in self._for_run or cid in self._since
+
+    # --- persistence ------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Write the ledger atomically (a torn write must not lose it)."""
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"keep_rounds": self.keep_rounds, "committed": self.committed,
+                                   "for_run": sorted(self._for_run), "since": self._since}))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path, keep_rounds: int = KEEP_ROUNDS) -> RunPins:
+        """The saved ledger, or an empty one if there is none or it does not parse
+        (its pins then stay pinned: safe, only not released)."""
+        pins = cls(keep_rounds)
+        try:
+            raw = json.loads(path.read_text())
+            committed, for_run, since = raw["committed"], raw["for_run"], raw["since"]
+            if not (isinstance(committed, int) and isinstance(for_run, list) and isinstance(since, dict)
+                    and all(isinstance(c, str) for c in for_run)
+                    and all(isinstance(c, str) and isinstance(r, int) for c, r in since.items())):
+                raise ValueError("unexpected types")
+        except FileNotFoundError:
+            return pins
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("pin ledger %s unreadable (%s); starting a new one", path, exc)
+            return pins
+        pins.committed, pins._for_run, pins._since = committed, set(for_run), dict(since)
+        return pins

@@ -81,7 +81,7 @@ from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.diloco.worker import Worker
-from pcp_p2p.errors import BlobNotFound, OversizedMessage, PcpError, PeerError, VerificationError
+from pcp_p2p.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError, VerificationError
 from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ log = logging.getLogger("pcp.run")
 FETCH_ATTEMPTS = 6
 FINISH_GRACE_S = 30.0
 KEEP_CHECKPOINTS = 2
+PINS_FILE = "pins.json"
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
 REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
@@ -147,7 +148,7 @@ class RunRuntime:
         self._prewarmed = False
         self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
-        self.pins = RunPins()  # what this run keeps pinned in the store, and until when
+        self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self.finished = trio.Event()
 
@@ -725,11 +726,21 @@ class RunRuntime:
     def _pin(self, cid: str, for_run: bool) -> None:
         (self.pins.for_run if for_run else self.pins.for_round)(cid)
         self.blobs.store.pin(cid)
+        self._save_pins()
 
     def _release_pins(self, round_: int) -> None:
         """Round ``round_``'s commit was accepted: let the old rounds' blobs go."""
+        before = self.pins.committed
         for cid in self.pins.on_commit(round_):
             self.blobs.store.unpin(cid)
+        if self.pins.committed != before:
+            self._save_pins()
+
+    def _save_pins(self) -> None:
+        try:
+            self.pins.save(self.work_dir / PINS_FILE)
+        except OSError as exc:  # a full disk: the pins stay, only their release may be late
+            self.node.log_once("self", LocalError(str(exc)), "saving the pin ledger failed")
 
     def _announce_later(self, cid: str) -> None:
         async def announce() -> None:
