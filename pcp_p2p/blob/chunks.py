@@ -76,6 +76,14 @@ class ChunkManifest(Message):
         offset = index * self.chunk_size
         return offset, min(self.chunk_size, self.size - offset)
 
+    def span_of(self, chunks: range) -> tuple[int, int]:
+        """``(offset, length)`` of the bytes of consecutive ``chunks`` (``(0, 0)`` for none)."""
+        if not chunks:
+            return 0, 0
+        first = self.chunk_span(chunks[0])[0]
+        last, last_len = self.chunk_span(chunks[-1])
+        return first, last + last_len - first
+
     def chunks_covering(self, start: int, end: int) -> range:
         """Indices of the chunks that hold bytes ``[start, end)``."""
         if not 0 <= start <= end <= self.size:

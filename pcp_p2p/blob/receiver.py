@@ -176,10 +176,9 @@ class MemorySink(ChunkSink):
     def __init__(self, manifest: ChunkManifest, wanted: range, out: memoryview) -> None:
         self.manifest = manifest
         self.wanted = wanted
-        self.base = manifest.chunk_span(wanted[0])[0] if len(wanted) else 0
-        end = manifest.chunk_span(wanted[-1])[0] + manifest.chunk_span(wanted[-1])[1] if len(wanted) else 0
-        if len(out) < end - self.base:
-            raise LocalError(f"buffer of {len(out)} bytes for {end - self.base} bytes of {manifest.cid}")
+        self.base, need = manifest.span_of(wanted)
+        if len(out) < need:
+            raise LocalError(f"buffer of {len(out)} bytes for {need} bytes of {manifest.cid}")
         self.out = out
         self._verified: set[int] = set()
 

@@ -86,7 +86,17 @@ class FetchReport:
     failures: dict[str, str] = field(default_factory=dict)
     bad_manifest: set[str] = field(default_factory=set)
     requests: int = 0
-    inline: bytes | None = field(default=None, repr=False)  # the blob, if it came with the manifest
+
+
+@dataclass
+class _Prepared:
+    """A fetch once its manifest is in: what :meth:`BlobService._pull` works from."""
+
+    manifest: ChunkManifest
+    mcid: str  # the manifest's own CID (binds the side channel's key)
+    providers: list[PeerInfo]  # the manifest's sender first
+    report: FetchReport
+    inline: bytes | None  # the blob itself, when it came with the manifest
 
 
 class _Changed:
@@ -183,12 +193,12 @@ class BlobService(BlobServer):
             if pin:
                 self.store.pin(cid)
             return self.store.path(cid)
-        manifest, mcid, providers, report = await self._prepare(cid, providers, manifest_cid)
+        prep = await self._prepare(cid, providers, manifest_cid)
         if byte_range is not None:
-            return await self._fetch_range(manifest, mcid, providers, report, byte_range)
-        pending = await trio.to_thread.run_sync(self.store.begin, cid, manifest)
+            return await self._fetch_range(prep, byte_range)
+        pending = await trio.to_thread.run_sync(self.store.begin, cid, prep.manifest)
         with pending, FileSink.open(pending, direct=self.config.direct_io) as sink:
-            await self._pull(manifest, mcid, providers, range(manifest.count), report, sink)
+            await self._pull(prep, range(prep.manifest.count), sink)
             path = await trio.to_thread.run_sync(pending.commit)
         if pin:
             self.store.pin(cid)
@@ -227,10 +237,10 @@ class BlobService(BlobServer):
             view = self._buffer_for(cid, size, out)
             await trio.to_thread.run_sync(self.store.read_into, cid, view)
             return view
-        manifest, mcid, providers, report = await self._prepare(cid, providers, manifest_cid)
-        view = self._buffer_for(cid, manifest.size, out)
-        sink = MemorySink(manifest, range(manifest.count), view)
-        await self._pull(manifest, mcid, providers, range(manifest.count), report, sink)
+        prep = await self._prepare(cid, providers, manifest_cid)
+        view = self._buffer_for(cid, prep.manifest.size, out)
+        everything = range(prep.manifest.count)
+        await self._pull(prep, everything, MemorySink(prep.manifest, everything, view))
         return view
 
     def _buffer_for(self, cid: str, size: int, out: bytearray | memoryview | None) -> memoryview:
@@ -245,9 +255,8 @@ class BlobService(BlobServer):
 
     async def _prepare(
         self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None
-    ) -> tuple[ChunkManifest, str, list[PeerInfo], FetchReport]:
-        """Providers (from the DHT unless given) and the manifest, checked against
-        ``cid``; a blob that came inline with it waits in ``report.inline``."""
+    ) -> _Prepared:
+        """Providers (from the DHT unless given) and the manifest, checked against ``cid``."""
         if providers is None:
             providers = await self.routing.find_providers(cid)
         me = self.host.get_id()
@@ -258,33 +267,25 @@ class BlobService(BlobServer):
         self.last_fetch = report
         # The manifest is bound to the CID (it hashes to it), so whoever sent
         # it, it is the right chunk list; only chunks can still be wrong.
-        manifest, mcid, source, report.inline = await self._get_manifest(cid, providers, manifest_cid, report)
+        manifest, mcid, source, inline = await self._get_manifest(cid, providers, manifest_cid, report)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
         # content or lies: it gets no data requests. The one that gave the
         # manifest goes first: it is known to be alive.
         providers = [p for p in providers if p.peer_id.to_base58() not in report.bad_manifest]
         providers.sort(key=lambda p: p.peer_id.to_base58() != source)
-        return manifest, mcid, providers, report
+        return _Prepared(manifest, mcid, providers, report, inline)
 
-    async def _fetch_range(
-        self,
-        manifest: ChunkManifest,
-        mcid: str,
-        providers: list[PeerInfo],
-        report: FetchReport,
-        byte_range: tuple[int, int],
-    ) -> bytes:
+    async def _fetch_range(self, prep: _Prepared, byte_range: tuple[int, int]) -> bytes:
         start, end = byte_range
-        wanted = manifest.chunks_covering(start, end)
+        wanted = prep.manifest.chunks_covering(start, end)
         if end - start > self.config.max_in_memory:
             raise OversizedMessage(f"range of {end - start} bytes > limit {self.config.max_in_memory}")
         if not wanted:
             return b""
-        base = manifest.chunk_span(wanted.start)[0]
-        last_off, last_len = manifest.chunk_span(wanted[-1])
-        buf = bytearray(last_off + last_len - base)
-        await self._pull(manifest, mcid, providers, wanted, report, MemorySink(manifest, wanted, memoryview(buf)))
+        base, length = prep.manifest.span_of(wanted)
+        buf = bytearray(length)
+        await self._pull(prep, wanted, MemorySink(prep.manifest, wanted, memoryview(buf)))
         return bytes(memoryview(buf)[start - base : end - base])
 
     # --- client side ------------------------------------------------------------
@@ -357,21 +358,13 @@ class BlobService(BlobServer):
             raise
         return stream, reply, remote[0]
 
-    async def _pull(
-        self,
-        manifest: ChunkManifest,
-        mcid: str,
-        providers: list[PeerInfo],
-        wanted: range,
-        report: FetchReport,
-        sink: ChunkSink,
-    ) -> None:
-        """Fetch ``wanted`` chunks from ``providers`` into ``sink``."""
-        if report.inline is not None:  # a small blob came with its manifest: check it like a chunk
-            inline, report.inline = report.inline, None
+    async def _pull(self, prep: _Prepared, wanted: range, sink: ChunkSink) -> None:
+        """Fetch ``wanted`` chunks from the providers into ``sink``."""
+        providers, report = prep.providers, prep.report
+        if prep.inline is not None:  # a small blob came with its manifest: check it like a chunk
             source = report.manifest_source
             try:
-                await trio.to_thread.run_sync(accept_chunk, sink, 0, memoryview(inline))
+                await trio.to_thread.run_sync(accept_chunk, sink, 0, memoryview(prep.inline))
                 report.chunks_from = {source: 1}
                 return
             except HashMismatch as exc:
@@ -385,10 +378,10 @@ class BlobService(BlobServer):
         errors: list[PcpError] = []
         async with trio.open_nursery() as nursery:
             for pid, info in by_id.items():
-                nursery.start_soon(self._worker, info, pid, plan, changed, mcid, sink, errors, report)
+                nursery.start_soon(self._worker, info, pid, plan, changed, prep.mcid, sink, errors, report)
         report.chunks_from = dict(plan.served)
         if not plan.complete:
-            raise _aggregate(manifest.cid, errors)
+            raise _aggregate(prep.manifest.cid, errors)
 
     async def _worker(
         self,
