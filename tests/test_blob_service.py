@@ -560,3 +560,33 @@ async def test_a_small_blob_comes_inline_with_its_manifest_and_is_checked(tmp_pa
         assert not h.store.has(cids[0]) and tmp_is_empty(h)
     with pytest.raises(ValueError):  # a reply may not carry a larger blob inline
         P.BlobReply(P.OK, data=b"x" * (P.INLINE_MAX + 1))
+
+
+async def test_a_cancelled_fetch_stops_its_receive_thread_before_returning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pcp_p2p.blob import service
+
+    running: list[bool] = []
+    real = service.receive_batch
+
+    def receive_batch(*args, **kwargs):  # type: ignore[no-untyped-def]
+        running.append(True)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            running.pop()
+
+    monkeypatch.setattr(service, "receive_batch", receive_batch)
+    data = os.urandom(8 * CS)
+    async with network(tmp_path) as net:
+        staller = await net.node(StallMidChunk)
+        cid = await staller.publish(data)
+        f = await net.node(stall_timeout=30.0)  # left alone, its receiver would wait 30 s
+        out = bytearray(len(data))
+        with trio.move_on_after(0.5) as scope:
+            await f.fetch_into(cid, out, providers=[info(staller)])
+        assert scope.cancelled_caught
+        # nothing can write into `out` (or through a reused descriptor) any more
+        assert not running
+        assert not [t for t in threading.enumerate() if t.name.startswith("blob-verify")]

@@ -22,6 +22,8 @@ import functools
 import logging
 import secrets
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +76,7 @@ from pcp_p2p.wire import framing
 log = logging.getLogger(__name__)
 
 _POOLS_KEPT = 2  # idle receive buffer pools a service keeps (16 MiB each at 4 MiB chunks)
+_STOP_WAIT_S = 10.0  # a cancelled fetch waits this long at most for its receive thread
 
 
 @dataclass
@@ -418,7 +421,7 @@ class BlobService(BlobServer):
                     return
                 changed.fire()
         except BaseException:
-            pool = None  # cancelled: an abandoned receive thread may still hold its buffers
+            pool = None  # cancelled: not reused, in case its receive thread outlived the wait
             raise
         finally:
             if pool is not None:
@@ -488,10 +491,8 @@ class BlobService(BlobServer):
             await trio.to_thread.run_sync(send_record, sock, c2s, KIND_HELLO, hello_plaintext(info_bytes))
             reader = RecordReader(sock, s2c, manifest.chunk_size, self.traffic)
             try:
-                await trio.to_thread.run_sync(
-                    functools.partial(receive_batch, sock, reader, batch, sink, pool, on_ok=on_ok, stall=stall),
-                    abandon_on_cancel=True,
-                )
+                await _receive_in_thread(sock, functools.partial(
+                    receive_batch, sock, reader, batch, sink, pool, on_ok=on_ok, stall=stall))
             except HashMismatch as exc:
                 index = getattr(exc, "index", None)
                 if index is not None:
@@ -533,6 +534,37 @@ class BlobService(BlobServer):
                 changed.fire()
         finally:
             await close_stream(stream)
+
+async def _receive_in_thread(sock: socket.socket, receive: Callable[[], None]) -> None:
+    """Run a receive pipeline in a thread; if the fetch is cancelled, stop the
+    pipeline and wait for it before the cancellation goes on.
+
+    Why wait: the pipeline writes into the caller's buffer, or into the blob's
+    temp file through a descriptor. Left running after its fetch was cancelled,
+    it could write into a buffer the caller already reuses for the next fetch,
+    or through a descriptor number the process has since given to another file.
+    Shutting the socket down ends the receive at once; the verifiers then drain.
+    """
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            receive()
+        finally:
+            done.set()
+
+    try:
+        await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except trio.Cancelled:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        with trio.CancelScope(shield=True):
+            if not await trio.to_thread.run_sync(done.wait, _STOP_WAIT_S):
+                log.error("blob: a cancelled receive thread did not stop within %s s", _STOP_WAIT_S)
+        raise
+
 
 def _connect(ip: str, port: int, timeout: float) -> socket.socket:
     try:
