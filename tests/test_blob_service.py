@@ -381,6 +381,9 @@ class ForgedStore(BlobStore):
     def manifest_bytes(self, cid: str) -> bytes:
         return self._forged() if cid == self.target else super().manifest_bytes(cid)
 
+    def manifest(self, cid: str) -> ChunkManifest:  # what it would serve the other blob's chunks by
+        return super().manifest(self.other if cid == self.target else cid)
+
     def path(self, cid: str) -> Path:
         return super().path(self.other if cid == self.target else cid)
 
@@ -403,7 +406,7 @@ async def test_a_forged_manifest_is_refused_before_any_data_moves(tmp_path: Path
         assert tmp_is_empty(f)
         f2 = await net.node()
         with pytest.raises(MalformedMessage):  # nobody else to ask: nothing is stored
-            await f2.fetch(cid, providers=[info(liar)])
+            await f2.fetch(cid, providers=[info(liar)])  # (manifest and side channel in one reply)
         assert not f2.store.has(cid) and tmp_is_empty(f2)
         assert f2.last_fetch is not None and f2.last_fetch.chunks_from == {}
 
@@ -544,7 +547,7 @@ async def test_a_small_blob_comes_inline_with_its_manifest_and_is_checked(tmp_pa
         assert (await f.fetch(cids[0], providers=[info(a)])).read_bytes() == small
         assert f.last_fetch is not None and f.last_fetch.requests == 1  # one exchange
         assert bytes(await f.fetch_into(cids[1], providers=[info(a)])) == large
-        assert f.last_fetch is not None and f.last_fetch.requests == 2  # manifest, then data
+        assert f.last_fetch is not None and f.last_fetch.requests == 1  # manifest + side channel at once
         # a provider whose inline bytes lie is blamed; the blob comes from another
         liar = await net.node(CorruptInline)
         await liar.publish(small)
@@ -590,3 +593,26 @@ async def test_a_cancelled_fetch_stops_its_receive_thread_before_returning(
         # nothing can write into `out` (or through a reused descriptor) any more
         assert not running
         assert not [t for t in threading.enumerate() if t.name.startswith("blob-verify")]
+
+
+async def test_one_provider_sends_the_manifest_and_a_side_channel_at_once(tmp_path: Path) -> None:
+    from pcp_p2p.blob.transfer import MAX_BATCH
+
+    data = os.urandom((MAX_BATCH + 3) * CS)  # more than one batch: the rest by data requests
+    async with network(tmp_path) as net:
+        a = await net.node()
+        cid = await a.publish(data)
+        f = await net.node()
+        assert (await f.fetch(cid, providers=[info(a)])).read_bytes() == data
+        assert f.last_fetch is not None and f.last_fetch.requests == 2  # fetch (+ 64 chunks), data (+ 3)
+        g = await net.node()
+        b = await net.node()
+        await b.publish(data)
+        assert bytes(await g.fetch_into(cid, providers=[info(a), info(b)])) == data
+        report = g.last_fetch
+        assert report is not None and report.requests >= 3 and len(report.chunks_from) == 2  # manifest, then data
+    nonce = b"n" * P.NONCE_LEN
+    for bad in ({"first": 1, "count": 2}, {"count": 0}, {"count": 2, "manifest_cid": cid},
+                {"count": 2, "via": "stream"}):
+        with pytest.raises(ValueError):
+            P.BlobRequest("fetch", cid, nonce, **bad)  # type: ignore[arg-type]

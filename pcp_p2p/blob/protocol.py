@@ -8,7 +8,10 @@ itself: a small fetch (a run spec, a signed manifest, a tiny model's Δ) is then
 one exchange instead of two plus a side-channel connection (measured here:
 ~4 ms instead of ~9). A ``data`` request for chunks ``[first, first + count)`` is answered
 with a port and a fresh secret; the chunks then flow over the TCP side
-channel (:mod:`pcp_p2p.blob.sidechannel`). When a client cannot reach the
+channel (:mod:`pcp_p2p.blob.sidechannel`). A ``fetch`` request is both at
+once, for a fetcher with one provider: the manifest, and a side channel for
+chunks ``[0, min(count, chunks))`` (or the blob inline), in one exchange. The
+fetcher still checks the manifest against the CID before it connects. When a client cannot reach the
 side port (NAT, firewall, a relayed connection) it asks again with
 ``via="stream"`` and the chunks follow the reply on the same libp2p stream in
 frames of at most :data:`STREAM_PIECE` bytes: 2-3x slower, but it works
@@ -48,7 +51,7 @@ STATUSES = (OK, NOT_FOUND, BAD_REQUEST, BUSY, MISMATCH)
 
 @wire_message("blob.request", max_size=4096)
 class BlobRequest(Message):
-    kind: str  # "manifest" | "data"
+    kind: str  # "manifest" | "data" | "fetch"
     cid: str
     nonce: bytes  # client nonce (16 bytes), salts the side-channel key
     manifest_cid: str = ""
@@ -59,7 +62,7 @@ class BlobRequest(Message):
     def __post_init__(self) -> None:
         if self.via not in ("side", "stream"):
             raise ValueError(f"unknown data path {self.via!r:.20}")
-        if self.kind not in ("manifest", "data"):
+        if self.kind not in ("manifest", "data", "fetch"):
             raise ValueError(f"unknown request kind {self.kind!r:.20}")
         if len(self.nonce) != NONCE_LEN:
             raise ValueError("nonce must be 16 bytes")
@@ -67,17 +70,19 @@ class BlobRequest(Message):
             raise ValueError("negative chunk range")
         if self.kind == "data" and (self.count == 0 or not self.manifest_cid):
             raise ValueError("a data request names a manifest and at least one chunk")
+        if self.kind == "fetch" and (self.first or not self.count or self.manifest_cid or self.via != "side"):
+            raise ValueError("a fetch request asks for chunks from 0 over the side channel, naming no manifest")
 
 
 @wire_message("blob.reply", max_size=MANIFEST_MAX_SIZE + 4096)
 class BlobReply(Message):
     status: str
     detail: str = ""
-    manifest: bytes = b""  # for "manifest": the wire-encoded ChunkManifest
-    port: int = 0  # for "data": the side-channel port on the server's address
-    secret: bytes = b""  # for "data": 32 random bytes, known only to both ends
+    manifest: bytes = b""  # for "manifest" and "fetch": the wire-encoded ChunkManifest
+    port: int = 0  # for "data" and "fetch": the side-channel port on the server's address
+    secret: bytes = b""  # for "data" and "fetch": 32 random bytes, known only to both ends
     nonce: bytes = b""  # server nonce
-    data: bytes | None = None  # for "manifest": the whole blob, if at most INLINE_MAX bytes
+    data: bytes | None = None  # for "manifest" and "fetch": the whole blob, if at most INLINE_MAX bytes
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

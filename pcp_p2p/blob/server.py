@@ -137,17 +137,23 @@ class BlobServer:
         if not self.store.has(req.cid):
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
-        if req.kind == "manifest":
-            reply = P.BlobReply(P.OK, manifest=self.store.manifest_bytes(req.cid), data=self._inline(req.cid))
-            await P.write_frame(stream, reply, timeout=self.config.request_timeout)
-            return None
         mf_bytes = self.store.manifest_bytes(req.cid)
-        if cid_of(mf_bytes) != req.manifest_cid:
-            await P.write_frame(stream, P.BlobReply(P.MISMATCH), timeout=self.config.request_timeout)
-            return None
+        if req.kind in ("manifest", "fetch"):
+            inline = self._inline(req.cid)
+            if req.kind == "manifest" or inline is not None:
+                reply = P.BlobReply(P.OK, manifest=mf_bytes, data=inline)
+                await P.write_frame(stream, reply, timeout=self.config.request_timeout)
+                return None
         manifest = self.store.manifest(req.cid)
-        if req.first + req.count > manifest.count:
-            raise MalformedMessage(f"chunks [{req.first}, {req.first + req.count}) of {manifest.count}")
+        if req.kind == "fetch":  # the manifest, and a side channel for its first chunks
+            mcid, first, count = cid_of(mf_bytes), 0, min(req.count, manifest.count)
+        else:
+            mcid, first, count = req.manifest_cid, req.first, req.count
+            if cid_of(mf_bytes) != mcid:
+                await P.write_frame(stream, P.BlobReply(P.MISMATCH), timeout=self.config.request_timeout)
+                return None
+            if first + count > manifest.count:
+                raise MalformedMessage(f"chunks [{first}, {first + count}) of {manifest.count}")
         # Queue for an upload slot rather than refuse at once: a burst of
         # fetchers (fan-out) then drains in turn instead of failing over.
         acquired = False
@@ -173,7 +179,7 @@ class BlobServer:
 
             async def on_stream(s: INetStream) -> None:
                 try:
-                    await self._stream_upload(s, file, manifest, req.first, req.count)
+                    await self._stream_upload(s, file, manifest, first, count)
                 finally:
                     file.close()
 
@@ -185,12 +191,13 @@ class BlobServer:
             self._uploads.release()
             raise
         secret, nonce = secrets.token_bytes(32), secrets.token_bytes(P.NONCE_LEN)
-        info = transcript(client, self.peer_id, req.cid, req.manifest_cid, req.first, req.count)
+        info = transcript(client, self.peer_id, req.cid, mcid, first, count)
         key = derive_key(secret, req.nonce, nonce, info)
         try:
             await P.write_frame(
                 stream,
-                P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce),
+                P.BlobReply(P.OK, port=listener.getsockname()[1], secret=secret, nonce=nonce,
+                            manifest=mf_bytes if req.kind == "fetch" else b""),
                 timeout=self.config.request_timeout,
             )
         except BaseException:
@@ -201,7 +208,7 @@ class BlobServer:
 
         def upload() -> None:
             try:
-                self._upload(listener, file, key, info, manifest, req.first, req.count)
+                self._upload(listener, file, key, info, manifest, first, count)
             finally:
                 listener.close()
                 file.close()

@@ -54,7 +54,7 @@ from pcp_p2p.blob.sidechannel import (
     tune,
 )
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.blob.transfer import FetchPlan
+from pcp_p2p.blob.transfer import MAX_BATCH, FetchPlan
 from pcp_p2p.cid import cid_of, parse_cid
 from pcp_p2p.errors import (
     BlobNotFound,
@@ -92,6 +92,17 @@ class FetchReport:
 
 
 @dataclass
+class _SideOffer:
+    """A side channel a ``fetch`` reply opened for the first chunks, with the manifest."""
+
+    provider: str
+    ip: str
+    reply: P.BlobReply
+    client_nonce: bytes
+    count: int
+
+
+@dataclass
 class _Prepared:
     """A fetch once its manifest is in: what :meth:`BlobService._pull` works from."""
 
@@ -100,6 +111,15 @@ class _Prepared:
     providers: list[PeerInfo]  # the manifest's sender first
     report: FetchReport
     inline: bytes | None  # the blob itself, when it came with the manifest
+    offer: _SideOffer | None = None  # a side channel that came with the manifest
+
+    def take_offer(self, provider: str, batch: list[int]) -> _SideOffer | None:
+        """The offer, once, if it is for exactly this provider's ``batch``."""
+        offer = self.offer
+        if offer is None or offer.provider != provider or batch != list(range(offer.count)):
+            return None
+        self.offer = None
+        return offer
 
 
 class _Changed:
@@ -196,7 +216,7 @@ class BlobService(BlobServer):
             if pin:
                 self.store.pin(cid)
             return self.store.path(cid)
-        prep = await self._prepare(cid, providers, manifest_cid)
+        prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None)
         if byte_range is not None:
             return await self._fetch_range(prep, byte_range)
         pending = await trio.to_thread.run_sync(self.store.begin, cid, prep.manifest)
@@ -240,7 +260,7 @@ class BlobService(BlobServer):
             view = self._buffer_for(cid, size, out)
             await trio.to_thread.run_sync(self.store.read_into, cid, view)
             return view
-        prep = await self._prepare(cid, providers, manifest_cid)
+        prep = await self._prepare(cid, providers, manifest_cid, whole=True)
         view = self._buffer_for(cid, prep.manifest.size, out)
         everything = range(prep.manifest.count)
         await self._pull(prep, everything, MemorySink(prep.manifest, everything, view))
@@ -257,9 +277,14 @@ class BlobService(BlobServer):
         return view[:size]
 
     async def _prepare(
-        self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None
+        self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None, *, whole: bool
     ) -> _Prepared:
-        """Providers (from the DHT unless given) and the manifest, checked against ``cid``."""
+        """Providers (from the DHT unless given) and the manifest, checked against ``cid``.
+
+        For a ``whole`` blob from a single provider, the manifest and a side
+        channel for the first batch come in one ``fetch`` exchange (one round
+        trip less: ~4 ms here, a third of a 4 MB fetch).
+        """
         if providers is None:
             providers = await self.routing.find_providers(cid)
         me = self.host.get_id()
@@ -270,14 +295,16 @@ class BlobService(BlobServer):
         self.last_fetch = report
         # The manifest is bound to the CID (it hashes to it), so whoever sent
         # it, it is the right chunk list; only chunks can still be wrong.
-        manifest, mcid, source, inline = await self._get_manifest(cid, providers, manifest_cid, report)
+        merged = whole and len(providers) == 1 and providers[0].peer_id.to_base58() not in self._side_unreachable
+        manifest, mcid, source, inline, offer = await self._get_manifest(
+            cid, providers, manifest_cid, report, merged=merged)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
         # content or lies: it gets no data requests. The one that gave the
         # manifest goes first: it is known to be alive.
         providers = [p for p in providers if p.peer_id.to_base58() not in report.bad_manifest]
         providers.sort(key=lambda p: p.peer_id.to_base58() != source)
-        return _Prepared(manifest, mcid, providers, report, inline)
+        return _Prepared(manifest, mcid, providers, report, inline, offer)
 
     async def _fetch_range(self, prep: _Prepared, byte_range: tuple[int, int]) -> bytes:
         start, end = byte_range
@@ -294,21 +321,31 @@ class BlobService(BlobServer):
     # --- client side ------------------------------------------------------------
 
     async def _get_manifest(
-        self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport
-    ) -> tuple[ChunkManifest, str, str, bytes | None]:
-        """The manifest, its CID, who sent it, and the blob if it came inline."""
+        self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport,
+        *, merged: bool = False,
+    ) -> tuple[ChunkManifest, str, str, bytes | None, _SideOffer | None]:
+        """The manifest, its CID, who sent it, the blob if it came inline, and
+        (``merged``: a ``fetch`` request) the side channel that came with it."""
         errors: list[PcpError] = []
         for info in providers:
             pid = info.peer_id.to_base58()
             try:
                 report.requests += 1
-                reply, _ = await self._request(info, P.BlobRequest("manifest", cid, secrets.token_bytes(P.NONCE_LEN)))
+                nonce = secrets.token_bytes(P.NONCE_LEN)
+                req = (P.BlobRequest("fetch", cid, nonce, count=MAX_BATCH) if merged
+                       else P.BlobRequest("manifest", cid, nonce))
+                reply, ip = await self._request(info, req)
                 manifest = parse_manifest(
                     reply.manifest, expect_cid=cid, expect_manifest_cid=want_mcid,
                     max_size=self.config.max_blob_size,
                 )
                 inline = reply.data if manifest.count == 1 else None
-                return manifest, cid_of(reply.manifest), pid, inline
+                offer = None
+                if merged and inline is None:
+                    if reply.port == 0:
+                        raise MalformedMessage(f"{pid} answered a fetch request without a side channel")
+                    offer = _SideOffer(pid, ip, reply, nonce, min(MAX_BATCH, manifest.count))
+                return manifest, cid_of(reply.manifest), pid, inline, offer
             except PcpError as exc:
                 report.failures[pid] = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, ProtocolError):
@@ -381,7 +418,7 @@ class BlobService(BlobServer):
         errors: list[PcpError] = []
         async with trio.open_nursery() as nursery:
             for pid, info in by_id.items():
-                nursery.start_soon(self._worker, info, pid, plan, changed, prep.mcid, sink, errors, report)
+                nursery.start_soon(self._worker, info, pid, plan, changed, prep, sink, errors)
         report.chunks_from = dict(plan.served)
         if not plan.complete:
             raise _aggregate(prep.manifest.cid, errors)
@@ -392,11 +429,11 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        mcid: str,
+        prep: _Prepared,
         sink: ChunkSink,
         errors: list[PcpError],
-        report: FetchReport,
     ) -> None:
+        report = prep.report
         pool: ChunkPool | None = None
         try:
             while True:
@@ -407,10 +444,9 @@ class BlobService(BlobServer):
                     await changed.wait()
                     continue
                 try:
-                    report.requests += 1
                     if pool is None and not sink.receives_in_place:
                         pool = self._take_pool(sink.manifest.chunk_size)
-                    await self._fetch_batch(info, pid, plan, changed, mcid, batch, sink, pool)
+                    await self._fetch_batch(info, pid, plan, changed, prep, batch, sink, pool)
                     plan.provider_finished_batch(pid, batch)
                 except PcpError as exc:
                     log.info("blob: provider %s failed: %s", pid, exc)
@@ -445,19 +481,24 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        mcid: str,
+        prep: _Prepared,
         batch: list[int],
         sink: ChunkSink,
         pool: ChunkPool | None,
     ) -> None:
+        mcid = prep.mcid
+        offer = prep.take_offer(pid, batch)
         if pid in self._side_unreachable:
-            await self._fetch_batch_stream(info, pid, plan, changed, mcid, batch, sink)
+            await self._fetch_batch_stream(info, pid, plan, changed, prep, batch, sink)
             return
         manifest = sink.manifest
         cid = manifest.cid
-        nonce = secrets.token_bytes(P.NONCE_LEN)
-        req = P.BlobRequest("data", cid, nonce, mcid, batch[0], len(batch))
-        reply, ip = await self._request(info, req)
+        if offer is not None:  # the side channel came with the manifest
+            reply, ip, nonce = offer.reply, offer.ip, offer.client_nonce
+        else:
+            nonce = secrets.token_bytes(P.NONCE_LEN)
+            prep.report.requests += 1
+            reply, ip = await self._request(info, P.BlobRequest("data", cid, nonce, mcid, batch[0], len(batch)))
         if len(reply.nonce) != P.NONCE_LEN:
             raise MalformedMessage("reply without a server nonce")
         info_bytes = transcript(self.peer_id, pid, cid, mcid, batch[0], len(batch))
@@ -471,7 +512,7 @@ class BlobService(BlobServer):
             # it and use the (slower) stream path for this peer from now on.
             log.info("blob: side channel to %s unreachable (%s); using the libp2p stream", pid, exc)
             self._side_unreachable.add(pid)
-            await self._fetch_batch_stream(info, pid, plan, changed, mcid, batch, sink)
+            await self._fetch_batch_stream(info, pid, plan, changed, prep, batch, sink)
             return
         token = trio.lowlevel.current_trio_token()
 
@@ -507,13 +548,14 @@ class BlobService(BlobServer):
         pid: str,
         plan: FetchPlan,
         changed: _Changed,
-        mcid: str,
+        prep: _Prepared,
         batch: list[int],
         sink: ChunkSink,
     ) -> None:
         """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""
         manifest = sink.manifest
-        req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), mcid,
+        prep.report.requests += 1
+        req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), prep.mcid,
                             batch[0], len(batch), via="stream")
         stream, _, _ = await self._open_exchange(info, req)
         try:

@@ -30,11 +30,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
+MAX_BATCH = 64  # chunks in one data request (256 MiB at 4 MiB chunks)
+
+
 @dataclass
 class FetchPlan:
     wanted: Iterable[int]
     providers: Iterable[str]
-    max_batch: int = 64
+    max_batch: int = MAX_BATCH
     pending: list[int] = field(init=False)
     in_flight: dict[int, str] = field(init=False, default_factory=dict)
     done: set[int] = field(init=False, default_factory=set)
