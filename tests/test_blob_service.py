@@ -493,6 +493,8 @@ async def test_edge_sizes_round_trip(tmp_path: Path, size: int) -> None:
         c = await net.node()
         c._side_unreachable.add(a.peer_id)
         assert (await c.fetch(cid, providers=[info(a)])).read_bytes() == data
+        d = await net.node()
+        assert bytes(await d.fetch_into(cid, bytearray(size + 3), providers=[info(a)])) == data
 
 
 async def test_fetch_into_memory_checks_every_chunk_and_stores_nothing(tmp_path: Path) -> None:
