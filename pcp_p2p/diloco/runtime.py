@@ -75,8 +75,8 @@ from pcp_p2p.diloco.election import (
     StepDown,
 )
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
-from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.tensors import unpack_tensors
