@@ -150,3 +150,13 @@ def test_reservations_count_against_the_limit(tmp_path: Path) -> None:
     with s.begin(m.cid, m):
         with pytest.raises(StoreFull):
             s.put_bytes(os.urandom(60_000))
+
+
+def test_usage_reports_what_is_held_and_what_is_pinned(tmp_path: Path) -> None:
+    s = BlobStore(tmp_path, 10_000)
+    assert s.usage() == {"used_bytes": 0, "max_bytes": 10_000, "pinned_bytes": 0, "blobs": 0, "pinned_blobs": 0}
+    a = s.put_bytes(b"a" * 1000, pin=True)
+    s.put_bytes(b"b" * 300)
+    assert s.usage() == {"used_bytes": 1300, "max_bytes": 10_000, "pinned_bytes": 1000, "blobs": 2, "pinned_blobs": 1}
+    s.unpin(a)
+    assert s.usage()["pinned_bytes"] == 0 and s.usage()["pinned_blobs"] == 0

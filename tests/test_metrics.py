@@ -67,6 +67,8 @@ def test_full_status_over_http() -> None:
     assert s[("pcp_network_received_bytes_total", ())] == 1873920512
     assert s[("pcp_network_sent_bytes_total", ())] == 412983296
     assert s[("pcp_rejected_inputs_total", (("kind", "heartbeat"), ("reason", "StaleMessage")))] == 12
+    assert s[("pcp_store_used_bytes", ())] == obj["storage"]["used_bytes"]
+    assert s[("pcp_store_max_bytes", ())] == 10737418240 and s[("pcp_store_pinned_blobs", ())] == 9
     # submissions: accepted = participants of committed rounds; rejected from network.rejected
     accepted = sum(h["participants"] for h in obj["run"]["history"])
     assert s[("pcp_submissions_total", (("outcome", "accepted"), ("reason", "")))] == accepted
@@ -93,6 +95,7 @@ def test_no_run_means_no_run_metrics(name: str) -> None:
     assert s[("pcp_status_up", ())] == 1 and s[("pcp_members", ())] == 2
     assert not {n for n in names(s) if n.startswith(("pcp_run_", "pcp_shepherd_", "pcp_submissions"))}
     assert "pcp_network_received_bytes_total" not in names(s)  # not reported by this node: absent, not 0
+    assert "pcp_store_used_bytes" not in names(s)
 
 
 def test_run_counters_from_run_fields_win() -> None:

@@ -201,3 +201,7 @@ async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(
     assert after_b["bytes_in"] - before_b["bytes_in"] >= len(payload)
     # the figures are per node, not per process: the bootstrap server moved no blob
     assert boot.status().network["bytes_out"] < len(payload)
+    # and what each store holds
+    store_a, store_b = a.status().extra["storage"], b.status().extra["storage"]
+    assert store_a["blobs"] >= 1 and store_a["used_bytes"] >= len(payload) and store_a["pinned_bytes"] >= len(payload)
+    assert store_b["used_bytes"] >= len(payload) and store_b["max_bytes"] == b.blobs.store.max_bytes

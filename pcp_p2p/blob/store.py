@@ -245,6 +245,15 @@ class BlobStore:
     def used_bytes(self) -> int:
         return sum(self._sizes.values())
 
+    def usage(self) -> dict[str, int]:
+        """What the store holds, for a node's status: bytes used and allowed,
+        bytes pinned (never evicted), blobs held and pinned."""
+        with self._lock:
+            pinned = [c for c in self._pins if c in self._sizes]
+            return {"used_bytes": self.used_bytes, "max_bytes": self.max_bytes,
+                    "pinned_bytes": sum(self._sizes[c] for c in pinned),
+                    "blobs": len(self._sizes), "pinned_blobs": len(pinned)}
+
     # --- pins -----------------------------------------------------------------------
 
     def pin(self, cid: str) -> None:

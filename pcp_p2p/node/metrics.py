@@ -109,9 +109,22 @@ def families(obj: Mapping[str, Any]) -> Iterator[Metric]:
         yield fam
 
     yield from _network(_section(obj, "network"), obj)
+    yield from _storage(_section(obj, "storage"))
     yield from _run(_section(obj, "run"))
     yield from _shepherd(obj)
     yield from _artifacts(obj.get("artifacts"))
+
+
+def _storage(store: Mapping[str, Any]) -> Iterator[Metric]:
+    for key, doc in (
+        ("used_bytes", "bytes of blobs in this node's store"),
+        ("max_bytes", "the store's size limit"),
+        ("pinned_bytes", "bytes of pinned blobs (never evicted)"),
+        ("blobs", "blobs in the store"),
+        ("pinned_blobs", "pinned blobs in the store"),
+    ):
+        if (v := _num(store.get(key))) is not None:
+            yield _gauge(f"store_{key}", doc, v)
 
 
 def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]:

@@ -426,7 +426,8 @@ class Node:
             "rejected": dict(self.rejected),
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
         }
-        extra = {name: fn() for name, fn in self.config.extra_status.items()}
+        extra = {"storage": self.blobs.store.usage(),
+                 **{name: fn() for name, fn in self.config.extra_status.items()}}
         return StatusReply(
             peer_id=self.peer_id,
             addrs=tuple(self.addrs()),
