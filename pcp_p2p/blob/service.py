@@ -136,6 +136,17 @@ class _Changed:
         await self._event.wait()
 
 
+@dataclass
+class _Pull:
+    """One pull of chunks into a sink, shared by its workers (one per provider)."""
+
+    prep: _Prepared
+    sink: ChunkSink
+    plan: FetchPlan
+    changed: _Changed = field(default_factory=_Changed)
+    errors: list[PcpError] = field(default_factory=list)
+
+
 class BlobService(BlobServer):
     """Serves the store (:class:`BlobServer`) and fetches into it."""
 
@@ -413,27 +424,16 @@ class BlobService(BlobServer):
                 if not providers:
                     raise
         by_id = {p.peer_id.to_base58(): p for p in providers}
-        plan = FetchPlan(wanted, list(by_id))
-        changed = _Changed()
-        errors: list[PcpError] = []
+        pull = _Pull(prep, sink, FetchPlan(wanted, list(by_id)))
         async with trio.open_nursery() as nursery:
             for pid, info in by_id.items():
-                nursery.start_soon(self._worker, info, pid, plan, changed, prep, sink, errors)
-        report.chunks_from = dict(plan.served)
-        if not plan.complete:
-            raise _aggregate(prep.manifest.cid, errors)
+                nursery.start_soon(self._worker, info, pid, pull)
+        report.chunks_from = dict(pull.plan.served)
+        if not pull.plan.complete:
+            raise _aggregate(prep.manifest.cid, pull.errors)
 
-    async def _worker(
-        self,
-        info: PeerInfo,
-        pid: str,
-        plan: FetchPlan,
-        changed: _Changed,
-        prep: _Prepared,
-        sink: ChunkSink,
-        errors: list[PcpError],
-    ) -> None:
-        report = prep.report
+    async def _worker(self, info: PeerInfo, pid: str, pull: _Pull) -> None:
+        plan, changed, sink, report = pull.plan, pull.changed, pull.sink, pull.prep.report
         pool: ChunkPool | None = None
         try:
             while True:
@@ -446,11 +446,11 @@ class BlobService(BlobServer):
                 try:
                     if pool is None and not sink.receives_in_place:
                         pool = self._take_pool(sink.manifest.chunk_size)
-                    await self._fetch_batch(info, pid, plan, changed, prep, batch, sink, pool)
+                    await self._fetch_batch(info, pid, pull, batch, pool)
                     plan.provider_finished_batch(pid, batch)
                 except PcpError as exc:
                     log.info("blob: provider %s failed: %s", pid, exc)
-                    errors.append(exc)
+                    pull.errors.append(exc)
                     report.failures[pid] = f"{type(exc).__name__}: {exc}"
                     plan.provider_failed(pid, str(exc))
                     changed.fire()
@@ -476,20 +476,13 @@ class BlobService(BlobServer):
             self._pools.append(pool)
 
     async def _fetch_batch(
-        self,
-        info: PeerInfo,
-        pid: str,
-        plan: FetchPlan,
-        changed: _Changed,
-        prep: _Prepared,
-        batch: list[int],
-        sink: ChunkSink,
-        pool: ChunkPool | None,
+        self, info: PeerInfo, pid: str, pull: _Pull, batch: list[int], pool: ChunkPool | None
     ) -> None:
+        prep, plan, changed, sink = pull.prep, pull.plan, pull.changed, pull.sink
         mcid = prep.mcid
         offer = prep.take_offer(pid, batch)
         if pid in self._side_unreachable:
-            await self._fetch_batch_stream(info, pid, plan, changed, prep, batch, sink)
+            await self._fetch_batch_stream(info, pid, pull, batch)
             return
         manifest = sink.manifest
         cid = manifest.cid
@@ -512,7 +505,7 @@ class BlobService(BlobServer):
             # it and use the (slower) stream path for this peer from now on.
             log.info("blob: side channel to %s unreachable (%s); using the libp2p stream", pid, exc)
             self._side_unreachable.add(pid)
-            await self._fetch_batch_stream(info, pid, plan, changed, prep, batch, sink)
+            await self._fetch_batch_stream(info, pid, pull, batch)
             return
         token = trio.lowlevel.current_trio_token()
 
@@ -542,20 +535,11 @@ class BlobService(BlobServer):
         finally:
             _close(sock)
 
-    async def _fetch_batch_stream(
-        self,
-        info: PeerInfo,
-        pid: str,
-        plan: FetchPlan,
-        changed: _Changed,
-        prep: _Prepared,
-        batch: list[int],
-        sink: ChunkSink,
-    ) -> None:
+    async def _fetch_batch_stream(self, info: PeerInfo, pid: str, pull: _Pull, batch: list[int]) -> None:
         """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""
-        manifest = sink.manifest
-        prep.report.requests += 1
-        req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), prep.mcid,
+        plan, changed, sink, manifest = pull.plan, pull.changed, pull.sink, pull.sink.manifest
+        pull.prep.report.requests += 1
+        req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), pull.prep.mcid,
                             batch[0], len(batch), via="stream")
         stream, _, _ = await self._open_exchange(info, req)
         try:
