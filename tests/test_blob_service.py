@@ -618,3 +618,37 @@ async def test_one_provider_sends_the_manifest_and_a_side_channel_at_once(tmp_pa
                 {"count": 2, "via": "stream"}):
         with pytest.raises(ValueError):
             P.BlobRequest("fetch", cid, nonce, **bad)  # type: ignore[arg-type]
+
+
+async def test_a_peer_that_asks_for_data_and_never_connects_holds_its_share_of_slots_only(
+    tmp_path: Path,
+) -> None:
+    data = os.urandom(4 * CS)
+    async with network(tmp_path) as net:
+        a = await net.node(max_uploads=3, max_uploads_per_peer=2, request_timeout=4.0)
+        cid = await a.publish(data)
+        mcid = cid_of(a.store.manifest_bytes(cid))
+        hog, f = await net.node(), await net.node()
+
+        async def ask() -> str:  # a data request whose side channel is never opened
+            try:
+                await hog._request(info(a), P.BlobRequest("data", cid, os.urandom(P.NONCE_LEN), mcid, 0, 1))
+                return "ok"
+            except PeerError as exc:
+                return "busy" if "busy" in str(exc) else f"error: {exc}"
+
+        with trio.fail_after(15):
+            assert [await ask(), await ask()] == ["ok", "ok"]  # two slots held, unused
+            assert a._uploads.held_by(hog.peer_id) == 2
+            third: list[str] = []
+            async with trio.open_nursery() as nursery:
+
+                async def ask_again() -> None:
+                    third.append(await ask())
+
+                nursery.start_soon(ask_again)
+                while not a._uploads._by_peer[hog.peer_id].statistics().tasks_waiting:
+                    await trio.sleep(0.01)  # (no event to wait on: the request is in another host's handler)
+                # the hog's third request waits on its own share, so an honest peer still gets a slot
+                assert bytes(await f.fetch_into(cid, providers=[info(a)])) == data
+            assert third == ["busy"]

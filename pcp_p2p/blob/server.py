@@ -6,8 +6,9 @@ deadline; a data upload then runs outside it, either in a worker thread over the
 TCP side channel (accept one connection, check the client's hello record, send
 AES-GCM chunk records from the file, which is held open so eviction cannot pull
 it away) or, on the ``stream`` fallback, as frames on the same libp2p stream.
-At most ``max_uploads`` uploads run at once; further data requests queue for a
-slot (up to half the request deadline) before being answered ``busy``.
+At most ``max_uploads`` uploads run at once, at most ``max_uploads_per_peer``
+of them for one peer; further data requests queue for a slot (up to half the
+request deadline) before being answered ``busy`` (:class:`UploadSlots`).
 
 Faults are injected in tests by overriding :meth:`BlobServer._send_chunk`.
 """
@@ -67,14 +68,72 @@ class BlobConfig:
     request_timeout: float = 20.0  # one control exchange on the libp2p stream
     stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
+    max_uploads_per_peer: int = 2  # of those, for one peer (its further requests wait apart)
     direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
 
+class UploadSlots:
+    """At most ``total`` uploads at once, and at most ``per_peer`` for one peer.
+
+    Why per peer: a data request takes a slot before its reply, and a client
+    that then never connects holds it until the side channel's accept times
+    out. With only a global limit, one peer asking ``total`` times could hold
+    every slot and starve everyone else. A peer's requests beyond its share
+    queue on its own semaphore, not on the shared slots, so it can hold its
+    share at most, while an honest peer's extra requests still just wait.
+    """
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self._free = trio.Semaphore(total)
+        self.per_peer = per_peer
+        self._by_peer: dict[str, trio.Semaphore] = {}
+
+    def held_by(self, peer: str) -> int:
+        """Slots ``peer`` holds or waits for a shared one with."""
+        mine = self._by_peer.get(peer)
+        return 0 if mine is None else self.per_peer - mine.value
+
+    async def acquire(self, peer: str, timeout: float) -> _Slot | None:
+        """A slot for ``peer``, or ``None`` (busy) if none is free within ``timeout``."""
+        mine = self._by_peer.setdefault(peer, trio.Semaphore(self.per_peer))
+        with trio.move_on_after(timeout):
+            await mine.acquire()
+            try:
+                await self._free.acquire()
+            except BaseException:
+                mine.release()
+                raise
+            return _Slot(self, peer, mine)
+        self._forget(peer)
+        return None
+
+    def _forget(self, peer: str) -> None:
+        """Drop an idle peer's semaphore (memory stays bounded by the active peers)."""
+        mine = self._by_peer.get(peer)
+        if mine is not None and mine.value == self.per_peer and not mine.statistics().tasks_waiting:
+            del self._by_peer[peer]
+
+
+class _Slot:
+    def __init__(self, slots: UploadSlots, peer: str, mine: trio.Semaphore) -> None:
+        self._slots, self._peer, self._mine, self._held = slots, peer, mine, True
+
+    def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
+        if self._held:
+            self._held = False
+            self._slots._free.release()
+            self._mine.release()
+            self._slots._forget(self._peer)
+
+
 @dataclass
 class _Upload:
-    """What a data request leaves to do after the reply: one of the two paths."""
+    """What a data request leaves to do after the reply: one of the two paths,
+    holding its upload slot until it ends."""
 
+    slot: _Slot
     in_thread: Callable[[], None] | None = None
     on_stream: Callable[[INetStream], Awaitable[None]] | None = None
 
@@ -87,7 +146,7 @@ class BlobServer:
     config: BlobConfig
     peer_id: str
     traffic: Traffic | None
-    _uploads: trio.Semaphore
+    _uploads: UploadSlots
 
     def register(self) -> None:
         """Serve ``/pcp/blob/1.0.0`` on the host."""
@@ -104,7 +163,7 @@ class BlobServer:
                     try:
                         await upload.on_stream(stream)
                     finally:
-                        self._uploads.release()
+                        upload.slot.release()
                     upload = None
             except ProtocolError as exc:
                 log.info("blob: bad request from %s: %s", client, exc)
@@ -121,7 +180,7 @@ class BlobServer:
                 try:
                     await trio.to_thread.run_sync(upload.in_thread, abandon_on_cancel=True)
                 finally:
-                    self._uploads.release()
+                    upload.slot.release()
         except trio.TooSlowError:
             log.info("blob: request from %s timed out", client)
         except PcpError as exc:
@@ -132,7 +191,7 @@ class BlobServer:
     async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest) -> _Upload | None:
         """Reply to ``req``; for a data request, return the upload to run.
 
-        The upload holds one of the ``max_uploads`` slots; ``_handle`` releases it.
+        The upload holds one of the upload slots; ``_handle`` releases it.
         """
         if not self.store.has(req.cid):
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
@@ -156,17 +215,14 @@ class BlobServer:
                 raise MalformedMessage(f"chunks [{first}, {first + count}) of {manifest.count}")
         # Queue for an upload slot rather than refuse at once: a burst of
         # fetchers (fan-out) then drains in turn instead of failing over.
-        acquired = False
-        with trio.move_on_after(self.config.request_timeout / 2):
-            await self._uploads.acquire()
-            acquired = True
-        if not acquired:
+        slot = await self._uploads.acquire(client, self.config.request_timeout / 2)
+        if slot is None:
             await P.write_frame(stream, P.BlobReply(P.BUSY), timeout=self.config.request_timeout)
             return None
         try:
             file = open(self.store.path(req.cid), "rb")  # held open: eviction cannot pull it away
         except (FileNotFoundError, BlobNotFound):  # evicted since the check above
-            self._uploads.release()
+            slot.release()
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
             return None
         if req.via == "stream":
@@ -174,7 +230,7 @@ class BlobServer:
                 await P.write_frame(stream, P.BlobReply(P.OK), timeout=self.config.request_timeout)
             except BaseException:
                 file.close()
-                self._uploads.release()
+                slot.release()
                 raise
 
             async def on_stream(s: INetStream) -> None:
@@ -183,12 +239,12 @@ class BlobServer:
                 finally:
                     file.close()
 
-            return _Upload(on_stream=on_stream)
+            return _Upload(slot, on_stream=on_stream)
         try:
             listener = socket.create_server((self._side_host(), 0), backlog=1)
         except BaseException:
             file.close()
-            self._uploads.release()
+            slot.release()
             raise
         secret, nonce = secrets.token_bytes(32), secrets.token_bytes(P.NONCE_LEN)
         info = transcript(client, self.peer_id, req.cid, mcid, first, count)
@@ -203,7 +259,7 @@ class BlobServer:
         except BaseException:
             listener.close()
             file.close()
-            self._uploads.release()
+            slot.release()
             raise
 
         def upload() -> None:
@@ -213,7 +269,7 @@ class BlobServer:
                 listener.close()
                 file.close()
 
-        return _Upload(in_thread=upload)
+        return _Upload(slot, in_thread=upload)
 
     async def _stream_upload(
         self, stream: INetStream, file: object, manifest: ChunkManifest, first: int, count: int

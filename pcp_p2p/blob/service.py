@@ -42,7 +42,7 @@ from pcp_p2p.blob.receiver import (
     receive_batch,
 )
 from pcp_p2p.blob.routing import ContentRouting
-from pcp_p2p.blob.server import BlobConfig, BlobServer, close_stream
+from pcp_p2p.blob.server import BlobConfig, BlobServer, UploadSlots, close_stream
 from pcp_p2p.blob.sidechannel import (
     KIND_HELLO,
     RecordCipher,
@@ -166,7 +166,7 @@ class BlobService(BlobServer):
         self.identity = identity
         self.config = config or BlobConfig()
         self.peer_id = identity.peer_id
-        self._uploads = trio.Semaphore(self.config.max_uploads)
+        self._uploads = UploadSlots(self.config.max_uploads, self.config.max_uploads_per_peer)
         self.last_fetch: FetchReport | None = None
         # Peers whose side port we could not reach: fetched over the stream path.
         self._side_unreachable: set[str] = set()
@@ -230,10 +230,13 @@ class BlobService(BlobServer):
         prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None)
         if byte_range is not None:
             return await self._fetch_range(prep, byte_range)
-        pending = await trio.to_thread.run_sync(self.store.begin, cid, prep.manifest)
-        with pending, FileSink.open(pending, direct=self.config.direct_io) as sink:
-            await self._pull(prep, range(prep.manifest.count), sink)
-            path = await trio.to_thread.run_sync(pending.commit)
+        try:
+            pending = await trio.to_thread.run_sync(self.store.begin, cid, prep.manifest)
+            with pending, FileSink.open(pending, direct=self.config.direct_io) as sink:
+                await self._pull(prep, range(prep.manifest.count), sink)
+                path = await trio.to_thread.run_sync(pending.commit)
+        finally:
+            await self._decline(prep)
         if pin:
             self.store.pin(cid)
         if announce:
@@ -272,10 +275,27 @@ class BlobService(BlobServer):
             await trio.to_thread.run_sync(self.store.read_into, cid, view)
             return view
         prep = await self._prepare(cid, providers, manifest_cid, whole=True)
-        view = self._buffer_for(cid, prep.manifest.size, out)
-        everything = range(prep.manifest.count)
-        await self._pull(prep, everything, MemorySink(prep.manifest, everything, view))
+        try:
+            view = self._buffer_for(cid, prep.manifest.size, out)
+            everything = range(prep.manifest.count)
+            await self._pull(prep, everything, MemorySink(prep.manifest, everything, view))
+        finally:
+            await self._decline(prep)
         return view
+
+    async def _decline(self, prep: _Prepared) -> None:
+        """Close a side channel offered with the manifest that the fetch did not use
+        (it failed first, e.g. a buffer too small or a full store): connecting and
+        hanging up ends the server's wait, which otherwise holds one of its upload
+        slots, and one of our peer's share of them, until its accept times out."""
+        offer, prep.offer = prep.offer, None
+        if offer is None:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(self.config.request_timeout):
+            try:
+                _close(await trio.to_thread.run_sync(_connect, offer.ip, offer.reply.port, 5.0))
+            except PcpError:
+                pass
 
     def _buffer_for(self, cid: str, size: int, out: bytearray | memoryview | None) -> memoryview:
         if out is None:
