@@ -92,6 +92,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pcp.run")
 
 FETCH_ATTEMPTS = 6
+COMMIT_PUT_ATTEMPTS = 4  # DHT puts of a commit record (2, 4, 8 s apart)
 FINISH_GRACE_S = 30.0
 KEEP_CHECKPOINTS = 2
 PINS_FILE = "pins.json"
@@ -865,12 +866,28 @@ class RunRuntime:
         self._send.send_nowait(("commit_lookup", await self._lookup_commit(), for_election))
 
     async def _publish_commit(self, rec: CommitRecord) -> None:
+        """Store the commit record in the DHT, retrying a few times.
+
+        Why retry: the record is how a node that was down when the commit went
+        out (restarted after churn, joining late) learns it. A put that timed
+        out on a busy swarm, never retried, left such a node waiting for a
+        commit it could not see; after the last round nobody sends it again.
+        """
         signed = sign_record(self.node.identity, "commit", self.run_id, rec, ttl_s=MAX_TTL_S, seq=commit_seq(rec))
-        try:
-            # Generous deadline: a swarm busy training answers DHT requests slowly.
-            await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
-        except PcpError as exc:
-            self.node.log_once("self", exc, "storing the commit record failed")
+        delay = 2.0
+        for attempt in range(COMMIT_PUT_ATTEMPTS):
+            try:
+                # Generous deadline: a swarm busy training answers DHT requests slowly.
+                await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
+                return
+            except PcpError as exc:
+                if attempt == COMMIT_PUT_ATTEMPTS - 1:
+                    self.node.log_once("self", exc, "storing the commit record failed")
+                    return
+                log.info("run %s: storing the commit of round %d failed (%s); again in %.0f s",
+                         self.run_id[:16], rec.round, exc, delay)
+                await trio.sleep(delay)
+                delay *= 2
 
     # -- status -------------------------------------------------------------------------
 

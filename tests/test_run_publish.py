@@ -1,0 +1,57 @@
+"""A run's commit record reaches the DHT even when a put times out (late joiners read it there)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import trio
+import trio.testing
+
+from pcp_p2p.diloco.messages import CommitRecord, sign
+from pcp_p2p.diloco.runtime import COMMIT_PUT_ATTEMPTS, RunRuntime
+from pcp_p2p.errors import PeerTimeout
+from pcp_p2p.node.identity import Identity
+
+RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
+
+
+class FlakyDht:
+    """A node whose first ``fails`` DHT puts time out."""
+
+    def __init__(self, fails: int) -> None:
+        self.identity = Identity.generate()
+        self.config = SimpleNamespace(op_timeout=10.0)
+        self.fails, self.puts, self.logged = fails, [], []
+
+    async def put_record(self, signed, *, timeout=None) -> None:  # type: ignore[no-untyped-def]
+        self.puts.append(trio.current_time())
+        if len(self.puts) <= self.fails:
+            raise PeerTimeout("DHT put timed out")
+
+    def log_once(self, who, exc, what) -> None:  # type: ignore[no-untyped-def]
+        self.logged.append(what)
+
+
+def runtime(node: FlakyDht) -> RunRuntime:
+    rt = RunRuntime.__new__(RunRuntime)
+    rt.node, rt.run_id = node, RUN  # type: ignore[assignment]
+    return rt
+
+
+def commit(node: FlakyDht) -> CommitRecord:
+    return sign(CommitRecord(run_id=RUN, term=0, round=7, attempt=0, prev_theta_cid="p", theta_cid="t",
+                             checkpoint_cid="c", participants=(), tokens=1, mean_loss=1.0, val_loss=None,
+                             shepherd=node.identity.peer_id), node.identity)
+
+
+async def test_a_commit_put_that_times_out_is_retried(autojump_clock: trio.testing.MockClock) -> None:
+    node = FlakyDht(fails=2)
+    await runtime(node)._publish_commit(commit(node))
+    assert len(node.puts) == 3 and not node.logged  # stored on the third try
+    assert [round(b - a) for a, b in zip(node.puts, node.puts[1:])] == [2, 4]  # backing off
+
+
+async def test_a_commit_put_that_keeps_failing_gives_up_and_says_so(autojump_clock: trio.testing.MockClock) -> None:
+    node = FlakyDht(fails=100)
+    await runtime(node)._publish_commit(commit(node))
+    assert len(node.puts) == COMMIT_PUT_ATTEMPTS and node.logged == ["storing the commit record failed"]
