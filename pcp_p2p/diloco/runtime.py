@@ -158,11 +158,12 @@ class RunRuntime:
     async def deliver(self, sender: str, msg: Message) -> None:
         """A round message from ``sender`` (called by the node's messenger).
 
-        A commit from the shepherd that signed it is acknowledged only once this
-        node holds its checkpoint (the messenger acks after this returns): the
-        shepherd waits for one such ack before the commit goes anywhere else,
-        so a shepherd killed right after committing never takes the only copy
-        of θ with it (see :meth:`_replicate_then_commit`).
+        A commit from the shepherd that signed it is acknowledged, and accepted,
+        only once this node holds its checkpoint (the messenger acks after this
+        returns, and refuses when it raises): the shepherd waits for one such
+        ack before the commit goes anywhere else, so a shepherd killed right
+        after committing never takes the only copy of θ with it (see
+        :meth:`_replicate_then_commit`).
         """
         if getattr(msg, "run_id", None) != self.run_id:
             return
@@ -170,6 +171,13 @@ class RunRuntime:
             verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
+            if not self.blobs.store.has(msg.checkpoint_cid):
+                # Neither acknowledged nor accepted: a shepherd killed while we
+                # fetched took the only copy with it, and a commit nobody else
+                # holds must not become the round the next term starts from.
+                # A live shepherd sends the commit again (or we read it in the DHT).
+                raise PeerError(f"commit of round {msg.round}: its checkpoint could not be fetched "
+                                f"from {sender}; not accepted")
         self._send.send_nowait(("msg", sender, msg))
 
     # -- main loop ----------------------------------------------------------------------

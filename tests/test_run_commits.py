@@ -1,9 +1,10 @@
-"""A run's commit record reaches the DHT even when a put times out (late joiners read it there)."""
+"""A run's commits last: the DHT record is retried, and a commit is accepted only with its checkpoint."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import trio
 import trio.testing
 
@@ -55,3 +56,38 @@ async def test_a_commit_put_that_keeps_failing_gives_up_and_says_so(autojump_clo
     node = FlakyDht(fails=100)
     await runtime(node)._publish_commit(commit(node))
     assert len(node.puts) == COMMIT_PUT_ATTEMPTS and node.logged == ["storing the commit record failed"]
+
+
+class _Store:
+    def __init__(self, held: set[str]) -> None:
+        self.held = held
+
+    def has(self, cid: str) -> bool:
+        return cid in self.held
+
+
+async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_accepted() -> None:
+    from pcp_p2p.errors import PeerError
+
+    shepherd = FlakyDht(fails=0)
+    rec = commit(shepherd)
+    rt = RunRuntime.__new__(RunRuntime)
+    send, inbox = trio.open_memory_channel[tuple](10)
+    held: set[str] = set()
+    rt.run_id, rt.blobs, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
+
+    async def shepherd_gone(cid: str, hint: str | None = None) -> None:  # the fetch failed
+        return None
+
+    rt._replicate_checkpoint = shepherd_gone  # type: ignore[method-assign]
+    with pytest.raises(PeerError):  # the messenger then refuses it: no ack
+        await rt.deliver(shepherd.identity.peer_id, rec)
+    with pytest.raises(trio.WouldBlock):
+        inbox.receive_nowait()  # and the run never sees it
+
+    async def fetched(cid: str, hint: str | None = None) -> None:
+        held.add(cid)
+
+    rt._replicate_checkpoint = fetched  # type: ignore[method-assign]
+    await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
+    assert inbox.receive_nowait() == ("msg", shepherd.identity.peer_id, rec)
