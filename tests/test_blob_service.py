@@ -652,3 +652,25 @@ async def test_a_peer_that_asks_for_data_and_never_connects_holds_its_share_of_s
                 # the hog's third request waits on its own share, so an honest peer still gets a slot
                 assert bytes(await f.fetch_into(cid, providers=[info(a)])) == data
             assert third == ["busy"]
+
+
+async def test_a_fetch_hands_out_nothing_its_sink_did_not_verify(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pcp_p2p.blob.receiver import MemorySink
+
+    data = os.urandom(3 * CS)
+    async with network(tmp_path) as net:
+        a = await net.node()
+        cid = await a.publish(data)
+        f = await net.node()
+        real_put = MemorySink.put
+
+        def forgetful_put(self, index, view, *, in_place=False):  # type: ignore[no-untyped-def]
+            real_put(self, index, view, in_place=in_place)
+            if index == 1:
+                self.verified.discard(index)  # the plan hears "ok", the sink never kept it
+
+        monkeypatch.setattr(MemorySink, "put", forgetful_put)
+        with pytest.raises(HashMismatch):
+            await f.fetch_into(cid, providers=[info(a)])

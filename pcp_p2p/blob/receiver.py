@@ -101,6 +101,11 @@ class ChunkSink:
         """Keep verified chunk ``index``; ``in_place``: ``view`` is its :meth:`slot`."""
         raise NotImplementedError
 
+    @property
+    def complete(self) -> bool:
+        """Every chunk this sink was given passed its hash."""
+        raise NotImplementedError
+
 
 class FileSink(ChunkSink):
     """Chunks into the temp file of a :class:`PendingBlob`, which learns each one.
@@ -153,6 +158,10 @@ class FileSink(ChunkSink):
             start_writeback(self.fd, offset, len(view))
         self.pending.chunk_verified(index)
 
+    @property
+    def complete(self) -> bool:
+        return self.pending.complete
+
 
 def _aligned(view: memoryview) -> bool:
     """Whether a (writable) buffer starts on a :data:`DIRECT_ALIGN` boundary."""
@@ -180,7 +189,7 @@ class MemorySink(ChunkSink):
         if len(out) < need:
             raise LocalError(f"buffer of {len(out)} bytes for {need} bytes of {manifest.cid}")
         self.out = out
-        self._verified: set[int] = set()
+        self.verified: set[int] = set()
 
     def slot(self, index: int) -> memoryview:
         offset, length = self.manifest.chunk_span(index)
@@ -189,12 +198,12 @@ class MemorySink(ChunkSink):
     def put(self, index: int, view: memoryview, *, in_place: bool = False) -> None:
         if not in_place:  # received elsewhere (the stream path): copy it in
             self.slot(index)[:] = view
-        self._verified.add(index)  # atomic under the GIL
+        self.verified.add(index)  # atomic under the GIL
 
     @property
     def complete(self) -> bool:
         """Every wanted chunk is in ``out`` and matched its hash."""
-        return len(self._verified) == len(self.wanted)
+        return len(self.verified) == len(self.wanted)
 
 
 def accept_chunk(sink: ChunkSink, index: int, view: memoryview, *, in_place: bool = False) -> None:

@@ -451,6 +451,8 @@ class BlobService(BlobServer):
         report.chunks_from = dict(pull.plan.served)
         if not pull.plan.complete:
             raise _aggregate(prep.manifest.cid, pull.errors)
+        if not sink.complete:  # the sink's own count, not only the plan's: nothing unchecked leaves
+            raise HashMismatch(f"{prep.manifest.cid}: chunks reported done but never verified")
 
     async def _worker(self, info: PeerInfo, pid: str, pull: _Pull) -> None:
         plan, changed, sink, report = pull.plan, pull.changed, pull.sink, pull.prep.report
@@ -500,10 +502,10 @@ class BlobService(BlobServer):
     ) -> None:
         prep, plan, changed, sink = pull.prep, pull.plan, pull.changed, pull.sink
         mcid = prep.mcid
-        offer = prep.take_offer(pid, batch)
-        if pid in self._side_unreachable:
+        if pid in self._side_unreachable:  # (an offer left untaken is declined by the fetch)
             await self._fetch_batch_stream(info, pid, pull, batch)
             return
+        offer = prep.take_offer(pid, batch)
         manifest = sink.manifest
         cid = manifest.cid
         if offer is not None:  # the side channel came with the manifest

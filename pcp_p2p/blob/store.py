@@ -105,13 +105,18 @@ class PendingBlob:
         self.manifest.chunk_span(index)  # IndexError for a chunk it does not have
         self._verified.add(index)
 
+    @property
+    def complete(self) -> bool:
+        """Every chunk of the manifest was verified and written."""
+        return len(self._verified) == self.manifest.count
+
     def commit(self) -> Path:
         """Move the finished blob into place once every chunk was verified."""
         if self._done:
             raise LocalError("pending blob already committed or aborted")
         try:
-            missing = self.manifest.count - len(self._verified)
-            if missing:
+            if not self.complete:
+                missing = self.manifest.count - len(self._verified)
                 raise HashMismatch(f"{self.cid}: {missing} chunk(s) never verified")
             if self.path.stat().st_size != self.manifest.size:
                 raise HashMismatch(f"fetched file has the wrong size for {self.cid}")
