@@ -45,6 +45,22 @@ Example (every key optional; these are the defaults)::
     min_uptime_s = 5.0
     rotate_every = 10        # rounds per term; 0 = never rotate
     claim_timeout_s = 10.0
+    max_skew_s = 2.0         # a lease dated further ahead of a verifier's clock is refused
+
+    [aggregation]      # bounded, robust, scored, audited contributions (docs/security.md)
+    rule = "trimmed_mean"    # or "centered_clip", or "mean" (not robust)
+    trim_fraction = 0.25
+    clip_iters = 3
+    norm_vs_median = 3.0     # ‖Δ‖ above 3x the round's median is refused; 0 = off
+    max_share = 0.5          # the most token weight one worker may carry
+    score_tolerance = 0.05   # a Δ that worsens held-out loss by more (nats) is refused
+    val_jump = 0.10          # a commit whose val loss rises >10% is retried without suspects
+    audit_rate = 0.05        # share of accepted submissions re-executed by another worker
+
+    [admission]        # who may contribute
+    mode = "open"            # or "allowlist"
+    allowlist = []           # peer ids (amendable by owner-signed updates)
+    shepherds = []           # peer ids that may be elected shepherd; [] = any admitted member
 
     [data]
     dataset = "shakespeare"  # or a path to a text file or a folder of .txt files
@@ -68,6 +84,8 @@ from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_stru
 
 MODEL_PRESETS = ("tiny", "small", "medium")
 DELTA_CODECS = ("int8", "fp32")
+AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
+ADMISSION_MODES = ("open", "allowlist")
 
 
 @wire_struct
@@ -119,6 +137,45 @@ class ElectionPolicy(Message):
     min_uptime_s: float = 5.0
     rotate_every: int = 10  # rounds per term before a planned hand-over; 0 = never
     claim_timeout_s: float = 10.0
+    max_skew_s: float = 2.0  # how far a lease's times may lie ahead of a verifier's clock
+
+
+@wire_struct
+class AggregationPolicy(Message):
+    """How the shepherd bounds, combines, scores and audits the workers' pseudo-gradients.
+
+    Every worker is a stranger: no single submission may dominate a round
+    (``max_share``), a norm is judged against the round's median submission
+    rather than a bound that grows with θ (``norm_vs_median``), the combining
+    rule is robust by default, each submission is scored on held-out data
+    (``score_tolerance``), a commit whose validation loss jumps is retried
+    without its suspects (``val_jump``), and a fraction of accepted submissions
+    is re-executed by another worker (``audit_rate``). See ``docs/security.md``.
+    """
+
+    rule: str = "trimmed_mean"  # "mean" | "trimmed_mean" | "centered_clip"
+    trim_fraction: float = 0.25  # trimmed_mean: share cut from each end, per coordinate
+    clip_iters: int = 3  # centered_clip: refinement passes
+    norm_vs_median: float = 3.0  # refuse ‖Δ‖ above this times the round's median norm; 0 = off
+    max_share: float = 0.5  # the most token weight one worker may carry in a round
+    score_tolerance: float = 0.05  # refuse a Δ whose held-out loss is worse than θ's by more (nats); <0 = off
+    val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
+    audit_rate: float = 0.05  # share of accepted submissions re-executed by another worker
+
+
+@wire_struct
+class AdmissionPolicy(Message):
+    """Who may contribute to the run (``open``: any member; ``allowlist``: the owner's list).
+
+    ``allowlist`` may be amended later by updates the owner signs (see
+    :mod:`pcp_p2p.diloco.admission`). ``shepherds``, when not empty, is the only
+    set of peers that may be elected shepherd (they sign the artifacts every
+    worker runs); empty means any admitted member that can compile.
+    """
+
+    mode: str = "open"
+    allowlist: tuple[str, ...] = ()
+    shepherds: tuple[str, ...] = ()
 
 
 @wire_struct
@@ -132,6 +189,8 @@ class RunSpec(Message):
     outer: OuterOptimizer = dataclasses.field(default_factory=OuterOptimizer)
     round: RoundPolicy = dataclasses.field(default_factory=RoundPolicy)
     election: ElectionPolicy = dataclasses.field(default_factory=ElectionPolicy)
+    aggregation: AggregationPolicy = dataclasses.field(default_factory=AggregationPolicy)
+    admission: AdmissionPolicy = dataclasses.field(default_factory=AdmissionPolicy)
     dataset: str = "shakespeare"
     targets: tuple[str, ...] = ("cpu-x86_64-v4", "cpu-x86_64-v3", "cpu-x86_64-generic", "cpu-aarch64", "cpu-apple-m1")
 
@@ -185,6 +244,23 @@ class RunSpec(Message):
         need(finite(e.min_uptime_s) and e.min_uptime_s >= 0, "election.min_uptime_s", "must be >= 0")
         need(0 <= e.rotate_every <= 1_000_000, "election.rotate_every", "must be >= 0 (0 = never)")
         need(finite(e.claim_timeout_s) and e.claim_timeout_s > 0, "election.claim_timeout_s", "must be > 0")
+        need(finite(e.max_skew_s) and 0 <= e.max_skew_s <= e.lease_s, "election.max_skew_s", "must be in [0, lease_s]")
+        g = self.aggregation
+        need(g.rule in AGGREGATION_RULES, "aggregation.rule", f"must be one of {AGGREGATION_RULES}")
+        need(finite(g.trim_fraction) and 0 <= g.trim_fraction < 0.5, "aggregation.trim_fraction", "must be in [0, 0.5)")
+        need(1 <= g.clip_iters <= 100, "aggregation.clip_iters", "must be in [1, 100]")
+        need(finite(g.norm_vs_median) and (g.norm_vs_median == 0 or g.norm_vs_median >= 1),
+             "aggregation.norm_vs_median", "must be 0 (off) or >= 1")
+        need(finite(g.max_share) and 0 < g.max_share <= 1, "aggregation.max_share", "must be in (0, 1]")
+        need(finite(g.score_tolerance), "aggregation.score_tolerance", "must be a number (< 0 = off)")
+        need(finite(g.val_jump) and g.val_jump >= 0, "aggregation.val_jump", "must be >= 0 (0 = off)")
+        need(finite(g.audit_rate) and 0 <= g.audit_rate <= 1, "aggregation.audit_rate", "must be in [0, 1]")
+        a = self.admission
+        need(a.mode in ADMISSION_MODES, "admission.mode", f"must be one of {ADMISSION_MODES}")
+        need(len(a.allowlist) <= 10_000 and all(0 < len(p) <= 128 for p in a.allowlist),
+             "admission.allowlist", "must list at most 10000 peer ids")
+        need(len(a.shepherds) <= 1_000 and all(0 < len(p) <= 128 for p in a.shepherds),
+             "admission.shepherds", "must list at most 1000 peer ids")
         from pcp_p2p.compile.targets import TARGETS
 
         unknown = [t for t in self.targets if t not in TARGETS]
@@ -199,6 +275,8 @@ _SECTIONS: dict[str, type[Message]] = {
     "outer": OuterOptimizer,
     "round": RoundPolicy,
     "election": ElectionPolicy,
+    "aggregation": AggregationPolicy,
+    "admission": AdmissionPolicy,
 }
 
 
@@ -214,6 +292,10 @@ def _build(cls: type[Message], table: Any, where: str) -> Any:
         default = fields[key].default
         if isinstance(default, float) and type(value) is int:
             value = float(value)
+        if isinstance(default, tuple):  # lists of strings (peer ids)
+            if not isinstance(value, list) or not all(type(x) is str for x in value):
+                raise ConfigError(f"run spec: {where}.{key} must be a list of strings")
+            value = tuple(value)
         if type(value) is not type(default):
             raise ConfigError(
                 f"run spec: {where}.{key} must be a {type(default).__name__}, got {value!r:.40}"
@@ -228,7 +310,7 @@ def parse_spec(text: str) -> RunSpec:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"run spec is not valid TOML: {exc}") from exc
-    known = {"name", "seed", "model", "inner", "outer", "round", "election", "data", "targets"}
+    known = {"name", "seed", "model", "inner", "outer", "round", "election", "aggregation", "admission", "data", "targets"}
     for key in doc:
         if key not in known:
             raise ConfigError(f"run spec: unknown key {key!r} (known: {', '.join(sorted(known))})")
