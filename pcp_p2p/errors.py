@@ -75,6 +75,16 @@ class NotElected(VerificationError):
     """A lease or shepherd message from a peer that does not hold (or may not claim) the term."""
 
 
+class HeldBack(NotElected):
+    """A well-signed lease or commit whose authority this node cannot check yet.
+
+    A term ahead of the chain the node holds, a commit for a term whose lease it
+    has not accepted, a holder its membership view does not list yet: the
+    message is kept (bounded) and looked at again when the node learns more,
+    but nothing is acted on — not acked, fetched, pinned, stored or followed.
+    """
+
+
 class RejectedUpdate(RemoteError):
     """A pseudo-gradient or round submission refused by the aggregator."""
 

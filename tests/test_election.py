@@ -14,6 +14,7 @@ from pcp_p2p.diloco.election import (
     LEASE_KIND,
     BecomeShepherd,
     Candidate,
+    CommitChecked,
     Election,
     ElectionConfig,
     FollowShepherd,
@@ -212,7 +213,7 @@ def test_failover_next_ranked_live_candidate_takes_the_next_term_from_the_last_c
     c = make_commit(h0, 0, 0, "theta1")
     for e in es.values():
         assert e.on_lease(lease0, 1.0) == [FollowShepherd(0, h0.peer_id)]
-        assert e.on_commit(c, 5.0) == []
+        assert e.on_commit(c, 5.0) == [CommitChecked(c)]
     # h0 dies: no renewal. Nobody moves before expiry + grace ...
     for e in es.values():
         assert e.tick(11.5) == [] and e.holder == h0.peer_id
@@ -265,7 +266,7 @@ def test_rotation_after_rotate_every_rounds_hands_over_to_term_k_plus_1():
     for e in others.values():
         e.on_lease(lease0, 1.1)
     c0, c1 = make_commit(h0, 0, 0, "t1"), make_commit(h0, 0, 1, "t2", prev="t1")
-    assert e_h.on_commit(c0, 2.0) == []
+    assert e_h.on_commit(c0, 2.0) == [CommitChecked(c0)]
     out = e_h.on_commit(c1, 3.0)
     assert StepDown(0, "rotation") in out and e_h.role in (Role.VACANT, Role.HOLDER)
     all_es = {h0.peer_id: e_h, **others}
@@ -324,10 +325,11 @@ def test_a_holder_that_hung_past_its_expiry_steps_down_on_its_own():
 def test_same_term_claimed_twice_the_better_ranked_holder_stands():
     a, b = order(5)[:2]
     e = started(order(5)[2])
-    e.on_members(view(), 1.0)
+    e.on_members(view([i for i in IDS if i is not a]), 1.0)  # b's side of a partition: a unseen
     la = make_lease(a, 5, 1.0, claimed_at=-50.0)
     lb = make_lease(b, 5, 1.0, claimed_at=-50.0)
     assert e.on_lease(lb, 1.0) == [FollowShepherd(5, b.peer_id)]
+    e.on_members(view(), 1.05)  # healed: a is in view, and outranks b for the term both claimed
     assert FollowShepherd(5, a.peer_id) in e.on_lease(la, 1.1)
     assert isinstance(errors(e.on_lease(lb, 1.2))[0], NotElected)
     assert e.holder == a.peer_id

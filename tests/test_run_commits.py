@@ -8,9 +8,10 @@ import pytest
 import trio
 import trio.testing
 
+from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.messages import CommitRecord, sign
 from pcp_p2p.diloco.runtime import COMMIT_PUT_ATTEMPTS, RunRuntime
-from pcp_p2p.errors import PeerTimeout
+from pcp_p2p.errors import NotElected, PeerTimeout
 from pcp_p2p.node.identity import Identity
 
 RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
@@ -66,15 +67,54 @@ class _Store:
         return cid in self.held
 
 
+def following(shepherd: FlakyDht) -> Election:
+    """A worker's election that accepted ``shepherd``'s lease of term 0."""
+    e = Election(RUN, Identity.generate(), ElectionConfig(lease_s=10.0, renew_every_s=3.0, min_uptime_s=5.0))
+    e.start(1000.0)
+    e.on_members([Candidate(shepherd.identity.peer_id, 100.0)], 1000.0)
+    lease = sign(Lease(run_id=RUN, term=0, holder=shepherd.identity.peer_id, claimed_at=1000.0, issued=1000.0,
+                       expiry=1010.0, from_round=0, from_theta_cid="", from_checkpoint_cid=""), shepherd.identity)
+    assert of_type(e.on_lease(lease, 1000.5), FollowShepherd)
+    return e
+
+
+def of_type(effects: list, kind: type) -> list:
+    return [x for x in effects if isinstance(x, kind)]
+
+
+def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRuntime, trio.MemoryReceiveChannel]:
+    rt = RunRuntime.__new__(RunRuntime)
+    send, inbox = trio.open_memory_channel[tuple](10)
+    rt.run_id, rt.blobs, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
+    rt.election = election
+    return rt, inbox
+
+
+async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_acked() -> None:
+    """A stranger's well-signed commit (the "fill disks" attack) names a checkpoint: nothing
+    is fetched or pinned, no ack goes back, and the election only holds the record."""
+    stranger, shepherd = FlakyDht(fails=0), FlakyDht(fails=0)
+    fetched: list[str] = []
+
+    async def fetch(cid: str, hint: str | None = None) -> None:
+        fetched.append(cid)
+
+    for election in (None, following(shepherd)):
+        rt, inbox = delivering_runtime(election, set())
+        rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
+        with pytest.raises(NotElected):
+            await rt.deliver(stranger.identity.peer_id, commit(stranger))
+        assert fetched == []
+        assert inbox.receive_nowait()[0] == "msg"  # handed to the election, which holds or refuses it
+
+
 async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_accepted() -> None:
     from pcp_p2p.errors import PeerError
 
     shepherd = FlakyDht(fails=0)
     rec = commit(shepherd)
-    rt = RunRuntime.__new__(RunRuntime)
-    send, inbox = trio.open_memory_channel[tuple](10)
     held: set[str] = set()
-    rt.run_id, rt.blobs, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
+    rt, inbox = delivering_runtime(following(shepherd), held)
 
     async def shepherd_gone(cid: str, hint: str | None = None) -> None:  # the fetch failed
         return None

@@ -207,6 +207,7 @@ class BlobService(BlobServer):
         manifest_cid: str | None = None,
         pin: bool = False,
         announce: bool = True,
+        max_size: int | None = None,
     ) -> Path | bytes:
         """The blob's path in the store, or the bytes of ``byte_range = (start, end)``.
 
@@ -217,7 +218,9 @@ class BlobService(BlobServer):
         every chunk against the manifest as it arrives; a whole blob is
         committed to the store once all chunks passed, a range is returned
         and not stored. ``manifest_cid`` (when a signed record names it) pins
-        the exact manifest bytes as well.
+        the exact manifest bytes as well. ``max_size``: a manifest declaring
+        more bytes is refused (:class:`OversizedMessage`) before any chunk
+        moves — the caller knows how large such a blob can honestly be.
         """
         parse_cid(cid)  # MalformedMessage for a non-CID
         if self.store.has(cid):
@@ -227,7 +230,7 @@ class BlobService(BlobServer):
             if pin:
                 self.store.pin(cid)
             return self.store.path(cid)
-        prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None)
+        prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None, max_size=max_size)
         if byte_range is not None:
             return await self._fetch_range(prep, byte_range)
         try:
@@ -253,6 +256,7 @@ class BlobService(BlobServer):
         *,
         providers: list[PeerInfo] | None = None,
         manifest_cid: str | None = None,
+        max_size: int | None = None,
     ) -> memoryview:
         """The whole blob, verified, in memory and not stored: ``out[:size]``.
 
@@ -274,7 +278,7 @@ class BlobService(BlobServer):
             view = self._buffer_for(cid, size, out)
             await trio.to_thread.run_sync(self.store.read_into, cid, view)
             return view
-        prep = await self._prepare(cid, providers, manifest_cid, whole=True)
+        prep = await self._prepare(cid, providers, manifest_cid, whole=True, max_size=max_size)
         try:
             view = self._buffer_for(cid, prep.manifest.size, out)
             everything = range(prep.manifest.count)
@@ -308,7 +312,8 @@ class BlobService(BlobServer):
         return view[:size]
 
     async def _prepare(
-        self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None, *, whole: bool
+        self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None, *, whole: bool,
+        max_size: int | None = None,
     ) -> _Prepared:
         """Providers (from the DHT unless given) and the manifest, checked against ``cid``.
 
@@ -328,7 +333,7 @@ class BlobService(BlobServer):
         # it, it is the right chunk list; only chunks can still be wrong.
         merged = whole and len(providers) == 1 and providers[0].peer_id.to_base58() not in self._side_unreachable
         manifest, mcid, source, inline, offer = await self._get_manifest(
-            cid, providers, manifest_cid, report, merged=merged)
+            cid, providers, manifest_cid, report, merged=merged, max_size=max_size)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
         # content or lies: it gets no data requests. The one that gave the
@@ -353,7 +358,7 @@ class BlobService(BlobServer):
 
     async def _get_manifest(
         self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport,
-        *, merged: bool = False,
+        *, merged: bool = False, max_size: int | None = None,
     ) -> tuple[ChunkManifest, str, str, bytes | None, _SideOffer | None]:
         """The manifest, its CID, who sent it, the blob if it came inline, and
         (``merged``: a ``fetch`` request) the side channel that came with it."""
@@ -368,7 +373,8 @@ class BlobService(BlobServer):
                 reply, ip = await self._request(info, req)
                 manifest = parse_manifest(
                     reply.manifest, expect_cid=cid, expect_manifest_cid=want_mcid,
-                    max_size=self.config.max_blob_size,
+                    max_size=self.config.max_blob_size if max_size is None
+                    else min(max_size, self.config.max_blob_size),
                 )
                 inline = reply.data if manifest.count == 1 else None
                 offer = None

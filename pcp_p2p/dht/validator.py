@@ -4,6 +4,16 @@ Registered with ``strict_validation=True`` so that a PCP node's DHT stores
 nothing outside namespaces it validates. py-libp2p calls ``validate`` on every
 put it receives and every value a get returns, and ``select`` to choose among
 competing values; both delegate to :func:`~pcp_p2p.dht.records.verify_record`.
+
+A signature check alone would let any stranger's well-signed record for a far-
+future term shadow the honest ones (``lease`` and ``commit`` kinds order by
+term). So a node that takes part in a run adds an *authority* check
+(``authorities``): the same rules its election applies before acting on a
+lease or commit. Such a node then neither stores nor selects a record it would
+not act on, and its own lookups never return one. A node outside the run (a
+bootstrap server) can only check signatures; readers in the run discard what
+it returns if their election refuses it (py-libp2p validates every value a
+get collects, then selects among the survivors).
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ from collections.abc import Callable
 
 from libp2p.records.validator import Validator
 
-from pcp_p2p.dht.records import newer, verify_record
+from pcp_p2p.dht.records import VerifiedRecord, newer, verify_record
 from pcp_p2p.errors import PcpError
 
 log = logging.getLogger(__name__)
@@ -25,16 +35,25 @@ class PcpRecordValidator(Validator):
 
     def __init__(self, now: Callable[[], float] = time.time) -> None:
         self._now = now
+        self.authorities: list[Callable[[VerifiedRecord, float], None]] = []
+        """Extra checks (raise a PcpError to refuse); a run's runtime adds its election's."""
+
+    def check(self, key: str, value: bytes) -> VerifiedRecord:
+        now = self._now()
+        verified = verify_record(value, key=key, now=now)
+        for authority in self.authorities:
+            authority(verified, now)
+        return verified
 
     def validate(self, key: str, value: bytes) -> None:
-        verify_record(value, key=key, now=self._now())
+        self.check(key, value)
 
     def select(self, key: str, values: list[bytes]) -> int:
         """Index of the newest valid value; invalid values never win."""
         best_i, best = -1, None
         for i, value in enumerate(values):
             try:
-                rec = verify_record(value, key=key, now=self._now()).record
+                rec = self.check(key, value).record
             except PcpError as exc:
                 log.debug("select: dropping invalid value for %s: %s", key, exc)
                 continue

@@ -21,6 +21,34 @@ Fork choice (after a partition heals, both sides may have committed): the
 winning commit is the greatest ``(term, round, theta_cid)``; a worker on the
 losing side resynchronises to it (see ``docs/election.md`` for what that costs).
 
+Every peer is a stranger, so a signature only says who sent a lease; authority
+is the whole chain, checked before anything is acted on (``check_lease``):
+
+1. the lease is for this run, signed by its holder, with sane times: claimed
+   <= issued < expiry, valid for at most ``lease_s`` (+ skew), not issued more
+   than ``max_skew_s`` ahead of our clock, not claimed longer ago than
+   ``max_claim_age_s``;
+2. the holder is an eligible candidate in this node's view (a live member that
+   took up the run, is admitted to lead it, can compile, has the uptime);
+3. the holder ranks first for the term among the candidates that were already
+   eligible when it claimed (members younger than the claim cannot outrank it,
+   so a node restarted mid-term accepts the term it finds), the previous
+   holder left out if its lease had lapsed by then — for every new term, not
+   only fresh ones;
+4. the term is reachable from the chain this node holds: while the current
+   term is live only the very next term, freshly claimed, may replace it; a
+   vacant node accepts at most ``claim_timeout_s``-skips ahead.
+
+What fails (3) or (4), or names a holder the view does not list yet, is *held
+back* (``HeldBack``, bounded, looked at again as the node learns more), never
+followed. A commit is acted on only once the lease of its term is accepted and
+it is signed by that lease's holder (or it is the commit the current lease
+names as its base); a commit for a term the node cannot check yet is held the
+same way, and released (``CommitChecked``) when the lease arrives. A lone
+stranger's signature therefore never confers authority, and a far-future term
+cannot stall the run: it is held, and at most moves the number of the next
+term an honest node claims.
+
 Lifecycle of a term, as seen by one node::
 
     VACANT   --tick, I rank first among live candidates-->   HOLDER   (PublishLease, BecomeShepherd)
@@ -48,6 +76,7 @@ from pcp_p2p.errors import (
     BadSignature,
     ConfigError,
     ExpiredRecord,
+    HeldBack,
     NotElected,
     PcpError,
     StaleMessage,
@@ -140,12 +169,22 @@ class ElectionConfig:
     """After start and after a term ends, how long to wait for the DHT's latest lease and
     commit before claiming (``on_lookups_done`` cuts it short)."""
     fresh_claim_s: float | None = None
-    """How long after ``claimed_at`` a lease is checked against the caller's ranking
-    (default ``lease_s``); an older, still-renewed term is accepted on its number."""
+    """How long after ``claimed_at`` a claim counts as fresh (default ``lease_s``): only a
+    fresh claim of the very next term may replace a term that is still live."""
+    max_skew_s: float = 2.0
+    """How far ahead of this node's clock a lease may be issued (and how much longer than
+    ``lease_s`` it may be valid)."""
+    max_claim_age_s: float | None = None
+    """A lease claimed longer ago than this is refused (``None``: no bound). The longest a
+    term can honestly last; bounds how far back a claim may be dated."""
+    max_held: int = 16
+    """Leases and commits held back (not yet checkable), at most; the oldest go first."""
 
     def validate(self) -> ElectionConfig:
         if not (0 < self.renew_every_s < self.lease_s):
             raise ConfigError("election: need 0 < renew_every_s < lease_s")
+        if self.max_skew_s < 0 or (self.max_claim_age_s is not None and self.max_claim_age_s <= 0):
+            raise ConfigError("election: max_skew_s >= 0 and max_claim_age_s > 0")
         if self.grace_s < 0 or self.min_uptime_s < 0 or self.rotate_every < 0 or self.claim_timeout_s <= 0:
             raise ConfigError("election: grace_s, min_uptime_s, rotate_every >= 0 and claim_timeout_s > 0")
         return self
@@ -212,7 +251,7 @@ class StepDown:
     """Stop this node's shepherd of ``term`` now (its in-flight round is abandoned)."""
 
     term: int
-    reason: str  # "rotation" | "deposed" | "lapsed"
+    reason: str  # "rotation" | "deposed" | "lapsed" | "aged" (claim older than max_claim_age_s)
 
 
 @dataclass(frozen=True)
@@ -220,7 +259,20 @@ class LookupLease:
     """Look up ``/pcp/lease/<run>`` in the DHT; feed what comes back to ``on_lease``."""
 
 
-ElectionEffect = LookupLease | PublishLease | BecomeShepherd | FollowShepherd | StepDown | LookupCommit | Rejected
+@dataclass(frozen=True)
+class CommitChecked:
+    """``record`` passed the authority chain: hand it to the worker (and only then).
+
+    Emitted by ``on_commit`` for a commit it accepts, and later for a held-back
+    commit once the lease of its term is accepted.
+    """
+
+    record: CommitRecord
+
+
+ElectionEffect = (
+    LookupLease | PublishLease | BecomeShepherd | FollowShepherd | StepDown | LookupCommit | Rejected | CommitChecked
+)
 
 
 @dataclass
@@ -254,7 +306,12 @@ class Election:
         self.identity = identity
         self.config = (config or ElectionConfig()).validate()
         self.view: list[str] = []  # eligible live candidates, as last reported
+        self.uptime: dict[str, float] = {}  # their uptime when last reported ...
+        self.view_at: float | None = None  # ... at this time
         self.lease: Lease | None = None
+        self.prev_lease: Lease | None = None  # the lease the current one replaced
+        self.held_leases: dict[str, Lease] = {}  # holder -> its latest lease not checkable yet
+        self.held_commits: dict[tuple[int, str, str], CommitRecord] = {}  # (term, shepherd, θ) -> commit
         self.ended_by_rotation = False
         self.vacant_since: float | None = None
         self.best_commit: CommitRecord | None = None
@@ -284,7 +341,7 @@ class Election:
         """The term that is up for claim now, or ``None`` while a term is held."""
         if self.role is not Role.VACANT or self.vacant_since is None:
             return None
-        base = 0 if self.lease is None else self.lease.term + 1
+        base = self._claim_base(now)
         skipped = int(max(0.0, now - self.vacant_since) // self.config.claim_timeout_s)
         return base + skipped
 
@@ -336,8 +393,11 @@ class Election:
 
     def on_members(self, live: Iterable[Candidate], now: float) -> list[ElectionEffect]:
         self._now = now
+        live = list(live)
         self.view = eligible(live, self.config)
-        return self.tick(now)
+        self.uptime = {c.peer_id: c.uptime_s for c in live if c.peer_id in self.view}
+        self.view_at = now
+        return self._retry_held(now) + self.tick(now)
 
     def on_lease(self, lease: Lease | bytes, now: float) -> list[ElectionEffect]:
         """A lease arrived (gossip, direct send or DHT lookup)."""
@@ -346,8 +406,17 @@ class Election:
             if isinstance(lease, bytes):
                 lease = decode(lease, Lease)
             self.check_lease(lease, now)
+        except HeldBack as exc:
+            assert isinstance(lease, Lease)
+            self._hold_lease(lease)
+            return [Rejected(lease.holder, exc)]
         except PcpError as exc:
             return [Rejected(getattr(lease, "holder", None) if isinstance(lease, Lease) else None, exc)]
+        return self._accept_lease(lease, now)
+
+    def _accept_lease(self, lease: Lease, now: float) -> list[ElectionEffect]:
+        """``lease`` passed ``check_lease``: renew, or move to its term."""
+        self.held_leases.pop(lease.holder, None)
         cur = self.lease
         if cur is not None and lease.term == cur.term and lease.holder == cur.holder:
             if lease.issued > cur.issued:
@@ -359,6 +428,8 @@ class Election:
         effects: list[ElectionEffect] = []
         if cur is not None:
             effects += self._end_term(now, "deposed")
+        if cur is not None and cur.term < lease.term:
+            self.prev_lease = cur
         self.lease = lease
         self.ended_by_rotation = False
         self.vacant_since = None
@@ -367,75 +438,196 @@ class Election:
             # our own lease echoed back after a restart: we do not remember serving it
             self.role = Role.VACANT
             self.vacant_since = now
-            return effects + [StepDown(lease.term, "lapsed")]
+            return effects + [StepDown(lease.term, "lapsed")] + self._release_commits(now)
         self.role = Role.FOLLOWER
-        return effects + [FollowShepherd(lease.term, lease.holder, lease.from_round, lease.from_theta_cid)]
+        effects.append(FollowShepherd(lease.term, lease.holder, lease.from_round, lease.from_theta_cid))
+        return effects + self._release_commits(now)
 
     def check_lease(self, lease: Lease, now: float) -> None:
-        """Raise a typed error unless ``lease`` may replace (or renew) the current one."""
+        """Raise a typed error unless ``lease`` may replace (or renew) the current one.
+
+        ``HeldBack`` (a ``NotElected``) means "well signed, not checkable yet":
+        ``on_lease`` keeps such a lease and looks at it again later.
+        """
+        c = self.config
         if lease.run_id != self.run_id:
             raise VerificationError(f"lease for another run {lease.run_id:.20}")
         verify(lease, lease.holder)  # BadSignature unless the holder signed it
         if not (lease.claimed_at <= lease.issued < lease.expiry):
             raise VerificationError("lease times are not claimed <= issued < expiry")
+        if lease.expiry - lease.issued > c.lease_s + c.max_skew_s:
+            raise VerificationError(
+                f"lease valid for {lease.expiry - lease.issued:.0f} s; the run allows {c.lease_s:g} s")
         cur = self.lease
         if cur is not None and lease.term < cur.term:
             raise StaleMessage(f"lease of term {lease.term}, term {cur.term} already seen")
+        if lease.issued > now + c.max_skew_s:
+            raise ExpiredRecord(f"lease of term {lease.term} issued {lease.issued - now:.1f} s in the future")
         if lease.expiry <= now:
             raise ExpiredRecord(f"lease of term {lease.term} expired {now - lease.expiry:.1f} s ago")
-        if cur is not None:
-            if lease.term == cur.term and lease.holder != cur.holder:
-                # two claims of one term (views differed): the better-ranked one stands
-                if term_rank(self.run_id, lease.term, lease.holder) > term_rank(self.run_id, cur.term, cur.holder):
-                    raise NotElected(f"term {lease.term} is already held by a better-ranked peer")
-                return
-            if lease.term == cur.term:
+        if c.max_claim_age_s is not None and now - lease.claimed_at > c.max_claim_age_s:
+            raise ExpiredRecord(f"lease of term {lease.term} claimed {now - lease.claimed_at:.0f} s ago; "
+                                f"no term lasts longer than {c.max_claim_age_s:.0f} s")
+        if cur is not None and lease.term == cur.term:
+            if lease.holder == cur.holder:
+                if lease.claimed_at != cur.claimed_at:
+                    raise VerificationError("a renewal may not move the claim time")
                 if lease.issued < cur.issued:
                     raise StaleMessage("an older issue of the current lease")
                 return
-        if now - lease.claimed_at < self.config.fresh_window_s:
-            if lease.holder not in self.view:
-                raise NotElected(f"{lease.holder:.16}… is not a live candidate in this node's view")
-            prev = cur if cur is not None and cur.term < lease.term else None
-            expected = self._expected_for(lease.term, prev, lease.claimed_at)
-            if expected != lease.holder:
-                raise NotElected(f"{lease.holder:.16}… does not rank first for term {lease.term}")
+            # two claims of one term (views differed): the better-ranked one stands,
+            # provided it is itself entitled to the term
+            if term_rank(self.run_id, lease.term, lease.holder) > term_rank(self.run_id, cur.term, cur.holder):
+                raise NotElected(f"term {lease.term} is already held by a better-ranked peer")
+            self._check_entitled(lease, self.prev_lease, now)
+            return
+        self._check_reachable(lease, now)
+        self._check_entitled(lease, cur, now)
+
+    def _fresh(self, lease: Lease, now: float) -> bool:
+        """Claimed within the fresh window: every node saw the same vacancy, so the rank is checked."""
+        return now - lease.claimed_at <= self.config.fresh_window_s
+
+    def _check_entitled(self, lease: Lease, prev: Lease | None, now: float) -> None:
+        """The holder is an eligible candidate, and — for a fresh claim — ranked first when it claimed.
+
+        An established term (claimed before the fresh window) is checked for
+        eligibility only: it was claimed in a view this node cannot see (the
+        other side of a healed partition), and refusing it would split the run
+        for good. Its term is bounded by ``_check_reachable`` and its age by
+        ``max_claim_age_s``; only an eligible member (admitted to lead: see
+        ``admission.shepherds``) can hold one.
+        """
+        if lease.holder not in self.view:
+            raise HeldBack(f"{lease.holder:.16}… is not an eligible candidate in this node's view")
+        if not self._fresh(lease, now):
+            return
+        if prev is not None and prev.term >= lease.term:
+            prev = None
+        expected = self._expected_for(lease.term, prev, lease.claimed_at)
+        if expected != lease.holder:
+            raise HeldBack(f"{lease.holder:.16}… does not rank first for term {lease.term}")
+
+    def _check_reachable(self, lease: Lease, now: float) -> None:
+        """A new term must follow from the chain this node holds (no leaps)."""
+        c = self.config
+        cur = self.lease
+        if cur is None:
+            return  # nothing to build on yet: entitlement alone decides (docs/election.md)
+        live = self.role is not Role.VACANT and not self.ended_by_rotation and now < cur.expiry + c.grace_s
+        if live and self._fresh(lease, now):
+            if lease.term == cur.term + 1:
+                return  # the next term, claimed just now: others saw this one lapse
+            raise HeldBack(f"term {cur.term} is live for {cur.expiry - now:.1f} s more; "
+                           f"term {lease.term} is held back")
+        if live:  # established elsewhere while ours lived: terms advance one per claim timeout at most
+            limit = cur.term + 1 + int(max(0.0, now - cur.claimed_at) // c.claim_timeout_s)
+        else:
+            limit = self._claim_base(now) + self._skipped(now)
+        if lease.term > limit:
+            raise HeldBack(f"term {lease.term} leaps ahead of the chain this node holds (at most {limit})")
+
+    def _claim_base(self, now: float) -> int:
+        """The lowest term up for claim: one past the current term, or past a held-back
+        term whose holder is eligible (the other side of a healed partition)."""
+        cur = self.lease
+        if cur is None:
+            return 0
+        base = cur.term + 1
+        cap = cur.term + 1 + int(max(0.0, now - cur.claimed_at) // self.config.claim_timeout_s)
+        for held in sorted(self.held_leases.values(), key=lambda h: h.term):
+            if base <= held.term <= cap and held.expiry > now and held.holder in self.view:
+                base = held.term + 1
+        return base
+
+    def _skipped(self, now: float) -> int:
+        """Terms skipped by claim timeouts since this node went vacant (one more for skew)."""
+        if self.role is not Role.VACANT or self.vacant_since is None:
+            return 0
+        return int(max(0.0, now - self.vacant_since) // self.config.claim_timeout_s) + 1
+
+    def _hold_lease(self, lease: Lease) -> None:
+        self.held_leases[lease.holder] = lease
+        if len(self.held_leases) > self.config.max_held:
+            oldest = min(self.held_leases, key=lambda h: self.held_leases[h].issued)
+            del self.held_leases[oldest]
+
+    def _retry_held(self, now: float) -> list[ElectionEffect]:
+        """Look again at held-back leases (the view or the term changed); accept what now checks out."""
+        effects: list[ElectionEffect] = []
+        for holder, lease in sorted(self.held_leases.items(), key=lambda kv: (kv[1].term, kv[1].issued)):
+            if holder not in self.held_leases:
+                continue
+            if lease.expiry <= now:
+                del self.held_leases[holder]
+                continue
+            try:
+                self.check_lease(lease, now)
+            except HeldBack:
+                continue
+            except PcpError:
+                del self.held_leases[holder]
+                continue
+            effects += self._accept_lease(lease, now)
+        return effects
 
     def _expected_for(self, term: int, prev: Lease | None, claimed_at: float) -> str | None:
-        """First-ranked live candidate for ``term``; the claimer and every verifier use this.
+        """First-ranked candidate for ``term`` at ``claimed_at``; the claimer and every verifier use this.
 
-        The previous term's holder is left out when its lease had lapsed by the
-        time of the claim (failover): it is presumed dead even where the
-        membership view has not caught up yet. After a rotation it stays in.
+        Only candidates that were already eligible at ``claimed_at`` count
+        (uptime then >= ``min_uptime_s``): a member that joined after the claim
+        cannot outrank the holder of an established term. The previous term's
+        holder is left out when its lease had lapsed by the time of the claim
+        (failover): it is presumed dead even where the membership view has not
+        caught up yet. After a rotation it stays in.
         """
-        cands = set(self.view)
+        age = max(0.0, (self.view_at if self.view_at is not None else claimed_at) - claimed_at)
+        cands = {p for p in self.view if self.uptime.get(p, float("inf")) - age >= self.config.min_uptime_s}
         if prev is not None and prev.term < term and prev.expiry <= claimed_at:
             cands.discard(prev.holder)
         order = ranked(self.run_id, term, cands)
         return order[0] if order else None
 
     def on_commit(self, rec: CommitRecord, now: float) -> list[ElectionEffect]:
-        """A commit record (from the shepherd, our own, or a DHT lookup)."""
+        """A commit record (from the shepherd, our own, or a DHT lookup).
+
+        Answers ``CommitChecked`` when the commit passes the authority chain;
+        only then may the runtime hand it to the worker, fetch or pin anything
+        it names. A commit of a term whose lease is not accepted yet is held.
+        """
         self._now = now
         try:
             self.check_commit(rec)
+        except HeldBack as exc:
+            self._hold_commit(rec)
+            return [Rejected(rec.shepherd, exc)]
         except PcpError as exc:
             return [Rejected(rec.shepherd, exc)]
+        return self._accept_commit(rec, now)
+
+    def _accept_commit(self, rec: CommitRecord, now: float) -> list[ElectionEffect]:
+        self.held_commits.pop((rec.term, rec.shepherd, rec.theta_cid), None)
         if self.best_commit is None or commit_key(rec) > commit_key(self.best_commit):
             self.best_commit = rec
+        effects: list[ElectionEffect] = [CommitChecked(rec)]
         lease = self.lease
         if lease is None or rec.term != lease.term or self.ended_by_rotation:
-            return []
+            return effects
         rec_t = self.history[-1] if self.history and self.history[-1].term == lease.term else None
         if rec_t is not None:
             rec_t.rounds_served = max(rec_t.rounds_served, rec.round + 1 - lease.from_round)
         end = self.end_round(lease)
         if end is not None and rec.round + 1 >= end:
-            return self._end_term(now, "rotation")
-        return []
+            return effects + self._end_term(now, "rotation")
+        return effects
 
     def check_commit(self, rec: CommitRecord) -> None:
-        """Fencing: a commit must come from the holder of its term, and no older term."""
+        """Fencing and authority: a commit must come from the holder of an accepted lease of its term.
+
+        The one exception is the commit the current lease names as its base
+        (its round and θ): the lease's holder vouches for it. A well-signed
+        commit of a term with no accepted lease is ``HeldBack``.
+        """
         if rec.run_id != self.run_id:
             raise VerificationError(f"commit for another run {rec.run_id:.20}")
         lease = self.lease
@@ -447,13 +639,41 @@ class Election:
                 return
             raise StaleMessage(f"commit of term {rec.term}, term {lease.term} already seen")
         if lease is None or rec.term > lease.term:
-            # no lease seen for that term yet: judge it by its signature only;
-            # its lease will follow (or the commit loses the fork choice)
-            verify(rec, rec.shepherd)
-            return
+            verify(rec, rec.shepherd)  # a forgery is refused outright, not held
+            raise HeldBack(f"commit of term {rec.term}: no lease of that term is accepted here yet")
         if rec.shepherd != lease.holder:
             raise BadSignature(f"{rec.shepherd:.16}… does not hold term {rec.term}")
         verify(rec, lease.holder)
+
+    def authorizes(self, rec: CommitRecord) -> bool:
+        """Whether ``rec`` passes the authority chain now (no state changes): the
+        runtime asks before it fetches the checkpoint a commit names."""
+        try:
+            self.check_commit(rec)
+        except PcpError:
+            return False
+        return True
+
+    def _hold_commit(self, rec: CommitRecord) -> None:
+        self.held_commits[(rec.term, rec.shepherd, rec.theta_cid)] = rec
+        while len(self.held_commits) > self.config.max_held:
+            del self.held_commits[min(self.held_commits, key=lambda k: (k[0], self.held_commits[k].round))]
+
+    def _release_commits(self, now: float) -> list[ElectionEffect]:
+        """Held-back commits that the newly accepted lease makes checkable."""
+        effects: list[ElectionEffect] = []
+        for key, rec in sorted(self.held_commits.items(), key=lambda kv: (kv[0][0], kv[1].round)):
+            if key not in self.held_commits:
+                continue
+            try:
+                self.check_commit(rec)
+            except HeldBack:
+                continue
+            except PcpError:
+                del self.held_commits[key]
+                continue
+            effects += self._accept_commit(rec, now)
+        return effects
 
     def end_round(self, lease: Lease) -> int | None:
         r = self.config.rotate_every
@@ -466,6 +686,9 @@ class Election:
         if self.role is Role.HOLDER and lease is not None:
             if now >= lease.expiry:  # we failed to renew in time (hung): others moved on
                 return self._end_term(now, "lapsed")
+            if c.max_claim_age_s is not None and now - lease.claimed_at >= c.max_claim_age_s - c.lease_s - c.max_skew_s:
+                # no term outlives max_claim_age_s (verifiers refuse older claims): hand over
+                return self._end_term(now, "aged")
             if now >= lease.issued + c.renew_every_s:
                 renewed = sign(
                     Lease(
@@ -485,6 +708,10 @@ class Election:
         if self.role is Role.VACANT:
             if self.vacant_since is None:
                 self.vacant_since = now
+            if self.held_leases:  # a term held back while ours was live may be checkable now
+                accepted = self._retry_held(now)
+                if accepted:
+                    return accepted
             term = self.term_to_claim(now)
             assert term is not None
             if self.settle_until is not None and now < self.settle_until:

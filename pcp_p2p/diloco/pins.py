@@ -14,7 +14,10 @@ with ``StoreFull``. What a run really needs kept:
 
 Older per-round blobs are unpinned once a newer commit is accepted
 (:meth:`RunPins.on_commit`): they stay in the store as a cache the LRU may
-evict, not deleted. The final θ is never unpinned, since no commit follows it.
+evict, not deleted. When the run ends (:meth:`RunPins.on_finish`) everything
+is released except the final θ (what ``pcp generate`` and late nodes ask for)
+and the dataset (its tokenizer); a pin asked for after that is refused, so a
+message naming a blob once the run is over cannot pin it for good.
 
 The ledger is saved with the run's state (:meth:`RunPins.load` /
 :meth:`RunPins.save`), so pins taken before a restart (churn restarts nodes
@@ -40,6 +43,8 @@ class RunPins:
         self.committed = -1  # the latest committed round this node accepted
         self._for_run: set[str] = set()
         self._since: dict[str, int] = {}  # per-round cid -> `committed` when last pinned
+        self._dataset: set[str] = set()
+        self.finished = False  # set by on_finish: no new pins
 
     def for_run(self, cid: str) -> None:
         """``cid`` stays pinned as long as the run (dataset, artifacts)."""
@@ -61,6 +66,20 @@ class RunPins:
             del self._since[cid]
         return old
 
+    def on_finish(self, final_theta_cid: str) -> list[str]:
+        """The run is over: every CID to unpin now (all but the final θ and the dataset)."""
+        keep = {final_theta_cid} | {c for c in self._for_run if c in self._dataset}
+        released = sorted((set(self._since) | self._for_run) - keep)
+        self._since = {c: r for c, r in self._since.items() if c in keep}
+        self._for_run &= keep
+        self.finished = True
+        return released
+
+    def for_dataset(self, cid: str) -> None:
+        """``cid`` is the run's dataset: kept even after the run ends (its tokenizer)."""
+        self._dataset.add(cid)
+        self.for_run(cid)
+
     def __contains__(self, cid: str) -> bool:
         return cid in self._for_run or cid in self._since
 
@@ -70,7 +89,8 @@ class RunPins:
         """Write the ledger atomically (a torn write must not lose it)."""
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"keep_rounds": self.keep_rounds, "committed": self.committed,
-                                   "for_run": sorted(self._for_run), "since": self._since}))
+                                   "for_run": sorted(self._for_run), "since": self._since,
+                                   "dataset": sorted(self._dataset), "finished": self.finished}))
         os.replace(tmp, path)
 
     @classmethod
@@ -91,4 +111,6 @@ class RunPins:
             log.warning("pin ledger %s unreadable (%s); starting a new one", path, exc)
             return pins
         pins.committed, pins._for_run, pins._since = committed, set(for_run), dict(since)
+        pins._dataset = {c for c in raw.get("dataset", []) if isinstance(c, str)}
+        pins.finished = raw.get("finished") is True
         return pins

@@ -66,6 +66,7 @@ from pcp_p2p.diloco.election import (
     LEASE_KIND,
     BecomeShepherd,
     Candidate,
+    CommitChecked,
     Election,
     ElectionConfig,
     FollowShepherd,
@@ -79,9 +80,19 @@ from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
+from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.diloco.worker import Worker
-from pcp_p2p.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError, VerificationError
+from pcp_p2p.errors import (
+    BlobNotFound,
+    HeldBack,
+    LocalError,
+    NotElected,
+    OversizedMessage,
+    PcpError,
+    PeerError,
+    VerificationError,
+)
 from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:
@@ -100,12 +111,28 @@ REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (o
 REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
+MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
+MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
+
+
+def max_claim_age(spec: RunSpec) -> float:
+    """How long a term may honestly last, so how far back a lease's claim may be dated.
+
+    ``rotate_every`` rounds, each at most a round deadline plus the join grace,
+    three times over for attempts retried without quorum, plus the claim's own
+    wait; a holder steps down before its claim gets this old (``Election.tick``).
+    """
+    e, r = spec.election, spec.round
+    if e.rotate_every == 0:
+        return MAX_TERM_S
+    return e.rotate_every * (r.deadline_s + 10.0) * 3 + e.claim_timeout_s + 2 * e.lease_s
 
 
 @dataclass
 class RunStats:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     rejected: dict[str, int] = field(default_factory=dict)
+    held: int = 0  # leases and commits held back until their authority can be checked
     first_contribution_s: float | None = None
     contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
     bytes_submitted: int = 0  # encoded submissions sent (what this worker puts on the wire per round)
@@ -169,6 +196,12 @@ class RunRuntime:
             return
         if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
             verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
+            if self.election is None or not self.election.authorizes(msg):
+                # Not (yet) backed by a lease this node accepted: the election
+                # holds it, nothing it names is fetched, and no ack goes back.
+                self._send.send_nowait(("msg", sender, msg))
+                raise NotElected(f"commit of term {msg.term} round {msg.round}: no accepted lease of that "
+                                 f"term names {sender}; not acknowledged")
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
             if not self.blobs.store.has(msg.checkpoint_cid):
@@ -233,7 +266,7 @@ class RunRuntime:
         self.election = Election(self.run_id, self.node.identity, ElectionConfig(
             lease_s=e.lease_s, renew_every_s=e.renew_every_s, grace_s=e.grace_s,
             min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
-            settle_s=SETTLE_S,
+            settle_s=SETTLE_S, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(self.spec),
         ).validate())
         self.phase = "electing"
         self._carry_out_election(self.election.start(time.time()))
@@ -251,8 +284,24 @@ class RunRuntime:
         return [
             Candidate(m.record.peer_id, max(0.0, now - m.record.started_at), m.record.capabilities.can_compile)
             for m in self.node.membership.live()
-            if m.record.role == "worker" and self.run_id in m.record.runs
+            if m.record.role == "worker" and self.run_id in m.record.runs and self.may_lead(m.record.peer_id)
         ]
+
+    def check_record(self, payload: Message, now: float) -> None:
+        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``):
+        a lease or commit this node's election would not act on is neither stored nor
+        selected here, so a forged far-future term cannot shadow the honest record."""
+        if self.election is None:
+            return
+        if isinstance(payload, Lease):
+            self.election.check_lease(payload, now)
+        elif isinstance(payload, CommitRecord):
+            self.election.check_commit(payload)
+
+    def may_lead(self, peer_id: str) -> bool:
+        """Whether the run's rules let ``peer_id`` be elected shepherd (``admission.shepherds``)."""
+        allowed = self.spec.admission.shepherds
+        return not allowed or peer_id in allowed
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -276,6 +325,7 @@ class RunRuntime:
         if self.dataset is None:
             self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
         dataset_cid = await self._keep(await trio.to_thread.run_sync(encode_dataset, self.dataset), for_run=True)
+        self.pins.for_dataset(dataset_cid)
         self.node.leads.add(self.run_id)
         wanted = self._wanted_targets()
         standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
@@ -374,16 +424,20 @@ class RunRuntime:
             if rec is not None and rec.round + 1 >= self.spec.round.rounds and self.worker.theta_cid == rec.theta_cid:
                 # The last round is committed and we hold its θ: nothing more to do here.
                 self.phase = "finished"
+                self._release_run_pins(rec.theta_cid)
                 self.finished.set()
 
     def _on_commit(self, rec: CommitRecord, now: float) -> None:
-        """A commit record (message or lookup): the election learns it, then the worker."""
+        """A commit record (message or lookup): the election checks its authority first;
+        the worker sees it only once the election answers ``CommitChecked``."""
         if self.election is not None:
             self._carry_out_election(self.election.on_commit(rec, now))
+
+    def _commit_checked(self, rec: CommitRecord, now: float) -> None:
         if self.worker is not None:
             self._carry_out("worker", self.worker.on_commit(rec, now))
             self._after_worker_input()
-            accepted = self.worker.last_commit  # (a forged or stale record moves nothing)
+            accepted = self.worker.last_commit  # (a stale record moves nothing)
             if accepted is not None:
                 self._release_pins(accepted.round)
 
@@ -428,8 +482,13 @@ class RunRuntime:
             elif isinstance(e, LookupCommit):
                 self._lookups_pending += 1
                 self._nursery.start_soon(self._lookup_and_post, True)
+            elif isinstance(e, CommitChecked):
+                self._commit_checked(e.record, now)
             elif isinstance(e, Rejected):
-                self._reject(e.peer or "?", e.error)
+                if isinstance(e.error, HeldBack):
+                    self.stats.held += 1  # not refused: kept until it can be checked
+                else:
+                    self._reject(e.peer or "?", e.error)
 
     def _follow(self, e: FollowShepherd, now: float) -> None:
         """The shepherd of ``e.term`` is ``e.peer``: our worker joins it."""
@@ -490,7 +549,7 @@ class RunRuntime:
         normal one; the second loses only the outer momentum, never a round.
         """
         try:
-            ckpt = decode_checkpoint(await self._fetch_bytes(eff.checkpoint_cid))
+            ckpt = decode_checkpoint(await self._fetch_bytes(eff.checkpoint_cid, max_size=self._state_bound(2)))
             if ckpt.run_id != self.run_id:
                 raise VerificationError("the lease names a checkpoint of another run")
             log.info("run %s: term %d continues from round %d (checkpoint %s)", self.run_id[:16], eff.term,
@@ -502,7 +561,7 @@ class RunRuntime:
                 raise
             log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
                         "zero outer momentum", self.run_id[:16], eff.checkpoint_cid, exc)
-            theta = unpack_tensors(await self._fetch_bytes(lease.from_theta_cid))
+            theta = unpack_tensors(await self._fetch_bytes(lease.from_theta_cid, max_size=self._state_bound(1)))
             fresh = OuterState.initial(theta)
             return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
 
@@ -529,7 +588,7 @@ class RunRuntime:
         if cid in self._replicas:
             return
         try:
-            await self._fetch_bytes(cid, hint)
+            await self._fetch_bytes(cid, hint, max_size=self._state_bound(2))
         except PcpError as exc:
             self.node.log_once("self", exc, "replicating a checkpoint failed")
             return
@@ -733,8 +792,16 @@ class RunRuntime:
         return cid
 
     def _pin(self, cid: str, for_run: bool) -> None:
+        if self.pins.finished:
+            return  # the run is over: nothing more is kept for it
         (self.pins.for_run if for_run else self.pins.for_round)(cid)
         self.blobs.store.pin(cid)
+        self._save_pins()
+
+    def _release_run_pins(self, final_theta_cid: str) -> None:
+        """The run is over on this node: keep the final θ and the dataset, release the rest."""
+        for cid in self.pins.on_finish(final_theta_cid):
+            self.blobs.store.unpin(cid)
         self._save_pins()
 
     def _release_pins(self, round_: int) -> None:
@@ -761,8 +828,18 @@ class RunRuntime:
         assert self._nursery is not None
         self._nursery.start_soon(announce)
 
+    def _state_bound(self, copies: int) -> int:
+        """The most bytes ``copies`` fp32 copies of θ can weigh (θ or a Δ: 1; a checkpoint,
+        θ and momentum: 2), plus framing: a blob named as one and declaring more is refused
+        before any chunk moves."""
+        from pcp_p2p.compile.model import num_params, preset
+
+        vocab = self.dataset.vocab_size if self.dataset is not None else MAX_VOCAB
+        return copies * 4 * num_params(preset(self.spec.model, vocab_size=vocab)) + (1 << 20)
+
     async def _fetch_bytes(
-        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False
+        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False,
+        max_size: int | None = None,
     ) -> bytes:
         """A blob, from the hinted peer first (a blob just published may not have a
         provider record in the DHT yet), then from any provider, retrying a few
@@ -786,10 +863,10 @@ class RunRuntime:
                 try:
                     if not keep:
                         try:
-                            return bytes(await self.blobs.fetch_into(cid, providers=providers))
+                            return bytes(await self.blobs.fetch_into(cid, providers=providers, max_size=max_size))
                         except OversizedMessage:
                             keep = True
-                    await self.blobs.fetch(cid, pin=True, providers=providers, announce=False)
+                    await self.blobs.fetch(cid, pin=True, providers=providers, announce=False, max_size=max_size)
                     self._announce_later(cid)
                     break
                 except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
@@ -813,8 +890,11 @@ class RunRuntime:
     async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
         try:
             # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
-            data = await self._fetch_bytes(cid, hint, keep=who != "shepherd", for_run=self._is_artifact(cid))
-            if who == "worker" and self._is_artifact(cid):
+            artifact = who == "worker" and self._is_artifact(cid)
+            # θ and Δs weigh one copy of the model; a manifest a few KiB
+            bound = (1 << 20) if artifact else self._state_bound(1)
+            data = await self._fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound)
+            if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
             self._send.send_nowait(("blob_failed", who, cid, exc))
@@ -841,8 +921,9 @@ class RunRuntime:
             if ann is None or not ann.dataset_cid:
                 raise VerificationError("the announcement names no dataset blob")
             data = await self._fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True)
+            self.pins.for_dataset(ann.dataset_cid)
             self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
-        await self._fetch_bytes(manifest.artifact_cid, for_run=True)
+        await self._fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size)
         vmfb_path = self.blobs.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, self.shepherd_peer)
         self.engine = engine.InnerEngine(executor, self.spec, self.dataset)

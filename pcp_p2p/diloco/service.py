@@ -22,6 +22,7 @@ from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import SignedRunSpec
 from pcp_p2p.errors import PcpError, VerificationError
 from pcp_p2p.node.node import Node
+from pcp_p2p.dht.records import VerifiedRecord
 from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.training")
@@ -36,6 +37,7 @@ class TrainingService:
         self.runtimes: dict[str, RunRuntime] = {}
 
     def install(self) -> None:
+        self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
         self.node.messenger.register((*ROUND_MESSAGES, Lease), self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
@@ -50,6 +52,12 @@ class TrainingService:
         run = self.book.offer(msg)  # raises (untrusted, bad signature): the messenger refuses it
         if run is not None:
             self._start(run)
+
+    def _check_record(self, rec: VerifiedRecord, now: float) -> None:
+        """A DHT record of a run this node takes part in must pass that run's authority chain."""
+        runtime = self.runtimes.get(rec.name)
+        if runtime is not None:
+            runtime.check_record(rec.payload, now)
 
     async def _on_round_message(self, sender: str, msg: Message) -> None:
         runtime = self.runtimes.get(getattr(msg, "run_id", ""))

@@ -173,6 +173,7 @@ class Node:
         self.leads: set[str] = set()  # runs this node is the shepherd of (advertised likewise)
         self.state = "idle"
         self.messenger = Messenger(self)
+        self.record_validator = PcpRecordValidator()  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
         # Rejected inputs by reason ("heartbeat:StaleMessage", ...): for status and metrics.
@@ -485,7 +486,8 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         lambda: probe(config.backend, benchmark_s=config.benchmark_s)
     )
     host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen)
-    validator = NamespacedValidator({"pcp": PcpRecordValidator()}, strict_validation=True)
+    record_validator = PcpRecordValidator()
+    validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
     dht = KadDHT(
         host,
         DHTMode.CLIENT if config.client_mode else DHTMode.SERVER,
@@ -513,6 +515,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
             await pubsub.wait_until_ready()
             async with trio.open_nursery() as nursery:
                 node = Node(config, identity, caps, host, dht, pubsub, blobs, nursery)
+                node.record_validator = record_validator
                 blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
