@@ -1,0 +1,125 @@
+"""Strangers against a live run, over real libp2p on 127.0.0.1.
+
+A bootstrap server and three worker processes that trust only the run owner train
+the tiny GPT. A stranger — a fresh key that joined through the bootstrap server,
+trusted by nobody and taking part in no run — then tries what worked on earlier
+versions (issue #12): seize the run with a backdated, never-expiring lease for the
+next term; stall it with a self-signed "final" commit of a far-future term, sent to
+every member and stored in the DHT; fill the members' disks with commits naming a
+32 MiB junk checkpoint it serves. The run must keep committing on honest θ, led by
+its own members only, and no node may fetch the junk.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from pcp_p2p.cid import cid_of
+from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+from pcp_p2p.diloco.commits import commit_seq
+from pcp_p2p.diloco.election import LEASE_KIND, Lease
+from pcp_p2p.diloco.messages import CommitRecord, sign
+from pcp_p2p.errors import PcpError
+from pcp_p2p.node.identity import load_or_create_identity
+from pcp_p2p.node.local_swarm import local_swarm
+from pcp_p2p.node.node import NodeConfig, open_node
+
+from conftest import TEST_CAPS  # noqa: E402
+from test_training_swarm import committed, create_run, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.timeout(420)
+
+ROUNDS = 8
+SPEC = f"""
+name = "strangers"
+[model]
+preset = "tiny"
+[inner]
+lr = 3e-3
+[round]
+time_budget_s = 2.0
+max_inner_steps = 200
+deadline_s = 12.0
+rounds = {ROUNDS}
+min_quorum = 2
+"""
+JUNK_MIB = 32
+
+
+async def attack(node, run_id: str, members: list[str], term: int, rounds: int) -> int:  # type: ignore[no-untyped-def]
+    """Every message of the attack, sent to every member and put in the DHT; returns how many were sent."""
+    me, now = node.identity, time.time()
+    junk = bytes(range(256)) * (JUNK_MIB * 4096)
+    junk_cid = await trio.to_thread.run_sync(lambda: node.blobs.store.put_bytes(junk, pin=True))
+    try:
+        await node.blobs.announce(junk_cid)
+    except PcpError:
+        pass  # the junk is still served to whoever asks this node for it
+
+    def lease(**kw: object) -> Lease:
+        fields: dict[str, object] = dict(run_id=run_id, term=term + 1, holder=me.peer_id, claimed_at=now - 1e6,
+                                         issued=now, expiry=now + 1e9, from_round=0, from_theta_cid="",
+                                         from_checkpoint_cid="")
+        fields.update(kw)
+        return sign(Lease(**fields), me)  # type: ignore[arg-type]
+
+    def commit(term_: int, round_: int, theta: str, ckpt: str) -> CommitRecord:
+        return sign(CommitRecord(run_id=run_id, term=term_, round=round_, attempt=0, prev_theta_cid="",
+                                 theta_cid=theta, checkpoint_cid=ckpt, participants=(me.peer_id,), tokens=1,
+                                 mean_loss=0.01, val_loss=0.01, shepherd=me.peer_id), me)
+
+    seize = [lease(), lease(expiry=now + 5.0, claimed_at=now - 100.0)]  # absurd, and sane-looking
+    stall = commit(10**6, rounds - 1, cid_of(b"stranger's theta"), junk_cid)  # a "final" far-future commit
+    fill = [commit(term, r, cid_of(b"junk theta %d" % r), junk_cid) for r in range(3)]
+    sent = 0
+    for msg in [*seize, stall, *fill]:
+        for peer in members:
+            try:
+                await node.messenger.send(peer, msg, timeout=10.0)
+                sent += 1
+            except PcpError:
+                pass  # refused: what we want
+    for signed in (sign_record(me, LEASE_KIND, run_id, seize[1], ttl_s=60, seq=seize[1].term),
+                   sign_record(me, "commit", run_id, stall, ttl_s=MAX_TTL_S, seq=commit_seq(stall))):
+        try:
+            await node.put_record(signed, timeout=10.0)
+        except PcpError:
+            pass
+    return sent
+
+
+async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: Path) -> None:
+    owner = load_or_create_identity(tmp_path / "owner")
+    async with local_swarm(tmp_path, extra_args=["--trust", owner.peer_id]) as swarm:
+        boot = await swarm.start_bootstrap()
+        await swarm.add_workers(3, deadline_s=60)
+        members = [w.peer_id for w in swarm.workers]
+        run_id = (await create_run(swarm, boot.addr, tmp_path, SPEC))["run_id"]
+        statuses = await wait_for(swarm, swarm.workers, lambda s: committed(s) >= 2, 240)
+        term = max(s.get("term") or 0 for s in statuses.values())
+
+        cfg = NodeConfig(tmp_path / "stranger", listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS,
+                         op_timeout=5.0, bootstrap=(boot.addr,))
+        async with open_node(cfg) as stranger:
+            await stranger.wait_until(lambda: set(members) <= {m.record.peer_id for m in stranger.membership.live()},
+                                      timeout=30)
+            await attack(stranger, run_id, members, term, ROUNDS)
+            statuses = await wait_for(
+                swarm, swarm.workers,
+                lambda s: len(s) == 3 and all(st.get("phase") == "finished" for st in s.values()), 300,
+            )
+
+    history = statuses[members[0]]["history"]
+    assert [h["round"] for h in history] == list(range(ROUNDS))  # every round, honestly committed
+    assert {h["shepherd"] for h in history} <= set(members)  # led by members only
+    assert all(h["val_loss"] > 0.5 for h in history)  # not the stranger's "0.01"
+    assert {st["theta"] for st in statuses.values()} == {history[-1]["theta"]}  # one θ
+    for st in statuses.values():
+        assert all(t["holder"] in members for t in st["shepherd_history"])
+    for w in swarm.workers:  # nobody fetched the junk checkpoint
+        big = [p for p in (w.data_dir / "blobs").rglob("*") if p.is_file() and p.stat().st_size >= JUNK_MIB << 20]
+        assert big == [], big
