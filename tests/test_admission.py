@@ -421,3 +421,58 @@ def test_a_failing_disk_keeps_the_ledger_in_memory(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pcp.reputation"):
         ledger.ban(W[0].peer_id, b"e", "r", now=1.0)
     assert ledger.banned(W[0].peer_id) and any("not saved" in r.getMessage() for r in caplog.records)
+
+
+# --- pcp run admit, end to end over libp2p on 127.0.0.1 ----------------------------------------
+
+
+async def test_pcp_run_admit_publishes_owner_signed_updates(tmp_path: Path, caps) -> None:
+    import subprocess
+
+    import trio
+
+    from pcp_p2p.node.local_swarm import pcp_command
+    from pcp_p2p.node.node import NodeConfig, open_node
+
+    async def pcp(*argv: str) -> subprocess.CompletedProcess[str]:
+        return await trio.to_thread.run_sync(lambda: subprocess.run(
+            [*pcp_command(), *argv], capture_output=True, text=True, timeout=120))
+
+    (tmp_path / "run.toml").write_text(spec_text("allowlist"))
+    member = W[3].peer_id
+    config = NodeConfig(tmp_path / "boot", listen=("/ip4/127.0.0.1/tcp/0",), capabilities=caps, role="bootstrap")
+    async with open_node(config) as boot:
+        addr = boot.addrs()[0]
+        owner = ("--bootstrap", addr, "--data-dir", str(tmp_path / "owner"), "--wait", "0", "--json")
+        created = await pcp("run", "create", str(tmp_path / "run.toml"), *owner)
+        assert created.returncode == 0, created.stderr
+        run_id = json.loads(created.stdout)["run_id"]
+        owner_id = json.loads(created.stdout)["owner"]
+
+        first = await pcp("run", "admit", "--run", run_id, "--add", member, *owner)
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout) | {"nodes_reached": 0} == {
+            "run_id": run_id, "seq": 1, "add": [member], "remove": [], "mode": "allowlist", "nodes_reached": 0}
+        second = await pcp("run", "admit", "--run", run_id, "--remove", member, W[0].peer_id, *owner)
+        assert second.returncode == 0, second.stderr
+        assert json.loads(second.stdout)["seq"] == 2
+        again = await pcp("run", "admit", "--run", run_id, *owner)  # neither flag: publish the latest again
+        assert again.returncode == 0 and json.loads(again.stdout)["seq"] == 2, again.stderr
+
+        # What every node reads from the DHT: the owner's latest update, which an Admission accepts.
+        stored = await boot.get_record(ALLOWLIST_KIND, allowlist_name(run_id, owner_id))
+        assert isinstance(stored, AllowlistUpdate) and stored.seq == 2
+        assert stored.add == () and stored.remove == tuple(sorted((member, W[0].peer_id)))
+        signed = await boot.get_record("run", run_id)
+        adm = Admission.for_run(signed)
+        adm.apply(stored, stored.issued)
+        assert not adm.admits(member) and not adm.admits(W[0].peer_id) and adm.admits(W[1].peer_id)
+
+        # Anyone else is told, in one line, that only the owner may amend the list.
+        other = await pcp("run", "admit", "--run", run_id, "--add", STRANGER.peer_id, "--bootstrap", addr,
+                          "--data-dir", str(tmp_path / "stranger"), "--wait", "0")
+        assert other.returncode == 1 and "Traceback" not in other.stderr
+        assert other.stderr.strip().splitlines()[-1].startswith("pcp: error:") and "owned by" in other.stderr
+        both = await pcp("run", "admit", "--run", run_id, "--add", member, "--remove", member, *owner)
+        assert both.returncode == 1 and "both added and removed" in both.stderr
+        assert (await boot.get_record(ALLOWLIST_KIND, allowlist_name(run_id, owner_id))).seq == 2

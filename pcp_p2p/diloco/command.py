@@ -95,7 +95,12 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 @asynccontextmanager
 async def _client(args: argparse.Namespace, data_dir: Path, identity: Identity) -> AsyncIterator[Node]:
-    """A short-lived client node in the swarm, bootstrapped (ConfigError if no bootstrap answers)."""
+    """A short-lived client node in the swarm, bootstrapped (ConfigError if no bootstrap answers).
+
+    A PcpError raised by the caller's block is re-raised once the node is shut,
+    outside its nursery, so it reaches ``pcp`` bare (one ``pcp: error:`` line),
+    not wrapped in an exception group.
+    """
     from pcp_p2p.node.node import NodeConfig, open_node
 
     config = NodeConfig(
@@ -106,12 +111,19 @@ async def _client(args: argparse.Namespace, data_dir: Path, identity: Identity) 
         swarm_key=args.swarm_key,
         benchmark_s=0.0,
     )
+    failure: PcpError | None = None
     async with open_node(config, identity=identity) as node:
         with trio.move_on_after(30):
             await node.bootstrapped.wait()
-        if not node.bootstrapped.is_set():
-            raise ConfigError("no bootstrap server answered within 30 s")
-        yield node
+        if node.bootstrapped.is_set():
+            try:
+                yield node
+            except PcpError as exc:
+                failure = exc
+        else:
+            failure = ConfigError("no bootstrap server answered within 30 s")
+    if failure is not None:
+        raise failure
 
 
 async def _hand_to_workers(node: Node, msg: Any, wait_s: float) -> int:
