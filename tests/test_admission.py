@@ -361,6 +361,7 @@ def test_bans_and_strikes_survive_a_restart(tmp_path):
     # Admission consults it.
     adm = Admission.for_run(ALLOW, bans=again)
     assert not adm.admits(W[2].peer_id) and not adm.may_lead(W[2].peer_id)
+    assert adm.may_lead(W[2].peer_id, local_bans=False)  # what every node agrees on: the signed lists
     assert cid_of(evidence) in adm.why_not(W[2].peer_id)
 
 
@@ -475,4 +476,6 @@ async def test_pcp_run_admit_publishes_owner_signed_updates(tmp_path: Path, caps
         assert other.stderr.strip().splitlines()[-1].startswith("pcp: error:") and "owned by" in other.stderr
         both = await pcp("run", "admit", "--run", run_id, "--add", member, "--remove", member, *owner)
         assert both.returncode == 1 and "both added and removed" in both.stderr
+        typo = await pcp("run", "admit", "--run", run_id, "--add", "12D3KooWnope", *owner)
+        assert typo.returncode == 1 and "is not a peer id" in typo.stderr and "Traceback" not in typo.stderr
         assert (await boot.get_record(ALLOWLIST_KIND, allowlist_name(run_id, owner_id))).seq == 2

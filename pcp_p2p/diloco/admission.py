@@ -235,12 +235,16 @@ class Admission:
         self._added = frozenset(update.add)
         self._removed = frozenset(update.remove)
 
-    def why_not(self, peer: str, *, lead: bool = False) -> str | None:
+    def why_not(self, peer: str, *, lead: bool = False, local_bans: bool = True) -> str | None:
         """None if ``peer`` is admitted (and, with ``lead``, may be shepherd); else a one-line reason.
 
         Shaped to be the shepherd's ``admit`` callable: ``Shepherd(admit=admission.why_not)``.
+        ``local_bans=False`` answers from the owner's signed lists alone, which
+        every node of the run holds alike (bans are each node's own): what a
+        rule that all nodes must compute the same way, such as the election's
+        candidate ranking, should use.
         """
-        reason = self.bans.ban_reason(peer) if self.bans is not None else None
+        reason = self.bans.ban_reason(peer) if self.bans is not None and local_bans else None
         if reason is not None:
             return f"banned from this run: {reason}"
         if peer in self._removed:
@@ -255,9 +259,9 @@ class Admission:
         """May ``peer`` join the run and submit?"""
         return self.why_not(peer) is None
 
-    def may_lead(self, peer: str) -> bool:
+    def may_lead(self, peer: str, *, local_bans: bool = True) -> bool:
         """May ``peer`` be a shepherd candidate (admitted, and listed in ``shepherds`` if any are)?"""
-        return self.why_not(peer, lead=True) is None
+        return self.why_not(peer, lead=True, local_bans=local_bans) is None
 
     def members(self) -> frozenset[str] | None:
         """The admitted peers before bans, for an allowlist run; None for an open one."""

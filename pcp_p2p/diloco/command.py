@@ -178,7 +178,14 @@ def _owned_run_dir(data_dir: Path, run_id: str) -> Path:
 
 
 def _cmd_admit(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.identity import public_key_of
+
     logs.configure(logging.WARNING)
+    for peer in (*args.add, *args.remove):
+        try:
+            public_key_of(peer)
+        except PcpError as exc:
+            raise ConfigError(f"{peer!r:.80} is not a peer id (12D3KooW…)") from exc
     data_dir = args.data_dir or default_data_dir()
     identity = load_or_create_identity(data_dir)
     update, reached, mode = trio.run(_admit, args, data_dir, identity)
@@ -243,9 +250,12 @@ async def _admit(args: argparse.Namespace, data_dir: Path, identity: Identity) -
             raise ConfigError("nothing to publish: give --add or --remove")
         if update is not prev:
             admission.apply(update, now)  # the check every node will make
-            local_path.parent.mkdir(parents=True, exist_ok=True)
             tmp = local_path.with_name(local_path.name + ".tmp")
-            tmp.write_bytes(encode(update))
-            tmp.replace(local_path)  # kept before it is published: a failed put never reuses this seq
+            try:  # kept before it is published: a failed put never reuses this seq
+                local_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(encode(update))
+                tmp.replace(local_path)
+            except OSError as exc:
+                raise ConfigError(f"cannot keep the update in {local_path}: {exc}") from exc
         await node.put_record(update_record(update, identity, now=now))
         return update, await _hand_to_workers(node, update, args.wait), mode
