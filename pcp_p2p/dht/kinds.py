@@ -15,6 +15,7 @@ KIND_MODULES = (
     "pcp_p2p.diloco.runs",  # run
     "pcp_p2p.diloco.commits",  # commit
     "pcp_p2p.diloco.election",  # lease
+    "pcp_p2p.diloco.admission",  # allowlist
 )
 
 

@@ -1,4 +1,10 @@
-"""``pcp run create``: sign a run spec and hand it to the swarm."""
+"""``pcp run create`` and ``pcp run admit``: the run owner's commands.
+
+``create`` signs a run spec and hands it to the swarm; ``admit`` amends an
+allowlist run's admission list with an update the owner signs
+(:mod:`pcp_p2p.diloco.admission`). Both publish a DHT record and hand the
+message to the workers that are up, through a short-lived client node.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,22 @@ import argparse
 import json
 import logging
 import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError, PcpError
 from pcp_p2p.node.identity import default_data_dir, load_or_create_identity
+
+if TYPE_CHECKING:
+    from pcp_p2p.diloco.admission import AllowlistUpdate
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.node.node import Node
 
 log = logging.getLogger("pcp.run")
 
@@ -28,15 +43,36 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "trust you: give them your peer id (printed here) for `pcp node join --trust`.",
     )
     create.add_argument("spec", type=Path, metavar="SPEC.toml")
-    create.add_argument("--bootstrap", action="append", default=[], required=True, metavar="MULTIADDR",
-                        help="a bootstrap server of the swarm; repeatable")
-    create.add_argument("--data-dir", type=Path, default=None,
-                        help=f"where the owner key lives (default {default_data_dir()})")
-    create.add_argument("--swarm-key", type=Path, metavar="FILE", help="the private swarm's key, if any")
-    create.add_argument("--wait", type=float, default=5.0,
-                        help="seconds to wait for nodes to hand the spec to (default 5)")
-    create.add_argument("--json", action="store_true", help="print one JSON object")
+    _client_flags(create)
     create.set_defaults(func=_cmd_create)
+
+    admit = run_sub.add_parser(
+        "admit",
+        help="amend a run's allowlist (owner only)",
+        description="Sign an allowlist update for a run you own and publish it: --add admits peers to an "
+        "allowlist run, --remove refuses them (in an open run too). Each update carries the whole amendment "
+        "relative to the spec and a higher sequence number; the latest one found (in the DHT or kept here) "
+        "is amended. With neither flag, the latest update is published again (DHT records last 7 days).",
+    )
+    admit.add_argument("--run", required=True, metavar="RUN_ID", help="the run id `pcp run create` printed")
+    admit.add_argument("--add", nargs="+", action="extend", default=[], metavar="PEER_ID",
+                       help="peers to admit; repeatable")
+    admit.add_argument("--remove", nargs="+", action="extend", default=[], metavar="PEER_ID",
+                       help="peers to refuse; repeatable")
+    _client_flags(admit)
+    admit.set_defaults(func=_cmd_admit)
+
+
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every owner command needs to reach the swarm."""
+    p.add_argument("--bootstrap", action="append", default=[], required=True, metavar="MULTIADDR",
+                   help="a bootstrap server of the swarm; repeatable")
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help=f"where the owner key lives (default {default_data_dir()})")
+    p.add_argument("--swarm-key", type=Path, metavar="FILE", help="the private swarm's key, if any")
+    p.add_argument("--wait", type=float, default=5.0,
+                   help="seconds to wait for nodes to hand the message to (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
@@ -57,10 +93,14 @@ def _cmd_create(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> int:  # type: ignore[no-untyped-def]
-    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-    import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
-    from pcp_p2p.diloco.spec import run_id_of
+@asynccontextmanager
+async def _client(args: argparse.Namespace, data_dir: Path, identity: Identity) -> AsyncIterator[Node]:
+    """A short-lived client node in the swarm, bootstrapped (ConfigError if no bootstrap answers).
+
+    A PcpError raised by the caller's block is re-raised once the node is shut,
+    outside its nursery, so it reaches ``pcp`` bare (one ``pcp: error:`` line),
+    not wrapped in an exception group.
+    """
     from pcp_p2p.node.node import NodeConfig, open_node
 
     config = NodeConfig(
@@ -71,34 +111,151 @@ async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -
         swarm_key=args.swarm_key,
         benchmark_s=0.0,
     )
+    failure: PcpError | None = None
     async with open_node(config, identity=identity) as node:
         with trio.move_on_after(30):
             await node.bootstrapped.wait()
-        if not node.bootstrapped.is_set():
-            raise ConfigError("no bootstrap server answered within 30 s")
+        if node.bootstrapped.is_set():
+            try:
+                yield node
+            except PcpError as exc:
+                failure = exc
+        else:
+            failure = ConfigError("no bootstrap server answered within 30 s")
+    if failure is not None:
+        raise failure
+
+
+async def _hand_to_workers(node: Node, msg: Any, wait_s: float) -> int:
+    """Send ``msg`` to every live worker; how many took it.
+
+    Members announce themselves within a heartbeat or two: wait (on membership
+    events, up to ``wait_s``) until the view has stopped growing for a second.
+    """
+    def workers() -> int:
+        return sum(m.record.role == "worker" for m in node.membership.live())
+
+    with trio.move_on_after(wait_s):
+        while True:
+            seen = workers()
+            try:
+                await node.wait_until(lambda: workers() > seen, timeout=1.0)
+            except trio.TooSlowError:
+                if seen:
+                    break
+    reached = 0
+    for m in node.membership.live():
+        if m.record.role != "worker":
+            continue
+        try:
+            await node.messenger.send(m.record.peer_id, msg)
+            reached += 1
+        except PcpError as exc:
+            log.warning("could not hand the %s to %s: %s", msg.TAG, m.record.peer_id, exc)
+    return reached
+
+
+async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> int:  # type: ignore[no-untyped-def]
+    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+    import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
+    from pcp_p2p.diloco.spec import run_id_of
+
+    async with _client(args, data_dir, identity) as node:
         run_id = run_id_of(signed)
         record = sign_record(identity, "run", run_id, signed, ttl_s=MAX_TTL_S)
         await node.put_record(record)
-        # Members announce themselves within a heartbeat or two: wait (on membership
-        # events, up to --wait) until the view has stopped growing for a second.
-        def workers() -> int:
-            return sum(m.record.role == "worker" for m in node.membership.live())
+        return await _hand_to_workers(node, signed, args.wait)
 
-        with trio.move_on_after(args.wait):
-            while True:
-                seen = workers()
-                try:
-                    await node.wait_until(lambda: workers() > seen, timeout=1.0)
-                except trio.TooSlowError:
-                    if seen:
-                        break
-        reached = 0
-        for m in node.membership.live():
-            if m.record.role != "worker":
-                continue
+
+# --- pcp run admit ---------------------------------------------------------------
+
+UPDATE_FILE = "allowlist.update"
+
+
+def _owned_run_dir(data_dir: Path, run_id: str) -> Path:
+    """Where the owner keeps the latest update it signed for a run (so a DHT miss never resets seq)."""
+    return data_dir / "owned-runs" / run_id
+
+
+def _cmd_admit(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.identity import public_key_of
+
+    logs.configure(logging.WARNING)
+    for peer in (*args.add, *args.remove):
+        try:
+            public_key_of(peer)
+        except PcpError as exc:
+            raise ConfigError(f"{peer!r:.80} is not a peer id (12D3KooW…)") from exc
+    data_dir = args.data_dir or default_data_dir()
+    identity = load_or_create_identity(data_dir)
+    update, reached, mode = trio.run(_admit, args, data_dir, identity)
+    if args.json:
+        print(json.dumps({"run_id": args.run, "seq": update.seq, "add": list(update.add),
+                          "remove": list(update.remove), "mode": mode, "nodes_reached": reached}))
+    else:
+        print(f"allowlist update #{update.seq} for run {args.run}: {len(update.add)} added, "
+              f"{len(update.remove)} removed (relative to the spec)")
+        print(f"handed to {reached} node(s); nodes joining later find it in the DHT", file=sys.stderr)
+    return 0
+
+
+def _local_update(path: Path, run_id: str, owner: str) -> AllowlistUpdate | None:
+    """The update this owner last signed for the run, if kept here and still valid."""
+    from pcp_p2p.diloco.admission import AllowlistUpdate, verify_update
+    from pcp_p2p.wire import decode
+
+    try:
+        update = decode(path.read_bytes(), AllowlistUpdate)
+        verify_update(update)
+    except FileNotFoundError:
+        return None
+    except (OSError, PcpError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None
+    return update if (update.run_id, update.owner) == (run_id, owner) else None
+
+
+async def _admit(args: argparse.Namespace, data_dir: Path, identity: Identity) -> tuple[AllowlistUpdate, int, str]:
+    from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, allowlist_name, amend, update_record
+    from pcp_p2p.diloco.spec import SignedRunSpec
+    from pcp_p2p.wire import encode
+
+    run_id, me = args.run, identity.peer_id
+    local_path = _owned_run_dir(data_dir, run_id) / UPDATE_FILE
+    async with _client(args, data_dir, identity) as node:
+        signed = await node.get_record("run", run_id)
+        if not isinstance(signed, SignedRunSpec):
+            raise ConfigError(f"run {run_id} not found in the swarm's DHT")
+        if signed.owner != me:
+            raise ConfigError(f"run {run_id:.20}… is owned by {signed.owner}, not by this key ({me}): "
+                              "only the owner can amend its allowlist")
+        admission = Admission.for_run(signed)
+        mode = admission.policy.mode
+        if mode == "open" and args.add:
+            print("pcp: note: the run is open: every peer is already admitted; --add only undoes a --remove",
+                  file=sys.stderr)
+        found = [u for u in (_local_update(local_path, run_id, me),
+                             await node.get_record(ALLOWLIST_KIND, allowlist_name(run_id, me)))
+                 if isinstance(u, AllowlistUpdate)]
+        prev = max(found, key=lambda u: u.seq, default=None)
+        now = time.time()
+        if args.add or args.remove:
             try:
-                await node.messenger.send(m.record.peer_id, signed)
-                reached += 1
-            except PcpError as exc:
-                log.warning("could not hand the run to %s: %s", m.record.peer_id, exc)
-        return reached
+                update = amend(prev, identity, run_id, add=args.add, remove=args.remove, now=now)
+            except ValueError as exc:
+                raise ConfigError(f"allowlist update: {exc}") from exc
+        elif prev is not None:
+            update = prev  # republished as it is, in a fresh record
+        else:
+            raise ConfigError("nothing to publish: give --add or --remove")
+        if update is not prev:
+            admission.apply(update, now)  # the check every node will make
+            tmp = local_path.with_name(local_path.name + ".tmp")
+            try:  # kept before it is published: a failed put never reuses this seq
+                local_path.parent.mkdir(parents=True, exist_ok=True)
+                tmp.write_bytes(encode(update))
+                tmp.replace(local_path)
+            except OSError as exc:
+                raise ConfigError(f"cannot keep the update in {local_path}: {exc}") from exc
+        await node.put_record(update_record(update, identity, now=now))
+        return update, await _hand_to_workers(node, update, args.wait), mode

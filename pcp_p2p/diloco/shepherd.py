@@ -116,14 +116,22 @@ class Shepherd:
         evaluate: Callable[[Params], float] | None = None,
         end_round: int | None = None,
         dataset_cid: str = "",
+        admit: Callable[[str], str | None] | None = None,
     ) -> None:
         """``evaluate`` (optional, pure): validation loss of a θ, put in commit records.
 
         ``end_round`` (optional): the term ends by rotation once this many rounds
         are committed — the shepherd commits round ``end_round - 1`` and then
         announces nothing more (``handed_over``); the next term's holder goes on.
+
+        ``admit`` (optional, pure): None if a peer may take part in the run, else
+        the reason it may not (:meth:`~pcp_p2p.diloco.admission.Admission.why_not`:
+        the run's allowlist and this node's bans). Asked on every join and every
+        submission, so a peer removed or banned mid-run is refused from then on.
+        None admits every peer that signs its messages.
         """
         self.spec = spec.validate()
+        self.admit = admit
         self.run_id = run_id
         self.identity = identity
         self.term = term
@@ -186,10 +194,27 @@ class Shepherd:
             return self.on_submission(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
 
+    def _not_admitted(self, peer: str) -> RejectedUpdate | None:
+        """The refusal for a peer the run does not admit (it also leaves the roster), or None.
+
+        Checked before any signature: a refusal that depends only on the peer id
+        costs a flood of strangers' messages nothing to refuse, and a forged
+        message naming a non-admitted peer changes nothing that peer had.
+        """
+        reason = self.admit(peer) if self.admit is not None else None
+        if reason is None:
+            return None
+        self.roster.pop(peer, None)
+        self.misses.pop(peer, None)
+        return RejectedUpdate(f"{peer:.16}… is not admitted to this run: {reason}")
+
     def on_join(self, msg: Join, now: float) -> list[Effect]:
         try:
             if msg.run_id != self.run_id:
                 raise RejectedUpdate(f"join for another run {msg.run_id:.20}")
+            refusal = self._not_admitted(msg.worker)
+            if refusal is not None:
+                raise refusal
             verify(msg, msg.worker)
             if self.artifacts and msg.target not in self.artifacts:
                 raise RejectedUpdate(f"no artifact for target {msg.target!r:.40} in this run")
@@ -204,6 +229,11 @@ class Shepherd:
 
     def on_submission(self, sub: Submission, now: float) -> list[Effect]:
         agg = self.round_agg
+        refusal = self._not_admitted(sub.worker)
+        if refusal is not None:
+            if agg is not None and self._is_current(sub) and sub.worker in agg.assigned - set(agg.accepted):
+                return self._refuse(sub, refusal, now)  # decided: the round need not wait for it
+            return [Rejected(sub.worker, refusal)]
         if self.phase is not Phase.COLLECTING or agg is None:
             return [Rejected(sub.worker, StaleMessage("no round is open"))]
         try:
