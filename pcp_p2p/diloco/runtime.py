@@ -46,6 +46,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, allowlist_name
 from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.effects import (
@@ -78,6 +79,7 @@ from pcp_p2p.diloco.election import (
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.pins import RunPins
+from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.spec import RunSpec
@@ -86,6 +88,7 @@ from pcp_p2p.diloco.worker import Worker
 from pcp_p2p.errors import (
     BlobNotFound,
     HeldBack,
+    StaleMessage,
     LocalError,
     NotElected,
     OversizedMessage,
@@ -111,6 +114,7 @@ REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (o
 REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
+ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 
@@ -177,6 +181,8 @@ class RunRuntime:
         self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
         self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
+        self.ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
+        self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self.finished = trio.Event()
 
@@ -274,17 +280,35 @@ class RunRuntime:
         self._nursery.start_soon(self._members_loop)
 
     async def _members_loop(self) -> None:
-        """Feed the election the run's live members once a second."""
+        """Feed the election the run's live members once a second, and look up the owner's
+        allowlist amendments every ``ALLOWLIST_EVERY_S``."""
+        last_lookup = -ALLOWLIST_EVERY_S
         while True:
             self._send.send_nowait(("members", None))
+            if self.spec.admission.mode == "allowlist" and time.monotonic() - last_lookup >= ALLOWLIST_EVERY_S:
+                last_lookup = time.monotonic()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._lookup_allowlist)
             await trio.sleep(1.0)
+
+    async def _lookup_allowlist(self) -> None:
+        try:
+            update = await self.node.get_record(ALLOWLIST_KIND, allowlist_name(self.run_id, self.run.owner))
+        except PcpError as exc:
+            log.debug("allowlist lookup failed: %s", exc)
+            return
+        if isinstance(update, AllowlistUpdate):
+            self._send.send_nowait(("msg", self.run.owner, update))
 
     def _candidates(self) -> list[Candidate]:
         now = time.time()
         return [
             Candidate(m.record.peer_id, max(0.0, now - m.record.started_at), m.record.capabilities.can_compile)
             for m in self.node.membership.live()
-            if m.record.role == "worker" and self.run_id in m.record.runs and self.may_lead(m.record.peer_id)
+            # Bans are each node's own: filtering candidates on them would give nodes
+            # different rankings. The owner's lists are the same everywhere.
+            if m.record.role == "worker" and self.run_id in m.record.runs
+            and self.admission.may_lead(m.record.peer_id, local_bans=False)
         ]
 
     def check_record(self, payload: Message, now: float) -> None:
@@ -297,11 +321,6 @@ class RunRuntime:
             self.election.check_lease(payload, now)
         elif isinstance(payload, CommitRecord):
             self.election.check_commit(payload)
-
-    def may_lead(self, peer_id: str) -> bool:
-        """Whether the run's rules let ``peer_id`` be elected shepherd (``admission.shepherds``)."""
-        allowed = self.spec.admission.shepherds
-        return not allowed or peer_id in allowed
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -355,7 +374,7 @@ class RunRuntime:
         self.shepherd = Shepherd(
             spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
             state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round,
+            end_round=eff.end_round, admit=self.admission.why_not,
         )
         # The term's starting θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
@@ -373,6 +392,14 @@ class RunRuntime:
                 if self.election is not None:
                     self._carry_out_election(self.election.on_lease(msg, now))
                 return
+            if isinstance(msg, AllowlistUpdate):
+                try:
+                    self.admission.apply(msg, now)  # owner-signed, or refused
+                except StaleMessage:
+                    pass  # the one in force, again
+                except PcpError as exc:
+                    self._reject(sender, exc)
+                return
             if isinstance(msg, (Join, Submission)):
                 if self.shepherd is None and self._becoming:
                     self._early.append(item)  # still compiling: answer once the shepherd exists
@@ -380,7 +407,11 @@ class RunRuntime:
                 if self.shepherd is None:
                     self._reject(sender, VerificationError("this node is not the run's shepherd"))
                     return
-                self._carry_out("shepherd", self.shepherd.receive(msg, now))
+                effects = self.shepherd.receive(msg, now)
+                for e in effects:  # strike only the sender libp2p authenticated
+                    if isinstance(e, Rejected) and e.peer == sender:
+                        self.ledger.strike(sender, type(e.error).__name__, now)
+                self._carry_out("shepherd", effects)
             elif isinstance(msg, CommitRecord):
                 self._on_commit(msg, now)
             elif isinstance(msg, RoundAnnouncement) and self.worker is not None:
@@ -734,6 +765,9 @@ class RunRuntime:
             elif isinstance(e, Rejected):
                 self._reject(e.peer or "?", e.error)
             elif isinstance(e, Committed):
+                for p in e.record.participants:
+                    self.ledger.credit(p, time.time())
+                self.ledger.flush(time.time())
                 self._nursery.start_soon(self._publish_commit, e.record)
                 self._release_pins(e.record.round)
                 if self.election is not None:
