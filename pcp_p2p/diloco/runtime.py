@@ -1062,6 +1062,9 @@ class RunRuntime:
             "first_contribution_s": self.stats.first_contribution_s,
             "contributed_rounds": self.stats.contributed_rounds[-100:],
             "rejected": dict(self.stats.rejected),
+            "held": self.stats.held,  # leases/commits kept until their authority can be checked
+            "admission": self.spec.admission.mode,
+            "banned": len(self.ledger.bans()),
             "history": list(self.stats.history),
         }
 
