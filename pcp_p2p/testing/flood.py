@@ -17,7 +17,7 @@ the attacker wait; one with budgets refuses (resets) the streams beyond them.
 
 Counts are what the attacker saw, so they mean the same on a node with or
 without budgets: a stream is *refused* when the node ended it before the
-attacker had written its body, *accepted* when the node read the body (all
+attacker had written its body (while it was being opened, or after), *accepted* when the node read the body (all
 but the last byte) and then held it until its deadline cut it or the flood
 ended.
 """
@@ -61,7 +61,7 @@ class StreamTally:
     """What the attacker saw of its streams."""
 
     opened: int = 0
-    failed_to_open: int = 0
+    failed_to_open: int = 0  # of the refused, reset while the stream was being opened
     refused: int = 0  # ended by the node before the body was written
     accepted: int = 0  # body written (all but the last byte): the node read it
     cut: int = 0  # of the accepted, ended by the node before the flood ended
@@ -119,13 +119,15 @@ async def flood_streams(
     frame_size: int = HARD_MAX_SIZE - 1,
     hold_s: float = 20.0,
     at_full_pressure: trio.Event | None = None,
+    stop: trio.Event | None = None,
 ) -> StreamTally:
     """Flood ``target_addr`` from ``peers`` fresh identities, ``streams_per_peer`` streams each.
 
     Every stream declares ``frame_size`` bytes and writes all but the last
-    one; it then holds until the node ends it or ``hold_s`` seconds after the
-    flood started. ``at_full_pressure`` is set once every stream was either
-    refused or has written its body (the moment to probe the node).
+    one; it then holds until the node ends it, ``hold_s`` seconds after the
+    flood started, or ``stop`` is set. ``at_full_pressure`` is set once every
+    stream was either refused or has written its body (the moment to probe the
+    node).
     """
     info = info_from_p2p_addr(multiaddr.Multiaddr(target_addr))
     tally = StreamTally()
@@ -142,8 +144,9 @@ async def flood_streams(
     async def one_stream(host: Any) -> None:
         try:
             stream = await host.new_stream(info.peer_id, [MSG_PROTOCOL])
-        except Exception as exc:
+        except Exception as exc:  # the node reset it during negotiation (a refusal) or is gone
             tally.failed_to_open += 1
+            tally.refused += 1
             tally._error(exc)
             settle()
             return
@@ -187,10 +190,19 @@ async def flood_streams(
                 for _ in range(streams_per_peer):
                     nursery.start_soon(one_stream, host)
 
-    with trio.move_on_after(hold_s):
+    with trio.move_on_after(hold_s) as scope:
         async with trio.open_nursery() as nursery:
-            for _ in range(peers):
-                nursery.start_soon(one_peer)
+            if stop is not None:
+
+                async def stop_on_request() -> None:
+                    await stop.wait()
+                    scope.cancel()
+
+                nursery.start_soon(stop_on_request)
+            async with trio.open_nursery() as streams:
+                for _ in range(peers):
+                    streams.start_soon(one_peer)
+            nursery.cancel_scope.cancel()  # every peer ended before the hold did
     return tally
 
 
