@@ -372,4 +372,67 @@ async def test_trickled_hellos_are_cut_at_the_handshake_deadline_and_an_honest_f
                 stop.set()
         assert len(cut_after) == 4 and max(cut_after) < 10  # cut by the server, long before a hello could finish
         assert server._uploads.peak == 4  # never above the total
-        assert server._uploads.held == 0
+        with trio.fail_after(10):  # the honest upload's thread hands its slot back after the client closed
+            while server._uploads.held:  # (no event: it ends inside the server's handler)
+                await trio.sleep(0.05)
+
+
+async def test_a_client_reading_below_the_minimum_rate_is_cut_and_its_slot_freed(tmp_path: Path) -> None:
+    """A client that reads its chunks steadily but slowly (128 KiB/s, never a
+    stall) holds its upload slot only until the paced deadline: chunk k is due
+    by grace + (k+1) MiB / min_rate."""
+    from pcp_p2p.blob.sidechannel import KIND_HELLO, RecordCipher, derive_key, hello_plaintext, send_record, transcript
+
+    chunk = MIB
+    routing = MemoryRouting()
+    async with AsyncExitStack() as stack:
+        server = await blob_node(stack, tmp_path, routing, "server", min_rate=1 * MIB)
+        server.store = BlobStore(tmp_path / "big", 1 << 30, chunk_size=chunk)
+        cid = await server.publish(os.urandom(24 * chunk))
+        mcid = cid_of(server.store.manifest_bytes(cid))
+        client = await blob_node(stack, tmp_path, routing, "client")
+        nonce = os.urandom(P.NONCE_LEN)
+        reply, _ip = await client._request(peer_info(server), P.BlobRequest("data", cid, nonce, mcid, 0, 24))
+        info_bytes = transcript(client.peer_id, server.peer_id, cid, mcid, 0, 24)
+        key = derive_key(reply.secret, nonce, reply.nonce, info_bytes)
+
+        done = threading.Event()
+
+        def slow_reader() -> int:
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            s.settimeout(5)
+            s.connect(("127.0.0.1", reply.port))
+            send_record(s, RecordCipher.for_direction(key, client_to_server=True), KIND_HELLO,
+                        hello_plaintext(info_bytes))
+            got = 0
+            try:
+                while not done.is_set():
+                    data = s.recv(16 * 1024)
+                    if not data:
+                        break
+                    got += len(data)
+                    time.sleep(0.125)  # 128 KiB/s: steady, far inside the 2 s stall timeout
+            except OSError:
+                pass  # reset by the server
+            finally:
+                s.close()
+            return got
+
+        received: list[int] = []
+
+        async def read_slowly() -> None:
+            received.append(await trio.to_thread.run_sync(slow_reader))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_slowly)
+            start = trio.current_time()
+            with trio.fail_after(60):
+                while server._uploads.peak == 0 or server._uploads.held:  # (no event: the upload
+                    await trio.sleep(0.05)  # thread ends inside the server's handler)
+            released_after = trio.current_time() - start
+            done.set()
+        # At 128 KiB/s the 24 MiB would have held the slot over three minutes; the
+        # server's kernel buffer (a few MiB, still drained by the reader) holds no slot.
+        assert released_after < 30
+        assert received and received[0] < 24 * chunk

@@ -417,7 +417,10 @@ def _map(fd: int, size: int) -> Iterator[memoryview]:
         yield view
     finally:
         view.release()
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:  # a chunk's slice is still referenced (by the traceback of a
+            pass  # send that timed out): the mapping goes when that does
 
 
 async def close_stream(stream: INetStream) -> None:
