@@ -78,13 +78,13 @@ class BlobConfig:
     min_rate: float = 256 * 1024  # bytes/s: chunks (either end) by stall_timeout + bytes so far / min_rate
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
     max_uploads_per_peer: int = 2  # of those, for one peer (its further requests wait apart)
+    direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
+    side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
     @property
     def pace(self) -> Pace:
         """Chunk deadlines: the whole batch at ``min_rate`` on average, after a grace."""
         return Pace(grace_s=self.stall_timeout, min_rate=self.min_rate)
-    direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
-    side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
 
 class UploadSlots:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,9 +270,3 @@ def flood(**kwargs: Any) -> FloodResult:
     """:func:`flood_node` for synchronous callers (benchmarks); same arguments."""
     return trio.run(functools.partial(flood_node, **kwargs))
 
-
-if __name__ == "__main__":  # a quick look: python -m pcp_p2p.testing.flood
-    import json
-
-    logging.basicConfig(level=logging.WARNING)
-    print(json.dumps(flood(hold_s=float(os.environ.get("PCP_FLOOD_HOLD_S", "20"))).as_dict()))
