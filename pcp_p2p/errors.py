@@ -85,6 +85,7 @@ class HeldBack(NotElected):
     but nothing is acted on — not acked, fetched, pinned, stored or followed.
     """
 
+
 class OverBudget(RemoteError):
     """A peer asked this node to hold more than its budget allows: more streams
     or buffered bytes than its own share, or than the node's total for all
