@@ -29,7 +29,17 @@ from conftest import TEST_CAPS
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
-from pcp_p2p.blob.sidechannel import recv_exact_into
+from pcp_p2p.blob.sidechannel import (
+    HEADER,
+    KIND_HELLO,
+    TAG_LEN,
+    RecordCipher,
+    derive_key,
+    hello_plaintext,
+    recv_exact_into,
+    send_record,
+    transcript,
+)
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import ConfigError, OverBudget, PeerTimeout
@@ -336,13 +346,18 @@ async def test_trickled_hellos_are_cut_at_the_handshake_deadline_and_an_honest_f
         honest = await blob_node(stack, tmp_path, routing, "honest")
         cut_after: list[float] = []
 
-        def trickle(port: int) -> None:  # one byte every 0.3 s: the hello would take a minute
+        def trickle(port: int, hello_len: int) -> None:
+            # A well-formed header (so nothing is refused on its content), then
+            # one byte every 0.3 s: the hello would take well over a minute.
             start = time.monotonic()
+            record = HEADER.pack(KIND_HELLO, hello_len) + bytes(hello_len)
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                     s.settimeout(0.3)
-                    while not stop.is_set():
-                        s.sendall(b"\x01")
+                    for byte in record:
+                        if stop.is_set():
+                            break
+                        s.sendall(bytes([byte]))
                         try:
                             if s.recv(1) == b"":  # the server closed it
                                 break
@@ -355,12 +370,13 @@ async def test_trickled_hellos_are_cut_at_the_handshake_deadline_and_an_honest_f
         with trio.fail_after(30):
             ports = []
             for hog in hogs:
+                hello_len = len(hello_plaintext(transcript(hog.peer_id, server.peer_id, cid, mcid, 0, 1))) + TAG_LEN
                 for _ in range(2):
                     reply, _ip = await hog._request(
                         peer_info(server), P.BlobRequest("data", cid, os.urandom(P.NONCE_LEN), mcid, 0, 1))
-                    ports.append(reply.port)
+                    ports.append((reply.port, hello_len))
             assert server._uploads.held == 4  # every slot is a hog's
-            threads = [threading.Thread(target=trickle, args=(p,), daemon=True) for p in ports]
+            threads = [threading.Thread(target=trickle, args=p, daemon=True) for p in ports]
             for t in threads:
                 t.start()
             try:
@@ -381,8 +397,6 @@ async def test_a_client_reading_below_the_minimum_rate_is_cut_and_its_slot_freed
     """A client that reads its chunks steadily but slowly (128 KiB/s, never a
     stall) holds its upload slot only until the paced deadline: chunk k is due
     by grace + (k+1) MiB / min_rate."""
-    from pcp_p2p.blob.sidechannel import KIND_HELLO, RecordCipher, derive_key, hello_plaintext, send_record, transcript
-
     chunk = MIB
     routing = MemoryRouting()
     async with AsyncExitStack() as stack:
