@@ -7,8 +7,9 @@ The tree separates *whose fault* an error is, the way h11 separates
 ``LocalProtocolError`` from ``RemoteProtocolError``:
 
 - :class:`RemoteError` — a peer (or a file a peer gave us) sent something we
-  refuse: malformed, oversized, unsigned, replayed, tampered. The node keeps
-  running; the peer's input is dropped.
+  refuse: malformed, oversized, unsigned, replayed, tampered, or more than its
+  budget (:class:`OverBudget`). The node keeps running; the peer's input is
+  dropped.
 - :class:`LocalError` — this node was misconfigured or misused (bad flag,
   missing file, an artifact for a target this machine cannot run).
 - :class:`PeerError` — the world broke: a peer vanished or stalled. Retrying
@@ -83,6 +84,20 @@ class HeldBack(NotElected):
     message is kept (bounded) and looked at again when the node learns more,
     but nothing is acted on — not acked, fetched, pinned, stored or followed.
     """
+
+
+class OverBudget(RemoteError):
+    """A peer asked this node to hold more than its budget allows: more streams
+    or buffered bytes than its own share, or than the node's total for all
+    peers (identities are free, so a share alone would bound nothing).
+
+    ``reason`` names the ledger that was full (``streams_per_peer``,
+    ``streams_total``, ``bytes_per_peer``, ``bytes_total``).
+    """
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class RejectedUpdate(RemoteError):

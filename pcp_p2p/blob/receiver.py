@@ -42,6 +42,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -49,6 +50,7 @@ from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordReader
 from pcp_p2p.blob.store import PendingBlob, start_writeback
 from pcp_p2p.errors import HashMismatch, LocalError, PcpError
+from pcp_p2p.node.budget import Pace
 
 VERIFIERS = 2
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length (any block size up to a page)
@@ -228,13 +230,16 @@ def receive_batch(
     *,
     on_ok: Callable[[int], None],
     stall: float,
+    pace: Pace | None = None,
 ) -> None:
     """Receive ``batch`` from ``sock`` into ``sink`` (blocking; run in a worker thread).
 
     Each chunk is verified against the sink's manifest before the sink keeps
     it and it is reported with ``on_ok(index)``. ``pool`` supplies buffers for
-    a sink that has no slot for a chunk. Raises the first error of either
-    stage (:class:`HashMismatch` has ``.index``).
+    a sink that has no slot for a chunk. With ``pace``, chunk ``k`` must have
+    arrived by ``pace.deadline(start, bytes of chunks 0..k)``: a provider that
+    trickles is given up for another (:class:`PeerTimeout`). Raises the first
+    error of either stage (:class:`HashMismatch` has ``.index``).
     """
     work: queue.Queue[tuple[int, memoryview, mmap.mmap | None] | None] = queue.Queue(maxsize=VERIFIERS)
     failure: list[BaseException] = []
@@ -268,10 +273,13 @@ def receive_batch(
                for k in range(VERIFIERS)]
     for t in threads:
         t.start()
+    start, due = time.monotonic(), 0
     try:
         for index in batch:
             if failure:
                 break
+            due += sink.manifest.chunk_span(index)[1]
+            deadline = None if pace is None else pace.deadline(start, due)
             place = sink.slot(index)
             buf = None
             if place is None:
@@ -280,7 +288,7 @@ def receive_batch(
                 buf = pool.get(timeout=stall * 2)
                 place = memoryview(buf)
             try:
-                n = reader.read_into(KIND_CHUNK, place)
+                n = reader.read_into(KIND_CHUNK, place, deadline)
             except BaseException:
                 give_back(buf)
                 raise

@@ -9,6 +9,11 @@ it away) or, on the ``stream`` fallback, as frames on the same libp2p stream.
 At most ``max_uploads`` uploads run at once, at most ``max_uploads_per_peer``
 of them for one peer; further data requests queue for a slot (up to half the
 request deadline) before being answered ``busy`` (:class:`UploadSlots`).
+A slot is never held by an idle or trickling client: the side channel's
+connect and hello share one overall deadline (``handshake_timeout``) and the
+chunks, on either path, must go at ``min_rate`` on average after a grace
+(:class:`~pcp_p2p.node.budget.Pace`); past either deadline the upload is cut
+and its slot released.
 
 Faults are injected in tests by overriding :meth:`BlobServer._send_chunk`.
 """
@@ -20,6 +25,7 @@ import mmap
 import os
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,6 +59,7 @@ from pcp_p2p.errors import (
     ProtocolError,
     VerificationError,
 )
+from pcp_p2p.node.budget import Pace
 from pcp_p2p.node.traffic import Traffic
 from pcp_p2p.wire import framing
 
@@ -66,11 +73,18 @@ class BlobConfig:
     max_blob_size: int = 16 * 1024**3  # a fetch refuses manifests declaring more
     max_in_memory: int = 256 * 1024**2  # a byte range, or fetch_into without a buffer, is held in memory
     request_timeout: float = 20.0  # one control exchange on the libp2p stream
-    stall_timeout: float = 15.0  # side channel: no byte for this long = stalled
+    stall_timeout: float = 15.0  # side channel: no byte for this long = stalled; also the chunks' grace
+    handshake_timeout: float = 5.0  # side channel: the client connects and its hello arrives within this
+    min_rate: float = 256 * 1024  # bytes/s: chunks (either end) by stall_timeout + bytes so far / min_rate
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
     max_uploads_per_peer: int = 2  # of those, for one peer (its further requests wait apart)
     direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
+
+    @property
+    def pace(self) -> Pace:
+        """Chunk deadlines: the whole batch at ``min_rate`` on average, after a grace."""
+        return Pace(grace_s=self.stall_timeout, min_rate=self.min_rate)
 
 
 class UploadSlots:
@@ -86,8 +100,16 @@ class UploadSlots:
 
     def __init__(self, total: int, per_peer: int) -> None:
         self._free = trio.Semaphore(total)
+        self.total = total
         self.per_peer = per_peer
         self._by_peer: dict[str, trio.Semaphore] = {}
+        self.peak = 0  # the most slots ever held at once (never above total)
+        self.busy = 0  # requests answered busy: no slot within their wait
+
+    @property
+    def held(self) -> int:
+        """Slots held now, all peers."""
+        return self.total - self._free.value
 
     def held_by(self, peer: str) -> int:
         """Slots ``peer`` holds or waits for a shared one with."""
@@ -104,8 +126,10 @@ class UploadSlots:
             except BaseException:
                 mine.release()
                 raise
+            self.peak = max(self.peak, self.held)
             return _Slot(self, peer, mine)
         self._forget(peer)
+        self.busy += 1
         return None
 
     def _forget(self, peer: str) -> None:
@@ -275,15 +299,21 @@ class BlobServer:
         self, stream: INetStream, file: object, manifest: ChunkManifest, first: int, count: int
     ) -> None:
         fd = file.fileno()  # type: ignore[attr-defined]
-        for i in range(first, first + count):
-            offset, length = manifest.chunk_span(i)
-            data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
-            if len(data) != length:
-                raise PeerGone("blob file shorter than its manifest")
-            for j in range(0, length, P.STREAM_PIECE):
-                await framing.write_frame(
-                    stream, data[j : j + P.STREAM_PIECE], timeout=self.config.stall_timeout
-                )
+        pace, start, due = self.config.pace, trio.current_time(), 0
+        with trio.CancelScope() as scope:
+            for i in range(first, first + count):
+                offset, length = manifest.chunk_span(i)
+                due += length
+                scope.deadline = pace.deadline(start, due)  # a client reading slowly is cut here
+                data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
+                if len(data) != length:
+                    raise PeerGone("blob file shorter than its manifest")
+                for j in range(0, length, P.STREAM_PIECE):
+                    await framing.write_frame(
+                        stream, data[j : j + P.STREAM_PIECE], timeout=self.config.stall_timeout
+                    )
+        if scope.cancelled_caught:
+            raise PeerTimeout(f"stream upload below {pace.min_rate / 1024:.0f} KiB/s: cut at its deadline")
 
     def _upload(
         self,
@@ -295,8 +325,17 @@ class BlobServer:
         first: int,
         count: int,
     ) -> None:
-        """Runs in a worker thread: accept the client, check its hello, send the chunks."""
-        listener.settimeout(self.config.request_timeout)
+        """Runs in a worker thread: accept the client, check its hello, send the chunks.
+
+        The upload slot is held for exactly this long, so every wait here has
+        an overall deadline: connecting and the hello together within
+        ``handshake_timeout``, then the chunks paced by ``config.pace`` (the
+        client must read them at ``min_rate`` on average). An idle or
+        trickling client is cut at the deadline and the slot goes back.
+        """
+        clock = time.monotonic
+        handshake_due = clock() + self.config.handshake_timeout
+        listener.settimeout(self.config.handshake_timeout)
         try:
             sock, _ = listener.accept()
         except TimeoutError as exc:
@@ -306,7 +345,7 @@ class BlobServer:
             tune(sock, self.config.stall_timeout)
             c2s = RecordCipher.for_direction(key, client_to_server=True)
             s2c = RecordCipher.for_direction(key, client_to_server=False)
-            hello = RecordReader(sock, c2s, len(hello_plaintext(info))).read(KIND_HELLO)
+            hello = RecordReader(sock, c2s, len(hello_plaintext(info))).read(KIND_HELLO, deadline=handshake_due)
             if hello != hello_plaintext(info):
                 raise VerificationError("side-channel hello does not match the transfer")
             fd = file.fileno()  # type: ignore[attr-defined]
@@ -317,14 +356,21 @@ class BlobServer:
             if os.fstat(fd).st_size != manifest.size:
                 raise PeerGone("blob file does not have its manifest's size")
             out = bytearray(manifest.chunk_size + TAG_LEN)
+            pace, start, due = self.config.pace, clock(), 0
             with _map(fd, manifest.size) as mapped:
                 for i in range(first, first + count):
                     offset, length = manifest.chunk_span(i)
+                    due += HEADER.size + length + TAG_LEN
+                    left = pace.remaining(start, due, clock())
+                    if left <= 0:
+                        raise PeerTimeout(f"client reads below {pace.min_rate / 1024:.0f} KiB/s: cut")
+                    sock.settimeout(left)  # a record is sent within the socket's timeout, as a whole
                     self._send_chunk(sock, s2c, i, mapped[offset : offset + length], out)
                     if self.traffic is not None:
                         self.traffic.sent(HEADER.size + length + TAG_LEN)
             sock.shutdown(socket.SHUT_WR)
-            # Wait for the client to close so its last bytes are not cut by a reset.
+            # Wait (a stall timeout at most) for the client to close so its last bytes are not cut by a reset.
+            sock.settimeout(self.config.stall_timeout)
             sock.recv(1)
         except OSError as exc:
             raise PeerGone(f"side channel broke: {exc}") from exc
@@ -371,7 +417,10 @@ def _map(fd: int, size: int) -> Iterator[memoryview]:
         yield view
     finally:
         view.release()
-        mm.close()
+        try:
+            mm.close()
+        except BufferError:  # a chunk's slice is still referenced (by the traceback of a
+            pass  # send that timed out): the mapping goes when that does
 
 
 async def close_stream(stream: INetStream) -> None:

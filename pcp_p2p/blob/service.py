@@ -13,7 +13,9 @@ buffer in memory, for content that is used once and need not be stored.
 Threads: the byte moving (socket I/O, AES-GCM, BLAKE3, file I/O) runs in trio
 worker threads, all of which release the GIL, so the trio loop that also runs
 libp2p stays responsive and receiving, decrypting and hashing overlap. The side
-socket's timeout is the stall detector (no byte for ``stall_timeout`` seconds).
+socket's timeout is the stall detector (no byte for ``stall_timeout`` seconds),
+and ``config.pace`` the overall deadline: the chunks of a batch must arrive at
+``min_rate`` on average after that grace, or the provider is given up.
 """
 
 from __future__ import annotations
@@ -554,7 +556,8 @@ class BlobService(BlobServer):
             reader = RecordReader(sock, s2c, manifest.chunk_size, self.traffic)
             try:
                 await _receive_in_thread(sock, functools.partial(
-                    receive_batch, sock, reader, batch, sink, pool, on_ok=on_ok, stall=stall))
+                    receive_batch, sock, reader, batch, sink, pool, on_ok=on_ok, stall=stall,
+                    pace=self.config.pace))
             except HashMismatch as exc:
                 index = getattr(exc, "index", None)
                 if index is not None:
@@ -570,22 +573,28 @@ class BlobService(BlobServer):
         req = P.BlobRequest("data", manifest.cid, secrets.token_bytes(P.NONCE_LEN), pull.prep.mcid,
                             batch[0], len(batch), via="stream")
         stream, _, _ = await self._open_exchange(info, req)
+        pace, start, due = self.config.pace, trio.current_time(), 0
         try:
-            for index in batch:
-                _, length = manifest.chunk_span(index)
-                buf = bytearray()
-                while len(buf) < length:  # each frame bounded by what is still due
-                    buf += await framing.read_frame(
-                        stream, max_size=min(P.STREAM_PIECE, length - len(buf)),
-                        timeout=self.config.stall_timeout,
-                    )
-                try:
-                    await trio.to_thread.run_sync(accept_chunk, sink, index, memoryview(buf))
-                except HashMismatch:
-                    plan.chunk_bad(pid, index)
-                    raise
-                plan.chunk_ok(pid, index)
-                changed.fire()
+            with trio.CancelScope() as scope:
+                for index in batch:
+                    _, length = manifest.chunk_span(index)
+                    due += length
+                    scope.deadline = pace.deadline(start, due)  # a trickling provider is given up
+                    buf = bytearray()
+                    while len(buf) < length:  # each frame bounded by what is still due
+                        buf += await framing.read_frame(
+                            stream, max_size=min(P.STREAM_PIECE, length - len(buf)),
+                            timeout=self.config.stall_timeout,
+                        )
+                    try:
+                        await trio.to_thread.run_sync(accept_chunk, sink, index, memoryview(buf))
+                    except HashMismatch:
+                        plan.chunk_bad(pid, index)
+                        raise
+                    plan.chunk_ok(pid, index)
+                    changed.fire()
+            if scope.cancelled_caught:
+                raise PeerTimeout(f"{pid} sent below {pace.min_rate / 1024:.0f} KiB/s: given up")
         finally:
             await close_stream(stream)
 

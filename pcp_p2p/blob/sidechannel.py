@@ -24,12 +24,20 @@ Record: ``kind (1) | reserved (3) | length (4, big-endian)`` then ``length``
 bytes of ciphertext (plaintext + 16-byte tag). ``length`` is checked against
 the largest record the transfer allows *before* any buffer is sized, so a peer
 streaming garbage costs one failed header or one failed tag, never memory.
+
+Time: a socket timeout alone is a stall detector that a peer resets with every
+byte. Reads therefore also take an overall deadline (the hello's handshake
+deadline, a chunk's paced deadline from :class:`pcp_p2p.node.budget.Pace`),
+and a record is sent within the socket's timeout as a whole, so neither end
+can be held by a peer that trickles.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -130,23 +138,45 @@ def parse_header(header: bytes, *, max_len: int, expect_kind: int) -> int:
 # --- blocking socket pumps (run in worker threads) ------------------------------
 
 
-def recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
+def recv_exact_into(
+    sock: socket.socket, buf: memoryview, *, deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
     """Fill ``buf`` from ``sock``; :class:`PeerGone` on EOF, :class:`PeerTimeout` on stall.
 
     The socket's timeout is the stall limit: no byte for that long is a stall.
+    ``deadline`` (on ``clock``) bounds the whole read as well: a peer that
+    trickles a byte now and then resets a stall timer forever, never a deadline.
     """
     got = 0
     n = len(buf)
+    stall = sock.gettimeout()
     try:
         while got < n:
+            if deadline is not None:
+                left = deadline - clock()
+                if left <= 0:
+                    raise PeerTimeout(f"side channel: {got} of {n} bytes by the deadline")
+                sock.settimeout(left if stall is None else min(stall, left))
             k = sock.recv_into(buf[got:], n - got)
             if k == 0:
                 raise PeerGone(f"side channel closed after {got} of {n} bytes")
             got += k
     except TimeoutError as exc:
-        raise PeerTimeout(f"side channel stalled after {got} of {n} bytes") from exc
+        why = "missed its deadline" if deadline is not None and clock() >= deadline else "stalled"
+        raise PeerTimeout(f"side channel {why} after {got} of {n} bytes") from exc
     except OSError as exc:
         raise PeerGone(f"side channel broke: {exc}") from exc
+    finally:
+        if deadline is not None:
+            _restore_timeout(sock, stall)
+
+
+def _restore_timeout(sock: socket.socket, timeout: float | None) -> None:
+    try:
+        sock.settimeout(timeout)
+    except OSError:  # closed meanwhile (a verifier shut it down)
+        pass
 
 
 def send_record(
@@ -156,22 +186,39 @@ def send_record(
     plaintext: bytes | memoryview,
     out: bytearray | None = None,
 ) -> None:
-    """Seal and send one record (into ``out`` when given: no per-record allocation)."""
+    """Seal and send one record (into ``out`` when given: no per-record allocation).
+
+    The socket's timeout bounds the whole record, not each call: a peer that
+    reads a little now and then cannot stretch one record indefinitely.
+    """
     if out is None:
         header, ct = cipher.seal(kind, bytes(plaintext))
     else:
         header, ct = cipher.seal_into(kind, memoryview(plaintext), out)
+    limit = sock.gettimeout()
+    deadline = None if limit is None else time.monotonic() + limit
     try:
         sent = sock.sendmsg([header, ct])
+        rest: list[memoryview] = []
         if sent < len(header):  # partial sends happen (a socket with a timeout
-            sock.sendall(header[sent:])  # sends what fits): finish without copying
+            rest.append(memoryview(header)[sent:])  # sends what fits): finish without copying
             sent = len(header)
         if sent - len(header) < len(ct):
-            sock.sendall(memoryview(ct)[sent - len(header) :])
+            rest.append(memoryview(ct)[sent - len(header) :])
+        for part in rest:
+            if deadline is not None:  # sendall's timeout is its total: what is left of ours
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+            sock.sendall(part)
     except TimeoutError as exc:
         raise PeerTimeout("side channel: peer stopped reading") from exc
     except OSError as exc:
         raise PeerGone(f"side channel broke: {exc}") from exc
+    finally:
+        if deadline is not None:
+            _restore_timeout(sock, limit)
 
 
 class RecordReader:
@@ -186,23 +233,24 @@ class RecordReader:
         self._hdr = bytearray(HEADER.size)
         self._buf = bytearray(self.max_len)
 
-    def read(self, kind: int) -> bytes:
-        recv_exact_into(self.sock, memoryview(self._hdr))
+    def read(self, kind: int, deadline: float | None = None) -> bytes:
+        """One record's plaintext; all of it by ``deadline`` (``time.monotonic``) when given."""
+        recv_exact_into(self.sock, memoryview(self._hdr), deadline=deadline)
         header = bytes(self._hdr)
         length = parse_header(header, max_len=self.max_len, expect_kind=kind)
         view = memoryview(self._buf)[:length]
-        recv_exact_into(self.sock, view)
+        recv_exact_into(self.sock, view, deadline=deadline)
         return self.cipher.open(header, view)
 
-    def read_into(self, kind: int, out: bytearray | memoryview) -> int:
+    def read_into(self, kind: int, out: bytearray | memoryview, deadline: float | None = None) -> int:
         """Read one record and decrypt it into ``out``; returns the plaintext length."""
-        recv_exact_into(self.sock, memoryview(self._hdr))
+        recv_exact_into(self.sock, memoryview(self._hdr), deadline=deadline)
         header = bytes(self._hdr)
         length = parse_header(header, max_len=self.max_len, expect_kind=kind)
         if length - TAG_LEN > len(out):
             raise OversizedMessage("record larger than the receive buffer")
         view = memoryview(self._buf)[:length]
-        recv_exact_into(self.sock, view)
+        recv_exact_into(self.sock, view, deadline=deadline)
         if self.traffic is not None:
             self.traffic.received(HEADER.size + length)
         n = length - TAG_LEN

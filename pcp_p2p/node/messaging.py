@@ -11,6 +11,14 @@ receiver's codec" rather than "handed to a queue".
 Handlers register the message types they take; a frame of any other type, or
 malformed, or above the largest registered type's limit, is refused (the
 stream is reset, the rejection counted and logged once) and the node goes on.
+
+Every inbound stream spends from a :class:`~pcp_p2p.node.budget.Budget`: a
+stream slot on arrival, and the frame's declared length (read first) before
+any of its body, both per peer and in total; a stream beyond either is reset
+with :class:`~pcp_p2p.errors.OverBudget`. The whole frame must then arrive by
+``op_timeout + size / msg_min_rate`` after the stream opened (an overall
+deadline with a minimum rate, not a per-read timeout), so a peer that declares
+a large frame and trickles it holds its reservation for a bounded time.
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.errors import PcpError, PeerGone, PeerTimeout, ProtocolError
+from pcp_p2p.node.budget import Budget, Limits, Pace, Reservation
 from pcp_p2p.wire import Message, decode, encode
-from pcp_p2p.wire.framing import read_exact, read_frame, reset_quietly, write_frame
+from pcp_p2p.wire.framing import read_body, read_exact, read_length, reset_quietly, write_frame
 
 if TYPE_CHECKING:
     from pcp_p2p.node.node import Node
@@ -45,6 +54,14 @@ class Messenger:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._handlers: dict[type[Message], Handler] = {}
+        c = node.config
+        self.budget = Budget(
+            Limits(c.msg_streams_per_peer, c.msg_streams_total, c.msg_bytes_per_peer, c.msg_bytes_total,
+                   small_reserve=c.msg_small_reserve),
+            name="msg",
+        )
+        self.pace = Pace(grace_s=c.op_timeout, min_rate=c.msg_min_rate)
+        c.extra_status["msg_budget"] = self.budget.snapshot
 
     def register(self, types: tuple[type[Message], ...], handler: Handler) -> None:
         """Deliver messages of ``types`` to ``handler(sender_peer_id, message)``.
@@ -113,16 +130,13 @@ class Messenger:
             sender = stream.muxed_conn.peer_id.to_base58()
         except Exception:
             sender = "?"
-        types = tuple(self._handlers)
         try:
-            if not types:
-                raise ProtocolError("this node takes no direct messages now")
-            limit = max(t.MAX_SIZE for t in types)
-            msg = decode(await read_frame(stream, max_size=limit, timeout=self.node.config.op_timeout), *types)
-            log.debug("received %s from %s", msg.TAG, sender)
-            await self._handlers[type(msg)](sender, msg)
-            await stream.write(_ACK)
-            await stream.close()
+            with self.budget.open(sender) as reservation:
+                msg = await self._read(stream, reservation)
+                log.debug("received %s from %s", msg.TAG, sender)
+                await self._handlers[type(msg)](sender, msg)
+                await stream.write(_ACK)
+                await stream.close()
         except PcpError as exc:
             self.node._reject(sender, exc, "message")
             await reset_quietly(stream)
@@ -132,3 +146,22 @@ class Messenger:
             self.node._reject(sender, exc, "message")
             await reset_quietly(stream)
 
+    async def _read(self, stream: INetStream, reservation: Reservation) -> Message:
+        """One frame, its declared length reserved before its body is read, under the pace's deadline."""
+        types = tuple(self._handlers)
+        if not types:
+            raise ProtocolError("this node takes no direct messages now")
+        limit = max(t.MAX_SIZE for t in types)
+        arrived = trio.current_time()
+        data: bytearray | None = None
+        with trio.CancelScope(deadline=self.pace.deadline(arrived, 0)) as scope:
+            n = await read_length(stream, max_size=limit)
+            reservation.reserve(n)  # OverBudget: refused before a byte of the body is read
+            scope.deadline = self.pace.deadline(arrived, n)
+            data = await read_body(stream, n)
+        if data is None:
+            raise PeerTimeout(f"no complete frame within {trio.current_time() - arrived:.1f} s "
+                              f"(at least {self.pace.min_rate / 1024:.0f} KiB/s after {self.pace.grace_s:.0f} s)")
+        # The reservation stays until the handler returns: the decoded message
+        # holds about as much as the frame did until the handler has queued it.
+        return decode(data, *types)

@@ -103,6 +103,15 @@ class NodeConfig:
     benchmark_s: float = 0.25
     max_connections: int = 64
     max_storage_bytes: int = 10 * 1024**3  # blob store (artifacts, θ, checkpoints); pinned content is never evicted
+    # Inbound /pcp/msg budgets (pcp_p2p.node.budget, docs/security.md): concurrent
+    # streams and buffered bytes, one peer's share and the total for all peers. A
+    # frame must arrive within op_timeout + size / msg_min_rate of its stream opening.
+    msg_streams_per_peer: int = 8
+    msg_streams_total: int = 64
+    msg_bytes_per_peer: int = 24 * 1024**2  # three frames of HARD_MAX_SIZE at once
+    msg_bytes_total: int = 128 * 1024**2
+    msg_small_reserve: int = 8 * 1024**2  # of the total, kept for frames of 64 KiB or less (control messages)
+    msg_min_rate: float = 1024**2  # bytes/s; a sender's own deadline (op_timeout per send) asks more
     # Pre-measured capabilities (tests, or a restart within one process).
     capabilities: Capabilities | None = None
     extra_status: dict[str, Callable[[], Any]] = field(default_factory=dict)

@@ -7,6 +7,8 @@ frame above ~6.3 MB over yamux fails with a misleading "connection closed"
 checks the declared length against the caller's limit *before* reading the
 body (a peer cannot make us allocate more than the limit), and runs under a
 deadline so a peer that opens a stream and never writes costs one timeout.
+:func:`read_length` and :func:`read_body` are the two halves, for a caller
+that budgets the declared length and paces the body (``/pcp/msg``).
 """
 
 from __future__ import annotations
@@ -28,29 +30,48 @@ class ByteStream(Protocol):
 
 async def read_exact(stream: ByteStream, n: int) -> bytes:
     """Exactly ``n`` bytes, or :class:`PeerGone` if the stream ends first."""
+    return bytes(await read_body(stream, n))
+
+
+async def read_length(stream: ByteStream, *, max_size: int) -> int:
+    """A frame's declared length, checked against ``max_size`` before any body is read.
+
+    Split from :func:`read_body` so a caller can budget the declared size
+    (:mod:`pcp_p2p.node.budget`) and set the body's deadline from it.
+    """
+    (n,) = _LEN.unpack(await read_exact(stream, _LEN.size))
+    if n > max_size:
+        raise OversizedMessage(f"frame of {n} bytes > limit {max_size}")
+    if n == 0:
+        raise MalformedMessage("empty frame")
+    return n
+
+
+async def read_body(stream: ByteStream, n: int) -> bytearray:
+    """Exactly ``n`` bytes as one growing buffer (no deadline: the caller's scope is it).
+
+    The buffer grows as bytes arrive (no ``n``-byte allocation up front, and no
+    copy at the end), so memory follows what the peer actually sent.
+    """
     buf = bytearray()
     while len(buf) < n:
         try:
             chunk = await stream.read(n - len(buf))
         except trio.Cancelled:
             raise
-        except Exception as exc:  # libp2p raises StreamEOF/StreamReset/StreamError/...
+        except Exception as exc:
             raise PeerGone(f"stream closed after {len(buf)} of {n} bytes: {type(exc).__name__}") from exc
         if not chunk:
             raise PeerGone(f"stream closed after {len(buf)} of {n} bytes")
         buf += chunk
-    return bytes(buf)
+    return buf
 
 
 async def read_frame(stream: ByteStream, *, max_size: int, timeout: float) -> bytes:
     """One frame of at most ``max_size`` bytes within ``timeout`` seconds."""
     with trio.move_on_after(timeout) as scope:
-        (n,) = _LEN.unpack(await read_exact(stream, _LEN.size))
-        if n > max_size:
-            raise OversizedMessage(f"frame of {n} bytes > limit {max_size}")
-        if n == 0:
-            raise MalformedMessage("empty frame")
-        return await read_exact(stream, n)
+        n = await read_length(stream, max_size=max_size)
+        return bytes(await read_body(stream, n))
     assert scope.cancelled_caught
     raise PeerTimeout(f"no complete frame within {timeout:.1f} s")
 
