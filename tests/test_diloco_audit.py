@@ -383,3 +383,36 @@ def test_an_impossible_step_claim_is_evidence_without_a_replay():
         for r, q, a in zip(reports, fine_reqs, (A1, A2))), ("steps",))
     with pytest.raises(VerificationError):
         verify_evidence(fake, chunk_steps=CHUNK)
+
+
+def test_mutated_evidence_bytes_raise_only_pcp_errors():
+    from pcp_p2p.errors import PcpError
+
+    ev, _ = evidence_for_tampered()
+    data = encode_evidence(ev)
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for _ in range(300):
+        raw = bytearray(data)
+        for i in rng.integers(0, len(raw), size=int(rng.integers(1, 4))):
+            raw[i] = int(rng.integers(0, 256))
+        try:
+            assert verify_evidence(decode_evidence(bytes(raw))) == W.peer_id
+            accepted += 1  # every byte is covered by a signature or re-derived: none may pass
+        except PcpError:
+            pass
+    assert accepted == 0
+
+
+def test_a_garbage_state_blob_is_refused_with_a_typed_error():
+    st = state(3)
+    sub, sub_bytes = submission(state_in=inner_state_digest(st), state_out="e" * 64)
+    req = selected_request(sub_bytes, A1)
+    job = AuditJob(req, A1, chunk_steps=CHUNK)
+    job.on_blob(req.submission_cid, sub_bytes)
+    job.on_blob(params_cid(THETA), pack_tensors(THETA, "fp32"))
+    junk = b"\x00" * 8 + b"not a tensor bundle"
+    job.on_offer(audit.make_offer(req, sub.state_in, junk, W))
+    with pytest.raises(MalformedMessage):
+        job.on_blob(cid_of(junk), junk)
+    assert not job.ready()
