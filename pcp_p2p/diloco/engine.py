@@ -54,10 +54,12 @@ CHUNK_STEPS = 5
 """AdamW steps per executor call: small enough that a time budget is met within
 one chunk's time, large enough that the per-call overhead stays negligible."""
 
-KEEP_STATES = 6
+KEEP_STATES = 4
 """Inner states an engine keeps on the device (LRU): the one the worker will
-start from next, the ones it submitted but has not seen committed, and the
-recent start states an auditor may still ask for."""
+start from next, the one it submitted but has not seen committed, the start
+state of its last committed round (an audit of that round arrives after the
+commit) and one spare for a retried attempt. Each costs 2 × |θ| fp32 of memory
+(86 MB for the medium model) beyond the state in use, which it shares."""
 
 
 @dataclass(frozen=True)
