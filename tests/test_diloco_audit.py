@@ -416,3 +416,34 @@ def test_a_garbage_state_blob_is_refused_with_a_typed_error():
     with pytest.raises(MalformedMessage):
         job.on_blob(cid_of(junk), junk)
     assert not job.ready()
+
+
+def test_the_hooks_on_a_real_shepherd_round():
+    """What the lead wires: chain check on submission, chain + plan_audits at the commit."""
+    from test_diloco_protocol import OWNER, RUN_ID, Round
+
+    from pcp_p2p.diloco.effects import Committed
+
+    r = Round()
+    chain = StateChain(strict=True)
+    subs = [r.submission(who, state_in=FRESH_STATE, state_out=f"{i}" * 64) for i, who in enumerate(r.ids)]
+    effects = []
+    for sub in subs:
+        chain.check(sub)
+        effects += r.shepherd.on_submission(sub, now=3.0)
+    (record,) = [e.record for e in effects if isinstance(e, Committed)]  # all reported: committed
+    accepted = {s.worker: s for s in subs if s.worker in record.participants}
+    chain.committed(accepted.values())
+    targets = {who.peer_id: "cpu" for who in r.ids}
+    planned = plan_audits(run_id=RUN_ID, rate=1.0, identity=OWNER, announcement=r.ann, accepted=accepted,
+                          beacon=record.theta_cid, targets=targets)
+    assert {p.request.worker for p in planned} == set(accepted)
+    for p in planned:
+        audit.check_request(p.request, run_id=RUN_ID, rate=1.0, is_shepherd=lambda t, peer: peer == OWNER.peer_id)
+        sub = audit.check_submission(p.request, p.submission_bytes)
+        assert audit.state_to_export(p.request, sub, sub.worker) is None  # started fresh: nothing to serve
+    # the next round may start from each worker's committed end state, not from another's
+    nxt = r.submission(r.ids[0], state_in="0" * 64, state_out="a" * 64)
+    chain.check(nxt)
+    with pytest.raises(RejectedUpdate):
+        chain.check(r.submission(r.ids[0], state_in="1" * 64, state_out="a" * 64))
