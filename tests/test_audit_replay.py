@@ -116,6 +116,16 @@ def test_replay_in_another_process_reproduces_an_honest_round_and_catches_a_tamp
     assert audit.verify_evidence(ev, rate=0.05) == W.peer_id
 
 
+def test_the_childs_digest_is_the_one_any_node_computes(engines):
+    worker, _ = engines
+    theta0 = initial_theta(SPEC, 65)
+    worker.executor.load_state(theta0)  # fresh moments, step 0, in the manifest's order
+    assert worker.executor.inner_digest() == audit.inner_state_digest(audit.fresh_state(theta0))
+    r0, _ = run(worker, theta0, None, 0, seed=11)
+    st = worker.executor.read_inner(tag=r0.state_out)
+    assert audit.inner_state_digest(audit.InnerState(st.m, st.v, st.step)) == r0.state_out and st.step == 10
+
+
 def test_a_kept_state_restarts_exactly_and_an_unknown_one_starts_fresh(engines):
     worker, _ = engines
     theta0 = initial_theta(SPEC, 65)
