@@ -12,6 +12,8 @@ one of them never drags in the others' dependencies):
 - :mod:`.checkpoint` — the outer state as one content-addressed blob.
 - :mod:`.effects` — what the machines ask the world to do.
 - :mod:`.shepherd`, :mod:`.worker` — the round protocol's two state machines.
+- :mod:`.audit` — audits by deterministic replay: the draw, the inner-state chain,
+  requests, reports and evidence for the ban ledger.
 - :mod:`.sim` — an in-memory swarm on trio with seeded fault injection.
 
 The protocol is described in ``docs/diloco.md``.
