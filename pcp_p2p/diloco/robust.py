@@ -13,7 +13,10 @@ the run spec's ``[aggregation]`` table (:class:`~pcp_p2p.diloco.spec.Aggregation
    ``n · max_share < 1`` the cap cannot be met and every worker gets ``1/n``.
 2. **Norm screening** (:func:`screen_by_norm`, ``norm_vs_median``). A Δ whose
    norm is more than ``norm_vs_median`` times the round's median norm is refused
-   (a :class:`~pcp_p2p.errors.RejectedUpdate`). The yardstick is the honest
+   (a :class:`~pcp_p2p.errors.RejectedUpdate`); a worker that did more steps
+   than the median worker gets ``√(its steps / median steps)`` times more room,
+   at most ``norm_vs_median`` times more (:func:`norm_allowance`: fast hardware
+   is not refused, an inflated step claim buys only its square root). The yardstick is the honest
    majority's own step size, not a bound that grows with ‖θ‖ (the absolute
    bound in :func:`~pcp_p2p.diloco.aggregate.delta_norm_bound` stays, as a
    sanity cap only). Breakdown point: the median is honest while fewer than
@@ -110,24 +113,47 @@ def capped_weights(tokens: Sequence[float], max_share: float) -> np.ndarray:
 # --- screening ------------------------------------------------------------------
 
 
-def screen_by_norm(norms: Mapping[str, float], factor: float) -> dict[str, RejectedUpdate]:
-    """Workers whose ‖Δ‖ exceeds ``factor`` × the median of ``norms``, with why.
+def norm_allowance(factor: float, work: float, median_work: float) -> float:
+    """How many times the median norm a Δ of ``work`` tokens may have: ``factor·clip(√(work/median), 1, factor)``.
 
-    ``factor == 0`` turns the screen off. The median is over workers (each
-    counts once), so a worker's token claim cannot move it.
+    Fast hardware does more steps in the round's time, and an honest Δ grows
+    at most linearly with steps (early in training, when every step pushes the
+    same way), so a fixed multiple of the median would refuse honest fast
+    workers. The square root lets an honest worker with up to ``factor²`` times
+    the median's steps through (9x at the default 3), while a worker that
+    inflates its step claim ``N``-fold buys only ``√N`` more norm, and never
+    more than ``factor²`` times the median.
+    """
+    if median_work <= 0 or work <= median_work:
+        return factor
+    return factor * min(factor, math.sqrt(work / median_work))
+
+
+def screen_by_norm(
+    norms: Mapping[str, float], factor: float, work: Mapping[str, float] | None = None
+) -> dict[str, RejectedUpdate]:
+    """Workers whose ‖Δ‖ exceeds its allowance times the median of ``norms``, with why.
+
+    ``factor == 0`` turns the screen off. ``work`` (claimed tokens or steps per
+    worker) widens the allowance of workers that did more than the median (see
+    :func:`norm_allowance`); without it every worker gets ``factor``. Medians
+    are over workers (each counts once), so no single claim can move them.
     """
     if factor <= 0 or not norms:
         return {}
-    med = float(np.median(np.array([norms[w] for w in sorted(norms)], dtype=np.float64)))
-    limit = factor * med
-    return {
-        w: RejectedUpdate(
-            f"{w:.16}…: ‖Δ‖ = {norms[w]:.4g} is {norms[w] / med if med > 0 else math.inf:.1f}x the round's "
-            f"median {med:.4g} (limit {factor:g}x)"
-        )
-        for w in sorted(norms)
-        if norms[w] > limit
-    }
+    workers = sorted(norms)
+    med = float(np.median(np.array([norms[w] for w in workers], dtype=np.float64)))
+    med_work = float(np.median(np.array([work[w] for w in workers], dtype=np.float64))) if work else 0.0
+    out: dict[str, RejectedUpdate] = {}
+    for w in workers:
+        allow = norm_allowance(factor, work[w], med_work) if work else factor
+        if norms[w] > allow * med:
+            ratio = norms[w] / med if med > 0 else math.inf
+            out[w] = RejectedUpdate(
+                f"{w:.16}…: ‖Δ‖ = {norms[w]:.4g} is {ratio:.1f}x the round's median {med:.4g} "
+                f"(allowed {allow:.2g}x)"
+            )
+    return out
 
 
 # --- coordinate-wise kernels on a (K, n) block --------------------------------------
@@ -274,7 +300,7 @@ def aggregate(
 ) -> Aggregate:
     """The whole pipeline: norm screen → capped weights → ``policy.rule``."""
     norms = {k: global_norm(deltas[k]) for k in sorted(deltas)}
-    screened = screen_by_norm(norms, policy.norm_vs_median)
+    screened = screen_by_norm(norms, policy.norm_vs_median, tokens)
     kept = [k for k in sorted(deltas) if k not in screened]
     if not kept:
         raise ValueError("every submission was screened out")

@@ -305,7 +305,7 @@ class RunRuntime:
         self.shepherd = Shepherd(
             spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
             state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round,
+            end_round=eff.end_round, score=self._evaluate.score,
         )
         # The term's starting θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])

@@ -110,6 +110,7 @@ class SimResult:
     finished: bool
     end_time: float
     initial_val_loss: float
+    byzantine: set[str]  # the workers with an attack
 
 
 # --- the cheap objective ------------------------------------------------------
@@ -482,6 +483,7 @@ class World:
             finished=finished,
             end_time=trio.current_time(),
             initial_val_loss=initial_val,
+            byzantine={pid for pid, plan in self.plans.items() if plan.attack is not None},
         )
 
 
