@@ -11,10 +11,14 @@ never sleeps, never does I/O; ``next_wakeup`` says when it next wants a ``tick``
 
 A round attempt goes: announce (θ_r's CID, artifacts, a data assignment and a
 step cap per worker, a deadline) → collect submissions (each checked by
-:class:`~pcp_p2p.diloco.aggregate.RoundAggregator`; a refusal is a ``Rejected``
-effect and the round goes on) → when every assigned worker has reported, or the
-deadline passed with at least ``min_quorum`` accepted, *commit*: token-weighted
-mean Δ̄, outer Nesterov step, θ blob + checkpoint blob + signed
+:class:`~pcp_p2p.diloco.aggregate.RoundAggregator` and, with ``score``, on
+held-out data; a refusal is a ``Rejected`` effect and the round goes on) → when
+every assigned worker has reported, or the deadline passed with at least
+``min_quorum`` accepted, *commit*: Δ̄ by the spec's robust rule
+(:mod:`~pcp_p2p.diloco.robust`: norm screen, capped token weights, trimmed mean
+by default), outer Nesterov step, the val-jump guard (a θ whose validation loss
+jumps is not committed: the most suspect submission is dropped and the rest
+recombined, or the attempt discarded), θ blob + checkpoint blob + signed
 :class:`~pcp_p2p.diloco.messages.CommitRecord` to every member, all in one
 input — there is no state in which the step is half-applied. If the deadline
 passes without quorum the attempt is *discarded* (``Discarded``) and the same
