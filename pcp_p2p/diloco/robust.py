@@ -68,8 +68,9 @@ from pcp_p2p.diloco.spec import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.errors import ConfigError, RejectedUpdate
 
-CHUNK_ELEMENTS = 1 << 20
-"""Upper bound on K × columns processed at once by the coordinate-wise rules."""
+CHUNK_ELEMENTS = 1 << 18
+"""Upper bound on K × coordinates processed at once by the coordinate-wise rules
+(a few MiB of temporaries: the sort's indices and the cumulative weights)."""
 
 
 # --- weights ----------------------------------------------------------------------
@@ -156,42 +157,53 @@ def screen_by_norm(
     return out
 
 
-# --- coordinate-wise kernels on a (K, n) block --------------------------------------
+# --- coordinate-wise kernels on an (n, K) block: one row per coordinate, one column per worker ---
 
 
 def _sorted_with_weights(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per column: values ascending, and the cumulative weight below/above each value."""
-    order = np.argsort(x, axis=0, kind="stable")
-    xs = np.take_along_axis(x, order, axis=0)
+    """Per row: values ascending, and the cumulative weight below/above each value.
+
+    Rows are coordinates and columns workers, so each sort is over K contiguous
+    values (much faster than sorting down columns).
+    """
+    if np.all(w == w[0]):  # equal weights (the usual case): rank alone decides, no permutation needed
+        xs = np.sort(x, axis=1)
+        hi = np.broadcast_to(np.cumsum(w), x.shape)
+        return xs, hi - w, hi
+    order = np.argsort(x, axis=1, kind="stable")
+    xs = np.take_along_axis(x, order, axis=1)
     ws = w[order]
-    hi = np.cumsum(ws, axis=0)
+    hi = np.cumsum(ws, axis=1)
     return xs, hi - ws, hi
 
 
 def trimmed_mean_block(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
-    """Weighted trimmed mean of each column of ``x`` (K rows), ``w`` summing to 1.
+    """Weighted trimmed mean of each row of ``x`` (K columns), ``w`` summing to 1.
 
     The mass kept of each sorted value is the part of its weight interval
     ``[lo, hi)`` inside ``[trim, 1 - trim]``; the result is the kept-mass-weighted
     mean. ``trim = 0`` is the weighted mean.
     """
-    xs, lo, hi = _sorted_with_weights(x.astype(np.float64), w)
+    xs, lo, hi = _sorted_with_weights(x, w)
     kept = np.clip(np.minimum(hi, 1.0 - trim) - np.maximum(lo, trim), 0.0, None)
-    return ((kept * xs).sum(axis=0) / kept.sum(axis=0)).astype(np.float32)
+    acc = np.zeros(x.shape[0], dtype=np.float64)
+    for j in range(x.shape[1]):  # a fixed order of additions: the same bits everywhere
+        acc += kept[:, j] * xs[:, j]
+    return (acc / kept.sum(axis=1)).astype(np.float32)
 
 
 def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted median of each column: the midpoint of the values where the weight crosses ½."""
-    xs, _, hi = _sorted_with_weights(x.astype(np.float64), w)
-    k = x.shape[0]
-    lower = np.minimum((hi < 0.5 - 1e-12).sum(axis=0), k - 1)
-    upper = np.minimum((hi <= 0.5 + 1e-12).sum(axis=0), k - 1)
-    cols = np.arange(x.shape[1])
-    return (0.5 * (xs[lower, cols] + xs[upper, cols])).astype(np.float32)
+    """Weighted median of each row: the midpoint of the values where the weight crosses ½."""
+    xs, _, hi = _sorted_with_weights(x, w)
+    k = x.shape[1]
+    lower = np.minimum((hi < 0.5 - 1e-12).sum(axis=1), k - 1)
+    upper = np.minimum((hi <= 0.5 + 1e-12).sum(axis=1), k - 1)
+    rows = np.arange(x.shape[0])
+    return (0.5 * (xs[rows, lower].astype(np.float64) + xs[rows, upper])).astype(np.float32)
 
 
 def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[no-untyped-def]
-    """Apply a (K, n) → (n,) kernel to every tensor, in column chunks."""
+    """Apply an (n, K) → (n,) kernel to every tensor, ``CHUNK_ELEMENTS // K`` coordinates at a time."""
     out: Params = {}
     k = len(deltas)
     step = max(1, CHUNK_ELEMENTS // k)
@@ -199,7 +211,7 @@ def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[
         flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
         res = np.empty(ref.size, dtype=np.float32)
         for s in range(0, ref.size, step):
-            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat]), *args)
+            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args)
         out[name] = res.reshape(ref.shape)
     return out
 
