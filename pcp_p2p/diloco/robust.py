@@ -10,14 +10,16 @@ the run spec's ``[aggregation]`` table (:class:`~pcp_p2p.diloco.spec.Aggregation
 1. **Weight capping** (:func:`capped_weights`, ``max_share``). Token weights are
    water-filled so that no worker carries more than ``max_share`` of the total:
    a claim of 10¹² tokens/s buys at most that share, whatever it says. If
-   ``n · max_share < 1`` the cap cannot be met and every worker gets ``1/n``.
+   ``n · max_share ≤ 1`` only equal shares meet (or come closest to) the cap,
+   and every worker gets ``1/n``.
 2. **Norm screening** (:func:`screen_by_norm`, ``norm_vs_median``). A Δ whose
    norm is more than ``norm_vs_median`` times the round's median norm is refused
    (a :class:`~pcp_p2p.errors.RejectedUpdate`); a worker that did more steps
    than the median worker gets ``√(its steps / median steps)`` times more room,
    at most ``norm_vs_median`` times more (:func:`norm_allowance`: fast hardware
-   is not refused, an inflated step claim buys only its square root). The yardstick is the honest
-   majority's own step size, not a bound that grows with ‖θ‖ (the absolute
+   is not refused, an inflated step claim buys only its square root). The
+   yardstick is the honest majority's own step size, not a bound that grows
+   with ‖θ‖ (the absolute
    bound in :func:`~pcp_p2p.diloco.aggregate.delta_norm_bound` stays, as a
    sanity cap only). Breakdown point: the median is honest while fewer than
    half the submissions are hostile; with two submissions the screen can never
@@ -45,15 +47,15 @@ the run spec's ``[aggregation]`` table (:class:`~pcp_p2p.diloco.spec.Aggregation
    worker gets ``1/n ≤ trim_fraction``); above that, the norm screen and the
    shepherd's loss scoring (:mod:`~pcp_p2p.diloco.shepherd`) are what bound it.
 
-Determinism. Every function visits workers in sorted id order and reduces in a
-fixed order, so a replay of a round from the same submissions gives the same
-bits on any machine (the committed θ's CID depends on it). Work is done in
-column chunks so that peak memory stays ``O(K · CHUNK)`` above the inputs,
-whatever the model size.
+Determinism. Every function visits workers in sorted id order and adds in a
+fixed order (no BLAS in the combining itself), so a replay of a round from the
+same submissions gives the same bits (the committed θ's CID depends on it).
+Work is done in chunks of coordinates so that peak memory stays
+``O(CHUNK_ELEMENTS)`` above the inputs, whatever the model size.
 
-Cost (measured on the 4-worker sim of ``tests/test_robust.py``): see
-``docs/security.md``; on a clean run the robust rules lose a fraction of a
-percent of final validation loss against the plain mean.
+Cost (docs/diloco.md, "Robust combining"): on a clean run of the tiny GPT the
+trimmed mean ended +0.2 % and centered clipping −0.2 % in val loss against
+the plain mean; a combine costs about 40 ns per parameter per worker.
 """
 
 from __future__ import annotations
