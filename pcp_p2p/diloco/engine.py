@@ -18,7 +18,8 @@ only *ask* for work. This module does it:
   or committed cannot leak into the next. :meth:`InnerEngine.replay` re-executes
   an exact step count from a given θ and inner state, and
   :meth:`InnerEngine.export_state` serves a kept state to an auditor.
-- :class:`Evaluator` (shepherd): validation loss of a θ with ``jax.jit``.
+- :class:`Evaluator` (shepherd): validation loss of a θ with ``jax.jit``, and a
+  cheaper held-out :meth:`~Evaluator.score` the shepherd runs on every submission.
 
 Only the shepherd side imports JAX and the compiler (lazily); a worker runs
 with the IREE runtime and numpy alone.
@@ -110,10 +111,27 @@ def build_train_artifacts(
     )
 
 
-class Evaluator:
-    """Validation loss of θ on a fixed set of held-out batches (shepherd side, JAX)."""
+SCORE_BATCHES = 2
+"""Held-out batches per submission score: each costs one forward pass, and a few
+nats of damage (random, flipped or blown-up Δ) shows on two batches already."""
 
-    def __init__(self, spec: RunSpec, dataset: CharDataset, n_batches: int = 4) -> None:
+SCORE_SEED = 1
+"""Seed of the score's windows: not the validation windows (seed 0), so the guard
+that checks commits (val loss) and the one that checks submissions do not share data."""
+
+
+class Evaluator:
+    """Validation loss of θ on a fixed set of held-out batches (shepherd side, JAX).
+
+    Calling it gives the validation loss (``n_batches`` windows: commit records
+    and the val-jump guard); :meth:`score` is the cheap per-submission check
+    (``score_batches`` other windows of the validation split), with the same
+    jitted program.
+    """
+
+    def __init__(
+        self, spec: RunSpec, dataset: CharDataset, n_batches: int = 4, score_batches: int = SCORE_BATCHES
+    ) -> None:
         import jax
 
         from pcp_p2p.compile.programs import build_program
@@ -127,11 +145,22 @@ class Evaluator:
         self._vx, self._vy = validation_batches(
             dataset.val, n_batches=n_batches, batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len
         )
+        self._sx, self._sy = validation_batches(
+            dataset.val, n_batches=score_batches, batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len,
+            seed=SCORE_SEED,
+        )
+
+    def _loss(self, theta: dict[str, np.ndarray], xs: np.ndarray, ys: np.ndarray) -> float:
+        args = [theta[k] for k in self._names]
+        return float(np.mean([float(np.asarray(self._fn(*args, xs[i], ys[i])[0])) for i in range(len(xs))]))
 
     def __call__(self, theta: dict[str, np.ndarray]) -> float:
-        args = [theta[k] for k in self._names]
-        losses = [float(np.asarray(self._fn(*args, self._vx[i], self._vy[i])[0])) for i in range(len(self._vx))]
-        return float(np.mean(losses))
+        """Validation loss of θ (mean over the fixed validation batches)."""
+        return self._loss(theta, self._vx, self._vy)
+
+    def score(self, theta: dict[str, np.ndarray]) -> float:
+        """Held-out loss of θ on the few score batches: the shepherd's per-submission check."""
+        return self._loss(theta, self._sx, self._sy)
 
 
 class InnerEngine:

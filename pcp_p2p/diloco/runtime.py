@@ -374,7 +374,7 @@ class RunRuntime:
         self.shepherd = Shepherd(
             spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
             state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round, admit=self.admission.why_not,
+            end_round=eff.end_round, admit=self.admission.why_not, score=self._evaluate.score,
         )
         # The term's starting θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
