@@ -7,7 +7,9 @@ versions (issue #12): seize the run with a backdated, never-expiring lease for t
 next term; stall it with a self-signed "final" commit of a far-future term, sent to
 every member and stored in the DHT; fill the members' disks with commits naming a
 32 MiB junk checkpoint it serves. The run must keep committing on honest θ, led by
-its own members only, and no node may fetch the junk.
+its own members only, and no node may fetch the junk. Every accepted submission
+is audited by deterministic replay on another worker (``audit_rate = 1``): the
+honest ones must all match, bit for bit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ max_inner_steps = 200
 deadline_s = 12.0
 rounds = {ROUNDS}
 min_quorum = 2
+[aggregation]
+audit_rate = 1.0   # every accepted submission is replayed by another worker
 """
 JUNK_MIB = 32
 
@@ -120,6 +124,11 @@ async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: P
     assert {st["theta"] for st in statuses.values()} == {history[-1]["theta"]}  # one θ
     for st in statuses.values():
         assert all(t["holder"] in members for t in st["shepherd_history"])
+    # every round was audited by replay, and every honest replay matched exactly
+    verdicts = [st.get("audits", {}) for st in statuses.values()]
+    assert sum(v.get("match", 0) for v in verdicts) >= ROUNDS
+    assert sum(v.get("mismatch", 0) for v in verdicts) == 0
+    assert all(st.get("banned") == 0 for st in statuses.values())
     for w in swarm.workers:  # nobody fetched the junk checkpoint
         big = [p for p in (w.data_dir / "blobs").rglob("*") if p.is_file() and p.stat().st_size >= JUNK_MIB << 20]
         assert big == [], big

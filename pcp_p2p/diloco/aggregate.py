@@ -115,6 +115,7 @@ class RoundAggregator:
     accepted: dict[str, Accepted] = field(default_factory=dict)
     refused: dict[str, PcpError] = field(default_factory=dict)
     _seen: dict[str, bytes] = field(default_factory=dict)
+    submissions: dict[str, Submission] = field(default_factory=dict)
 
     @property
     def assigned(self) -> set[str]:
@@ -188,6 +189,7 @@ class RoundAggregator:
 
     def admit(self, sub: Submission, delta: Params, score: float | None = None) -> None:
         self.accepted[sub.worker] = Accepted(sub.worker, sub.tokens, sub.losses, delta, score)
+        self.submissions[sub.worker] = sub  # what an audit of this round replays against
 
     def refuse(self, worker: str, error: PcpError) -> None:
         self.refused[worker] = error

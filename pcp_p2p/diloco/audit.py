@@ -340,6 +340,10 @@ class Evidence(Message):
     differs: tuple[str, ...]
 
 
+AUDIT_MESSAGES: tuple[type[Message], ...] = (AuditRequest, StateOffer, AuditReport)
+"""What travels on ``/pcp/msg`` for audits (evidence goes to the ban ledger, not the wire)."""
+
+
 def digest_of(msg: Message) -> str:
     return hashlib.sha256(encode(msg)).hexdigest()
 

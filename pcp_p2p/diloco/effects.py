@@ -110,4 +110,17 @@ class Finished:
     theta_cid: str
 
 
-Effect = Send | StoreBlob | FetchBlob | RunInner | CancelInner | LookupCommit | Rejected | Committed | Discarded | Finished
+@dataclass(frozen=True)
+class Banned:
+    """Two auditors' replays contradict ``peer``'s signed round: record the ban (``evidence``:
+    encoded :class:`~pcp_p2p.diloco.audit.Evidence`, re-verifiable by anyone)."""
+
+    peer: str
+    evidence: bytes
+    reason: str
+
+
+Effect = (
+    Send | StoreBlob | FetchBlob | RunInner | CancelInner | LookupCommit | Rejected | Committed | Discarded
+    | Finished | Banned
+)

@@ -47,9 +47,21 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, allowlist_name
+from pcp_p2p.diloco.audit import (
+    AuditJob,
+    AuditReport,
+    AuditRequest,
+    StateOffer,
+    check_request,
+    check_submission,
+    make_offer,
+    state_to_export,
+)
+from pcp_p2p.diloco.audit_desk import AuditDesk
 from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.effects import (
+    Banned,
     CancelInner,
     Committed,
     Discarded,
@@ -115,6 +127,7 @@ REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the mess
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
+AUDIT_GRACE_S = 30.0  # an audit must be reported within two round deadlines plus this
 MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 
@@ -137,6 +150,7 @@ class RunStats:
     history: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=HISTORY))
     rejected: dict[str, int] = field(default_factory=dict)
     held: int = 0  # leases and commits held back until their authority can be checked
+    audits: dict[str, int] = field(default_factory=dict)  # replays this node ran, by verdict
     first_contribution_s: float | None = None
     contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
     bytes_submitted: int = 0  # encoded submissions sent (what this worker puts on the wire per round)
@@ -184,6 +198,7 @@ class RunRuntime:
         self.ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
         self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
+        self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
@@ -375,6 +390,8 @@ class RunRuntime:
             spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
             state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
             end_round=eff.end_round, admit=self.admission.why_not, score=self._evaluate.score,
+            audits=AuditDesk(self.run_id, self.node.identity, rate) if (rate := self.spec.aggregation.audit_rate) > 0
+            else None,
         )
         # The term's starting θ must be fetchable by the workers.
         self._carry_out("shepherd", [StoreBlob(self.shepherd.theta_cid, self.shepherd.theta_bytes)])
@@ -392,6 +409,9 @@ class RunRuntime:
                 if self.election is not None:
                     self._carry_out_election(self.election.on_lease(msg, now))
                 return
+            if isinstance(msg, (AuditRequest, StateOffer)):
+                self._on_audit_message(sender, msg)
+                return
             if isinstance(msg, AllowlistUpdate):
                 try:
                     self.admission.apply(msg, now)  # owner-signed, or refused
@@ -400,7 +420,7 @@ class RunRuntime:
                 except PcpError as exc:
                     self._reject(sender, exc)
                 return
-            if isinstance(msg, (Join, Submission)):
+            if isinstance(msg, (Join, Submission, AuditReport)):
                 if self.shepherd is None and self._becoming:
                     self._early.append(item)  # still compiling: answer once the shepherd exists
                     return
@@ -471,6 +491,102 @@ class RunRuntime:
             accepted = self.worker.last_commit  # (a stale record moves nothing)
             if accepted is not None:
                 self._release_pins(accepted.round)
+
+    # -- audits (the shepherd's side is AuditDesk, inside the Shepherd) -----------------
+
+    def _holds_term(self, term: int, peer: str) -> bool:
+        """Whether this node accepted ``peer``'s lease of ``term`` (audit requests need it)."""
+        return self.election is not None and any(t.term == term and t.holder == peer
+                                                 for t in self.election.history)
+
+    def _on_audit_message(self, sender: str, msg: AuditRequest | StateOffer) -> None:
+        assert self._nursery is not None
+        if isinstance(msg, StateOffer):
+            entry = self._audit_jobs.get((msg.term, msg.round, msg.attempt, msg.worker))
+            if entry is None:
+                self._reject(sender, VerificationError("a state offer for no audit of this node"))
+                return
+            try:
+                entry[0].on_offer(msg)
+            except PcpError as exc:
+                self._reject(sender, exc)
+                return
+            entry[1].set()
+            return
+        try:
+            check_request(msg, run_id=self.run_id, rate=self.spec.aggregation.audit_rate,
+                          is_shepherd=self._holds_term)
+        except PcpError as exc:
+            self._reject(sender, exc)
+            return
+        me = self.node.peer_id
+        if msg.worker == me:
+            self._nursery.start_soon(self._serve_audit_state, msg)
+        elif msg.auditor == me and (msg.term, msg.round, msg.attempt, msg.worker) not in self._audit_jobs:
+            self._nursery.start_soon(self._audit, msg)
+
+    async def _serve_audit_state(self, req: AuditRequest) -> None:
+        """The audited worker: serve the inner state its submission started from."""
+        try:
+            sub = next((s for s in reversed(self.worker.submitted if self.worker else [])
+                        if (s.term, s.round, s.attempt) == (req.term, req.round, req.attempt)), None)
+            if sub is None:
+                raise LocalError(f"no submission of round {req.round} is kept here any more")
+            check_submission(req, encode(sub))  # the request names exactly what we signed
+            digest = state_to_export(req, sub, self.node.peer_id)
+            if digest is None:
+                return  # started fresh: the auditor needs nothing from us
+            if self.engine is None:
+                raise LocalError("no executor holds the inner state")
+            blob = await trio.to_thread.run_sync(self.engine.export_state, digest)
+            await self._keep(blob)
+            await self._send_to(req.auditor, make_offer(req, digest, blob, self.node.identity))
+        except PcpError as exc:
+            self.node.log_once("self", exc, "serving an audited inner state failed")
+
+    async def _audit(self, req: AuditRequest) -> None:
+        """The auditor: gather the inputs, replay the round exactly, report to the shepherd."""
+        from pcp_p2p.diloco.engine import CHUNK_STEPS
+
+        job = AuditJob(req, self.node.identity, chunk_steps=CHUNK_STEPS)
+        key = (req.term, req.round, req.attempt, req.worker)
+        offered = trio.Event()
+        self._audit_jobs[key] = (job, offered)
+        report: AuditReport | None = None
+        try:
+            with trio.move_on_after(2 * self.spec.round.deadline_s + AUDIT_GRACE_S):
+                try:
+                    if req.target != self._target or self.worker is None \
+                            or req.artifact_cid not in self.worker.held_artifacts or self.engine is None:
+                        raise LocalError("this node does not run the audited round's artifact")
+                    while not job.ready():
+                        wanted = job.wanted()
+                        if not wanted:
+                            await offered.wait()  # the worker's StateOffer
+                            offered = trio.Event()
+                            self._audit_jobs[key] = (job, offered)
+                            continue
+                        for cid in wanted:
+                            public = cid == req.submission_cid or (job.sub is not None
+                                                                   and cid == job.sub.base_theta_cid)
+                            data = await self._fetch_bytes(cid, req.shepherd if public else req.worker,
+                                                           keep=False, max_size=self._state_bound(2))
+                            job.on_blob(cid, data)
+                    if job.impossible_steps():
+                        report = job.finish_impossible()
+                    else:
+                        rep = await trio.to_thread.run_sync(self.engine.replay, *job.replay_input())
+                        report = job.finish(rep.theta, rep.state_out, rep.losses)
+                except PcpError as exc:
+                    report = job.give_up(f"{type(exc).__name__}: {exc}")
+            if report is None:
+                report = job.give_up("the audit's deadline passed")
+            log.info("run %s: audit of %s round %d: %s %s", self.run_id[:16], req.worker, req.round,
+                     report.verdict, ",".join(report.differs))
+            self.stats.audits[report.verdict] = self.stats.audits.get(report.verdict, 0) + 1
+            await self._send_to(req.shepherd, report)
+        finally:
+            self._audit_jobs.pop(key, None)
 
     def _lookup_done(self, now: float) -> None:
         if self._lookups_pending > 0:
@@ -772,6 +888,9 @@ class RunRuntime:
                 self._release_pins(e.record.round)
                 if self.election is not None:
                     self._carry_out_election(self.election.on_commit(e.record, time.time()))
+            elif isinstance(e, Banned):
+                self.ledger.ban(e.peer, e.evidence, e.reason, time.time())
+                log.warning("run %s: %s banned: %s", self.run_id[:16], e.peer, e.reason)
             elif isinstance(e, Discarded):
                 log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round, e.attempt, e.error)
             elif isinstance(e, Finished):
@@ -1063,6 +1182,7 @@ class RunRuntime:
             "contributed_rounds": self.stats.contributed_rounds[-100:],
             "rejected": dict(self.stats.rejected),
             "held": self.stats.held,  # leases/commits kept until their authority can be checked
+            "audits": dict(self.stats.audits),
             "admission": self.spec.admission.mode,
             "banned": len(self.ledger.bans()),
             "history": list(self.stats.history),

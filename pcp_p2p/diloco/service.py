@@ -24,6 +24,7 @@ from pcp_p2p.errors import PcpError, VerificationError
 from pcp_p2p.node.node import Node
 from pcp_p2p.dht.records import VerifiedRecord
 from pcp_p2p.diloco.admission import AllowlistUpdate
+from pcp_p2p.diloco.audit import AUDIT_MESSAGES
 from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.training")
@@ -40,7 +41,8 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate), self._on_round_message)
+        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate, *AUDIT_MESSAGES),
+                                     self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
         # Top-level election fields for `pcp status --json` (the dashboard's shepherd panel).

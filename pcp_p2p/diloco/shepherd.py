@@ -54,8 +54,11 @@ from collections.abc import Callable, Collection
 from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.diloco import data as data_mod
 from pcp_p2p.diloco.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
+from pcp_p2p.diloco.audit import AuditReport
+from pcp_p2p.diloco.audit_desk import AuditDesk
 from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
 from pcp_p2p.diloco.effects import (
+    Banned,
     Committed,
     Discarded,
     Effect,
@@ -124,6 +127,7 @@ class Shepherd:
         admit: Callable[[str], str | None] | None = None,
         score: Callable[[Params], float] | None = None,
         val_loss: float | None = None,
+        audits: AuditDesk | None = None,
     ) -> None:
         """``evaluate`` (optional, pure): validation loss of a θ, put in commit records
         and used by the val-jump guard (``aggregation.val_jump``).
@@ -146,9 +150,15 @@ class Shepherd:
         the run's allowlist and this node's bans). Asked on every join and every
         submission, so a peer removed or banned mid-run is refused from then on.
         None admits every peer that signs its messages.
+
+        ``audits`` (optional): the term's :class:`~pcp_p2p.diloco.audit_desk.AuditDesk`.
+        With it every submission must commit to its inner states (and start from an
+        allowed one), each commit draws the audited submissions, and ``AuditReport``
+        inputs may end in a ``Banned`` effect (the worker also leaves the roster).
         """
         self.spec = spec.validate()
         self.admit = admit
+        self.audits = audits
         self.run_id = run_id
         self.identity = identity
         self.term = term
@@ -214,7 +224,22 @@ class Shepherd:
             return self.on_join(msg, now)
         if isinstance(msg, Submission):
             return self.on_submission(msg, now)
+        if isinstance(msg, AuditReport):
+            return self.on_audit_report(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
+
+    def on_audit_report(self, report: AuditReport, now: float) -> list[Effect]:
+        if self.audits is None:
+            return [Rejected(report.auditor, StaleMessage("this shepherd asked for no audits"))]
+        try:
+            effects = self.audits.on_report(report, now)
+        except PcpError as exc:
+            return [Rejected(report.auditor, exc)]
+        for e in effects:
+            if isinstance(e, Banned):
+                self.roster.pop(e.peer, None)
+                self.misses.pop(e.peer, None)
+        return effects
 
     def _not_admitted(self, peer: str) -> RejectedUpdate | None:
         """The refusal for a peer the run does not admit (it also leaves the roster), or None.
@@ -263,6 +288,11 @@ class Shepherd:
                 return []  # the same submission again
         except PcpError as exc:
             return [Rejected(sub.worker, exc)]
+        if self.audits is not None:
+            try:
+                self.audits.check(sub)  # it must commit to an inner state it may start from
+            except PcpError as exc:
+                return self._refuse(sub, exc, now)
         if sub.delta_inline is not None:
             return self._admit(sub, sub.delta_inline, now)
         assert sub.delta_cid is not None
@@ -540,6 +570,11 @@ class Shepherd:
             Committed(record),
             *(Send(w, record) for w in recipients),
         ]
+        if self.audits is not None:  # drawn with the new θ's CID, which no worker knew when it submitted
+            effects += self.audits.on_commit(
+                agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
+                {w: j.target for w, j in self.roster.items()},
+            )
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)
             return effects + [Finished(new_state.round, theta_cid)]

@@ -87,6 +87,10 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message
 
 
+KEEP_SUBMITTED = 16
+"""Own submissions kept (signed, as sent): an audit request names one of the last rounds."""
+
+
 class WorkerPhase(enum.Enum):
     IDLE = "idle"
     FETCHING = "fetching"
@@ -345,6 +349,7 @@ class Worker:
         )
         self.pending_state = (ann.round, ann.attempt, result.inner_state)
         self.submitted.append(sub)
+        del self.submitted[:-KEEP_SUBMITTED]  # an audit asks about a recent round only
         self.phase = WorkerPhase.SUBMITTED
         return effects + [Send(ann.shepherd, sub)]
 
