@@ -35,12 +35,15 @@ from pcp_p2p.diloco.messages import (
 )
 from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
 from pcp_p2p.diloco.worker import InnerResult, Worker, pseudo_gradient
+from pcp_p2p.diloco.audit_desk import AuditDesk
+from pcp_p2p.diloco.effects import Banned, Send, StoreBlob
 from pcp_p2p.errors import (
     BadSignature,
     HashMismatch,
     MalformedMessage,
     NotElected,
     RejectedUpdate,
+    StaleMessage,
     VerificationError,
 )
 from pcp_p2p.node.executor_child import state_digest
@@ -447,3 +450,55 @@ def test_the_hooks_on_a_real_shepherd_round():
     chain.check(nxt)
     with pytest.raises(RejectedUpdate):
         chain.check(r.submission(r.ids[0], state_in="1" * 64, state_out="a" * 64))
+
+
+# --- the shepherd's desk: draw, escalate, ban ---------------------------------------------------
+
+
+def desk_with_case(tampered: bool) -> tuple[AuditDesk, audit.AuditRequest, bytes]:
+    """A desk whose commit drew W's (tampered or honest) submission, auditors A1 and A2 available."""
+    bad = {k: THETA[k] - 3 * (THETA[k] - a) for k, a in local_theta().items()}
+    sub, sub_bytes = submission(theta_local=bad if tampered else None, state_out="e" * 64)
+    beacon = selected_request(sub_bytes).beacon
+    desk = AuditDesk(RUN, SHEP, 0.05)
+    targets = {W.peer_id: "cpu-x", A1.peer_id: "cpu-x", A2.peer_id: "cpu-x", OUT.peer_id: "other"}
+    effects = desk.on_commit(announcement(), {W.peer_id: sub}, beacon, targets)
+    (req,) = {e.message for e in effects if isinstance(e, Send)}
+    assert isinstance(req, audit.AuditRequest) and req.auditor in (A1.peer_id, A2.peer_id)
+    assert [e for e in effects if isinstance(e, StoreBlob)] == [StoreBlob(req.submission_cid, sub_bytes)]
+    assert {e.to for e in effects if isinstance(e, Send)} == {req.auditor, W.peer_id}
+    return desk, req, sub_bytes
+
+
+def replay_report(req: audit.AuditRequest, sub_bytes: bytes) -> audit.AuditReport:
+    auditor = {A1.peer_id: A1, A2.peer_id: A2}[req.auditor]
+    job = AuditJob(req, auditor, chunk_steps=CHUNK)
+    job.on_blob(req.submission_cid, sub_bytes)
+    job.on_blob(params_cid(THETA), pack_tensors(THETA, "fp32"))
+    return job.finish(local_theta(), "e" * 64, (2.0, 1.5))  # what an honest executor computes
+
+
+def test_the_desk_bans_only_on_two_agreeing_replays() -> None:
+    desk, req, sub_bytes = desk_with_case(tampered=True)
+    first = desk.on_report(replay_report(req, sub_bytes), 1.0)  # MISMATCH: ask a second auditor
+    (second,) = {e.message for e in first if isinstance(e, Send)}
+    assert second.auditor != req.auditor and second.auditor in (A1.peer_id, A2.peer_id)
+    assert not [e for e in first if isinstance(e, Banned)]
+    out = desk.on_report(replay_report(second, sub_bytes), 2.0)
+    (ban,) = [e for e in out if isinstance(e, Banned)]
+    assert ban.peer == W.peer_id and desk.open == {}
+    assert verify_evidence(decode_evidence(ban.evidence), rate=0.05, is_shepherd=is_shepherd) == W.peer_id
+
+
+def test_the_desk_closes_an_honest_audit_and_refuses_unasked_or_forged_reports() -> None:
+    desk, req, sub_bytes = desk_with_case(tampered=False)
+    report = replay_report(req, sub_bytes)
+    other = A2 if req.auditor == A1.peer_id else A1
+    unasked = sign(dataclasses.replace(report, auditor=other.peer_id, signature=b""), other)
+    with pytest.raises(VerificationError):
+        desk.on_report(unasked, 1.0)
+    with pytest.raises(BadSignature):  # the asked auditor's name, someone else's key
+        desk.on_report(sign(dataclasses.replace(report, signature=b""), OUT), 1.0)
+    assert desk.on_report(report, 1.0) == [] and desk.open == {} and desk.matched == 1
+    with pytest.raises(StaleMessage):  # the case is closed: a replay of the report changes nothing
+        desk.on_report(report, 2.0)
