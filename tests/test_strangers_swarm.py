@@ -14,21 +14,28 @@ honest ones must all match, bit for bit.
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.commits import commit_seq
 from pcp_p2p.diloco.election import LEASE_KIND, Lease
-from pcp_p2p.diloco.messages import CommitRecord, sign
+from pcp_p2p.diloco.audit import AUDIT_MESSAGES
+from pcp_p2p.diloco.messages import FRESH_STATE, CommitRecord, Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.tensors import codec_of, unpack_tensors
 from pcp_p2p.errors import PcpError
 from pcp_p2p.node.identity import load_or_create_identity
 from pcp_p2p.node.local_swarm import local_swarm
-from pcp_p2p.node.node import NodeConfig, open_node
+from pcp_p2p.node.cpu import best_cpu_target
+from pcp_p2p.node.node import NodeConfig, open_node, transport_addrs
 
 from conftest import TEST_CAPS  # noqa: E402
 from test_training_swarm import committed, create_run, wait_for  # noqa: E402
@@ -52,6 +59,18 @@ min_quorum = 2
 audit_rate = 1.0   # every accepted submission is replayed by another worker
 """
 JUNK_MIB = 32
+
+
+def run_history(statuses: dict[str, dict]) -> list[dict]:
+    """The run's commits as the nodes saw them, one per round: a node may miss one (a commit
+    whose checkpoint it could not fetch in time is not taken) and see the next; the nodes
+    that saw a round must agree on it."""
+    by_round: dict[int, dict] = {}
+    for st in statuses.values():
+        for h in st.get("history", []):
+            seen = by_round.setdefault(h["round"], h)
+            assert seen["theta"] == h["theta"], f"two θs for round {h['round']}"
+    return [by_round[r] for r in sorted(by_round)]
 
 
 async def attack(node, run_id: str, members: list[str], term: int, rounds: int) -> int:  # type: ignore[no-untyped-def]
@@ -117,7 +136,7 @@ async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: P
                 lambda s: len(s) == 3 and all(st.get("phase") == "finished" for st in s.values()), 300,
             )
 
-    history = statuses[members[0]]["history"]
+    history = run_history(statuses)
     assert [h["round"] for h in history] == list(range(ROUNDS))  # every round, honestly committed
     assert {h["shepherd"] for h in history} <= set(members)  # led by members only
     assert all(h["val_loss"] > 0.5 for h in history)  # not the stranger's "0.01"
@@ -132,3 +151,106 @@ async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: P
     for w in swarm.workers:  # nobody fetched the junk checkpoint
         big = [p for p in (w.data_dir / "blobs").rglob("*") if p.is_file() and p.stat().st_size >= JUNK_MIB << 20]
         assert big == [], big
+
+
+POISON_ROUNDS = 10
+POISON_SPEC = SPEC.replace(f"rounds = {ROUNDS}", f"rounds = {POISON_ROUNDS}").replace(
+    "min_quorum = 2", "min_quorum = 2\n[election]\nrotate_every = 0")
+
+
+class Poisoner:
+    """A stranger that joins the run as a worker, claims 1e12 tokens/s and never trains.
+
+    Odd rounds: a random Δ of the honest scale times 30 (poison). Even rounds: a tiny
+    Δ that looks harmless (a lazy cheat the scores cannot see). Every submission is
+    well formed and signed, and claims fresh inner moments so the shepherd's state
+    chain accepts it.
+    """
+
+    def __init__(self, node, run_id: str, target: str) -> None:  # type: ignore[no-untyped-def]
+        self.node, self.run_id, self.target = node, run_id, target
+        self.assigned: list[int] = []
+        self.announcements: list[RoundAnnouncement] = []
+        self.send, self.inbox = trio.open_memory_channel[RoundAnnouncement](100)
+
+    async def on_message(self, sender: str, msg) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(msg, RoundAnnouncement) and msg.run_id == self.run_id:
+            self.send.send_nowait(msg)
+
+    async def join(self, shepherd: str) -> None:
+        join = sign(Join(run_id=self.run_id, worker=self.node.peer_id, target=self.target, tokens_per_s=1e12),
+                    self.node.identity)
+        try:
+            await self.node.messenger.send(shepherd, join, timeout=10.0)
+        except PcpError:
+            pass
+
+    async def serve(self) -> None:
+        rng = np.random.default_rng(7)
+        async for ann in self.inbox:
+            self.announcements.append(ann)
+            mine = ann.assignment_for(self.node.peer_id)
+            if mine is None:
+                await self.join(ann.shepherd)  # evicted or refused: ask again
+                continue
+            self.assigned.append(ann.round)
+            member = self.node.membership.get(ann.shepherd)
+            providers = [PeerInfo(ID.from_base58(ann.shepherd), transport_addrs(member.record.addrs))] if member else None
+            try:
+                theta = unpack_tensors(bytes(await self.node.blobs.fetch_into(ann.theta_cid, providers=providers)))
+            except PcpError:
+                continue
+            scale = 0.03 if ann.round % 2 else 1e-6
+            delta = {k: (scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in theta.items()}
+            steps = (mine.max_steps // 5) * 5
+            sub = sign(Submission(
+                run_id=self.run_id, term=ann.term, round=ann.round, attempt=ann.attempt, worker=self.node.peer_id,
+                base_theta_cid=ann.theta_cid, codec="int8", delta_cid=None,
+                delta_inline=codec_of("int8").encode(delta), steps=steps, tokens=steps * 16 * 64,
+                losses=(2.5, 2.4), state_in=FRESH_STATE, state_out=secrets.token_hex(32),
+            ), self.node.identity)
+            try:
+                await self.node.messenger.send(ann.shepherd, sub, timeout=10.0)
+            except PcpError:
+                pass
+
+
+async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banned(tmp_path: Path) -> None:
+    """Poison (issue #12): a stranger joins as a worker claiming 1e12 tokens/s and sends random Δs.
+
+    Its poison is refused (held-out score, norm screen) and the run's val loss keeps
+    falling; its lazy rounds that pass the scores are replayed by other workers
+    (audit_rate = 1), two replays contradict it, and it is banned: no later round
+    assigns it.
+    """
+    owner = load_or_create_identity(tmp_path / "owner")
+    async with local_swarm(tmp_path, extra_args=["--trust", owner.peer_id]) as swarm:
+        boot = await swarm.start_bootstrap()
+        await swarm.add_workers(3, deadline_s=60)
+        members = [w.peer_id for w in swarm.workers]
+        run_id = (await create_run(swarm, boot.addr, tmp_path, POISON_SPEC))["run_id"]
+        statuses = await wait_for(swarm, swarm.workers, lambda s: committed(s) >= 1, 240)
+        shepherd = next(s["shepherd"] for s in statuses.values() if s.get("shepherd"))
+
+        cfg = NodeConfig(tmp_path / "poisoner", listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS,
+                         op_timeout=5.0, bootstrap=(boot.addr,))
+        async with open_node(cfg) as node, trio.open_nursery() as nursery:
+            poisoner = Poisoner(node, run_id, best_cpu_target().name)
+            node.messenger.register((RoundAnnouncement, CommitRecord, Lease, *AUDIT_MESSAGES), poisoner.on_message)
+            await node.wait_until(lambda: shepherd in {m.record.peer_id for m in node.membership.live()}, timeout=30)
+            nursery.start_soon(poisoner.serve)
+            await poisoner.join(shepherd)
+            statuses = await wait_for(
+                swarm, swarm.workers,
+                lambda s: len(s) == 3 and all(st.get("phase") == "finished" for st in s.values()), 360,
+            )
+            nursery.cancel_scope.cancel()
+
+    history = run_history(statuses)
+    assert [h["round"] for h in history] == list(range(POISON_ROUNDS))
+    assert history[-1]["val_loss"] < history[0]["val_loss"]  # the poison never landed
+    assert poisoner.assigned, "the poisoner was never assigned a round: the test proved nothing"
+    banned = sum(st.get("banned", 0) for st in statuses.values())
+    assert banned >= 1  # two replays contradicted its lazy round
+    last = max(a.round for a in poisoner.announcements)
+    assert last not in poisoner.assigned  # banned: the last rounds went on without it
