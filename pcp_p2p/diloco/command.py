@@ -13,6 +13,7 @@ import trio
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError, PcpError
 from pcp_p2p.node.identity import default_data_dir, load_or_create_identity
+from pcp_p2p.shutdown import run_until_signal
 
 log = logging.getLogger("pcp.run")
 
@@ -47,7 +48,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
     identity = load_or_create_identity(data_dir)
     signed = sign_spec(load_spec(args.spec), identity)
     run_id = run_id_of(signed)
-    reached = trio.run(_publish, args, data_dir, identity, signed)
+    reached = run_until_signal(_publish, args, data_dir, identity, signed)
     if args.json:
         print(json.dumps({"run_id": run_id, "owner": identity.peer_id, "nodes_reached": reached}))
     else:
@@ -75,7 +76,7 @@ async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -
         with trio.move_on_after(30):
             await node.bootstrapped.wait()
         if not node.bootstrapped.is_set():
-            raise ConfigError("no bootstrap server answered within 30 s")
+            raise ConfigError(f"no bootstrap server answered within 30 s (tried {', '.join(args.bootstrap)})")
         run_id = run_id_of(signed)
         record = sign_record(identity, "run", run_id, signed, ttl_s=MAX_TTL_S)
         await node.put_record(record)
