@@ -220,30 +220,81 @@ def test_sigterm_stops_a_joined_node_cleanly(tmp_path: Path, bootstrap: Node) ->
         node.stop()
 
 
+@pytest.mark.parametrize("argv", [
+    ["run", "create", "RUN_TOML", "--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}"],
+    ["generate", "--run", "x", "--bootstrap", f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}"],
+], ids=["run create", "generate"])
+def test_ctrl_c_in_a_client_command_is_130(tmp_path: Path, argv: list[str]) -> None:
+    (tmp_path / "run.toml").write_text('name = "x"\n')
+    argv = [str(tmp_path / "run.toml") if a == "RUN_TOML" else a for a in argv]
+    proc = subprocess.Popen([*PCP, *argv, "--data-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        first = proc.stderr.readline()  # its node is up and retrying the dead bootstrap server
+        assert "no bootstrap server answered" in first, first
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=STOP_BOUND_S)
+        assert proc.returncode == 130, rest
+        assert "Traceback" not in rest and "pcp: error:" not in rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+
+
+def test_ctrl_c_in_pcp_swarm_is_130_and_leaves_nothing_running(tmp_path: Path) -> None:
+    from pcp_p2p.node.node import check_can_bind
+
+    proc = subprocess.Popen([*PCP, "swarm", "--workers", "1", "--rounds", "1", "--dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # "bootstrap server  /ip4/127.0.0.1/tcp/PORT/p2p/..."
+        assert line.startswith("bootstrap server"), line
+        port = int(line.split("/tcp/")[1].split("/")[0])
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=STOP_BOUND_S)
+        assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+        check_can_bind("127.0.0.1", port, "listen where the swarm's bootstrap server was")  # it is gone
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+
+
 # A command whose graceful stop wedges the way the unstoppable shepherd did: its
-# work sits in a thread that cancellation cannot interrupt.
+# work sits in a thread that cancellation cannot interrupt ("thread"), or blocks
+# trio's own thread so that no trio task runs at all ("loop").
 WEDGED = textwrap.dedent("""
     import sys, time, trio
+    from pcp_p2p import logs
     from pcp_p2p.cli import report
     from pcp_p2p.shutdown import run_until_signal
 
-    async def wedged():
+    logs.configure("INFO")
+
+    async def wedged(how):
         print("ready", flush=True)
-        await trio.to_thread.run_sync(time.sleep, 120)  # not cancellable
+        if how == "thread":
+            await trio.to_thread.run_sync(time.sleep, 120)  # not cancellable
+        else:
+            time.sleep(120)  # trio's scheduler never runs again
 
     try:
-        run_until_signal(wedged, grace_s=float(sys.argv[1]))
+        run_until_signal(wedged, sys.argv[2], grace_s=float(sys.argv[1]))
     except BaseException as exc:
         sys.exit(report(exc))
 """)
 
 
 @pytest.fixture
-def wedged() -> Iterator[Callable[[float], subprocess.Popen[str]]]:
+def wedged() -> Iterator[Callable[..., subprocess.Popen[str]]]:
     procs: list[subprocess.Popen[str]] = []
 
-    def start(grace_s: float) -> subprocess.Popen[str]:
-        proc = subprocess.Popen([sys.executable, "-c", WEDGED, str(grace_s)], stdout=subprocess.PIPE,
+    def start(grace_s: float, how: str = "thread") -> subprocess.Popen[str]:
+        proc = subprocess.Popen([sys.executable, "-c", WEDGED, str(grace_s), how], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         procs.append(proc)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -256,8 +307,9 @@ def wedged() -> Iterator[Callable[[float], subprocess.Popen[str]]]:
         proc.communicate(timeout=10)
 
 
-def test_a_wedged_stop_ends_after_the_grace_period(wedged: Callable[[float], subprocess.Popen[str]]) -> None:
-    proc = wedged(1.0)
+@pytest.mark.parametrize("how", ["thread", "loop"])
+def test_a_wedged_stop_ends_after_the_grace_period(wedged: Callable[..., subprocess.Popen[str]], how: str) -> None:
+    proc = wedged(1.0, how)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=STOP_BOUND_S)
@@ -266,10 +318,12 @@ def test_a_wedged_stop_ends_after_the_grace_period(wedged: Callable[[float], sub
     assert time.monotonic() - t0 >= 1.0  # it did wait for a graceful stop first
 
 
-def test_a_second_signal_forces_exit_at_once(wedged: Callable[[float], subprocess.Popen[str]]) -> None:
+def test_a_second_signal_forces_exit_at_once(wedged: Callable[..., subprocess.Popen[str]]) -> None:
     proc = wedged(600.0)  # the grace period cannot be what ends it
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)  # let the first one be handled; a second within the same instant is still a second
+    assert proc.stderr is not None
+    first = proc.stderr.readline()  # the graceful stop has begun (and hangs)
+    assert "SIGINT: stopping" in first, first
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=STOP_BOUND_S)
     assert proc.returncode == 130, stderr
