@@ -9,8 +9,9 @@ wait. The bound therefore lives outside trio, in a watchdog thread:
 
 - the **first** SIGINT or SIGTERM cancels the command's work (a graceful stop:
   ``finally`` blocks run, the node leaves the swarm) and wakes the watchdog;
-- if the process is still stopping ``grace_s`` seconds later (default
-  :data:`STOP_GRACE_S`), the watchdog ends it with ``os._exit``;
+- if the process has not exited ``grace_s`` seconds later (default
+  :data:`STOP_GRACE_S`), the watchdog ends it with ``os._exit``: it is meant
+  for commands that exit once it returns;
 - a **second** signal ends it at once, whatever it was doing.
 
 :func:`run_until_signal` is ``trio.run`` with that policy; the graceful case
@@ -30,6 +31,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -67,7 +69,6 @@ class _Stopper:
         self.stopping = stopping
         self.on_force = on_force
         self.signum: int | None = None
-        self._done = threading.Event()
         self._wake_r = self._wake_w = -1
 
     # -- signal context: only signal-safe calls below ------------------------------
@@ -76,7 +77,8 @@ class _Stopper:
         if self.signum is None:
             self.signum = signum
             os.write(self._wake_w, b"!")  # starts the watchdog's clock
-            self.token.run_sync_soon(self._begin_stop)
+            with contextlib.suppress(trio.RunFinishedError):  # trio already ending: nothing to cancel
+                self.token.run_sync_soon(self._begin_stop)
             return
         name = signal.Signals(signum).name
         self._force(signum, f"pcp: {name} again: exiting now, without a clean stop\n")
@@ -104,8 +106,9 @@ class _Stopper:
             woken = os.read(self._wake_r, 1)
         finally:
             os.close(self._wake_r)
-        if not woken or self._done.wait(self.grace_s):
-            return  # finished without a signal, or stopped within the grace period
+        if not woken:
+            return  # finished without a signal
+        time.sleep(self.grace_s)  # a daemon thread: a process that exits sooner just ends it
         assert self.signum is not None
         self._force(self.signum, f"pcp: error: still stopping {self.grace_s:.0f} s after "
                                  f"{signal.Signals(self.signum).name}; exiting anyway\n")
@@ -126,9 +129,11 @@ class _Stopper:
             yield
         finally:
             for s, handler in previous.items():
-                signal.signal(s, handler)
-            self._done.set()
-            os.close(self._wake_w)  # a watchdog still waiting for a signal reads EOF and ends
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            # A watchdog still waiting for a signal reads EOF and ends; one that was
+            # woken keeps counting until the process is gone, so that what comes after
+            # trio (threads joined at exit, atexit hooks) is bounded too.
+            os.close(self._wake_w)
 
 
 async def _supervise(
@@ -161,8 +166,8 @@ def run_until_signal(
 
     Returns what ``async_fn`` returns. After a signal, ``async_fn`` is cancelled
     and :class:`Interrupted` is raised once it has unwound; a second signal, or
-    ``grace_s`` seconds without unwinding, ends the process with status 128 +
-    signal after calling ``on_force`` (keep it tiny: it runs in a signal handler
+    ``grace_s`` seconds after the first without the process having exited, ends
+    the process with status 128 + signal after calling ``on_force`` (keep it tiny: it runs in a signal handler
     or the watchdog thread, e.g. removing an address file). ``stopping`` is the
     log line's verb ("leaving the swarm").
     """
