@@ -118,9 +118,11 @@ class _Stopper:
         if threading.current_thread() is not threading.main_thread():
             yield  # signal handlers can only be set on the main thread
             return
-        # A signal the parent set to be ignored stays ignored (``nohup``, a shell's
-        # background job and SIGINT), as Python and trio themselves do.
-        previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not signal.SIG_IGN}
+        # Also when the parent set them to be ignored: a non-interactive shell starts
+        # background jobs (`pcp node join &`) with SIGINT ignored, and a node that
+        # keeps running after its script was Ctrl+C'ed, or after `kill -INT`, is
+        # exactly the node that "cannot be stopped".
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="pcp-stop-watchdog", daemon=True).start()
         for s in previous:

@@ -45,10 +45,12 @@ def assert_one_error_line(res: subprocess.CompletedProcess[str], code: int = 1) 
 class Node:
     """A ``pcp`` node process that prints its multiaddr on its first stdout line."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
+        # sigint_ignored: started the way a non-interactive shell starts `pcp node join &`.
         self.proc = subprocess.Popen(
             [*PCP, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             text=True, start_new_session=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
         )
         assert self.proc.stdout is not None
         self.addr = self.proc.stdout.readline().strip()  # the node prints it once it listens
@@ -196,9 +198,10 @@ def test_a_second_node_on_a_taken_port_is_refused_and_the_first_keeps_it(tmp_pat
 # -- signals: Ctrl+C is 130, SIGTERM a clean leave, always within a bound --------------------
 
 
-def test_ctrl_c_stops_a_joined_node_with_130(tmp_path: Path, bootstrap: Node) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "background job"])
+def test_ctrl_c_stops_a_joined_node_with_130(tmp_path: Path, bootstrap: Node, sigint_ignored: bool) -> None:
     node = Node("node", "join", "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", bootstrap.addr,
-                "--data-dir", str(tmp_path))
+                "--data-dir", str(tmp_path), sigint_ignored=sigint_ignored)
     try:
         node.signal(signal.SIGINT)
         code, _, stderr = node.wait(STOP_BOUND_S)
