@@ -23,6 +23,7 @@ import trio
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError, PcpError
 from pcp_p2p.node.identity import default_data_dir, load_or_create_identity
+from pcp_p2p.shutdown import run_until_signal
 
 if TYPE_CHECKING:
     from pcp_p2p.diloco.admission import AllowlistUpdate
@@ -83,7 +84,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
     identity = load_or_create_identity(data_dir)
     signed = sign_spec(load_spec(args.spec), identity)
     run_id = run_id_of(signed)
-    reached = trio.run(_publish, args, data_dir, identity, signed)
+    reached = run_until_signal(_publish, args, data_dir, identity, signed)
     if args.json:
         print(json.dumps({"run_id": run_id, "owner": identity.peer_id, "nodes_reached": reached}))
     else:
@@ -121,7 +122,7 @@ async def _client(args: argparse.Namespace, data_dir: Path, identity: Identity) 
             except PcpError as exc:
                 failure = exc
         else:
-            failure = ConfigError("no bootstrap server answered within 30 s")
+            failure = ConfigError(f"no bootstrap server answered within 30 s (tried {', '.join(args.bootstrap)})")
     if failure is not None:
         raise failure
 
@@ -188,7 +189,7 @@ def _cmd_admit(args: argparse.Namespace) -> int:
             raise ConfigError(f"{peer!r:.80} is not a peer id (12D3KooW…)") from exc
     data_dir = args.data_dir or default_data_dir()
     identity = load_or_create_identity(data_dir)
-    update, reached, mode = trio.run(_admit, args, data_dir, identity)
+    update, reached, mode = run_until_signal(_admit, args, data_dir, identity)
     if args.json:
         print(json.dumps({"run_id": args.run, "seq": update.seq, "add": list(update.add),
                           "remove": list(update.remove), "mode": mode, "nodes_reached": reached}))

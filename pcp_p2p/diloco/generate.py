@@ -19,6 +19,7 @@ import trio
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError, InvalidInput, PcpError
 from pcp_p2p.node.identity import default_data_dir
+from pcp_p2p.shutdown import run_until_signal
 
 log = logging.getLogger("pcp.generate")
 
@@ -77,7 +78,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if not 1 <= args.tokens <= 100_000:
         raise ConfigError("--tokens must be between 1 and 100000")
     logs.configure(logging.WARNING)
-    spec, rec, theta = trio.run(_fetch_latest, args)
+    spec, rec, theta = run_until_signal(_fetch_latest, args)  # Ctrl+C: a clean stop, exit 130
     from pcp_p2p.diloco.data import CharDataset
 
     tokenizer = CharDataset.load(spec.dataset).tokenizer

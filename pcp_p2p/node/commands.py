@@ -154,10 +154,17 @@ def _as_list(value: Any) -> list[str]:
 
 
 def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, training: bool = False) -> int:
-    """Run a node until SIGINT/SIGTERM."""
-    from pcp_p2p.node.node import open_node
+    """Run a node until SIGINT/SIGTERM (see :mod:`pcp_p2p.shutdown`: bounded, a second signal forces).
+
+    A graceful stop on SIGTERM is a clean leave (exit 0, what a service manager
+    expects); on SIGINT it is 130, the shell's code for Ctrl+C.
+    """
+    from pcp_p2p.node.node import check_can_bind, open_node
+    from pcp_p2p.shutdown import Interrupted, run_until_signal
 
     logs.configure(args.log_level.upper(), json_lines=args.log_json)
+    if getattr(args, "metrics_port", None) is not None:  # refused before the node starts, not after
+        check_can_bind(args.metrics_host, args.metrics_port, f"serve metrics on {args.metrics_host}:{args.metrics_port}")
     trust = None
     if training:
         from pcp_p2p.diloco.runs import TrustPolicy
@@ -168,28 +175,38 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, t
                         "who can reach it. Use it only in a swarm you control.")
         elif not args.trust:
             log.info("no --trust given: this node keeps the swarm company but trains for nobody")
+    addr_file = config.data_dir / ADDR_FILE
+    wrote: list[Path] = []  # remove only our own node.addr: a refused second node must not delete the first's
 
-    async def main() -> None:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_node(config) as node, _metrics(node, args):
-                if trust is not None:
-                    from pcp_p2p.diloco.service import install_training
+    def forget_addr() -> None:
+        for path in wrote:
+            path.unlink(missing_ok=True)
 
-                    install_training(node, trust)
-                addrs = node.addrs()
-                _write_addr(config.data_dir / ADDR_FILE, addrs[0])
-                if args.addr_file:
-                    _write_addr(args.addr_file, addrs[0])
-                if print_addr:  # first line of stdout: what to give others (scripts wait for it)
-                    print(addrs[0], flush=True)
-                    for a in addrs[1:]:
-                        log.info("also reachable at %s", a)
-                async for signum in signals:
-                    log.info("%s: leaving the swarm", signal.Signals(signum).name)
-                    break
-        (config.data_dir / ADDR_FILE).unlink(missing_ok=True)
+    async def serve() -> None:
+        async with open_node(config) as node, _metrics(node, args):
+            if trust is not None:
+                from pcp_p2p.diloco.service import install_training
 
-    trio.run(main)
+                install_training(node, trust)
+            addrs = node.addrs()
+            _write_addr(addr_file, addrs[0])
+            wrote.append(addr_file)
+            if args.addr_file:
+                _write_addr(args.addr_file, addrs[0])
+            if print_addr:  # first line of stdout: what to give others (scripts wait for it)
+                print(addrs[0], flush=True)
+                for a in addrs[1:]:
+                    log.info("also reachable at %s", a)
+            await trio.sleep_forever()
+
+    try:
+        run_until_signal(serve, stopping="leaving the swarm", on_force=forget_addr)
+    except Interrupted as exc:
+        if exc.signum != signal.SIGTERM:
+            raise
+        log.info("left the swarm")
+    finally:
+        forget_addr()
     return 0
 
 
@@ -245,7 +262,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
         parse_peer_addr(addr)  # a typo fails here, before the screen is taken over
         return run_tui(_addr_source(args, addr), target=addr, timeout=min(args.timeout, 5.0), swarm_key=psk)
-    reply = trio.run(lambda: fetch_status(addr, timeout=args.timeout, swarm_key=psk))
+    from pcp_p2p.shutdown import run_until_signal
+
+    reply = run_until_signal(lambda: fetch_status(addr, timeout=args.timeout, swarm_key=psk))
     obj = to_json(reply)
     if args.json:
         print(json.dumps(obj))

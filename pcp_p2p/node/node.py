@@ -24,7 +24,9 @@ Every network operation has a deadline (``op_timeout``).
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -147,6 +149,53 @@ def _parse_listen(addr: str) -> multiaddr.Multiaddr:
         return multiaddr.Multiaddr(addr)
     except Exception as exc:
         raise ConfigError(f"not a multiaddr: {addr!r}") from exc
+
+
+def check_can_bind(host: str, port: int, what: str) -> None:
+    """Refuse (ConfigError "cannot <what>: <why>") a TCP address this process could not own alone.
+
+    py-libp2p 0.8.1's TCP listener sets SO_REUSEPORT (for hole punching), and
+    two sockets that both set it share a port: a second ``pcp bootstrap`` on a
+    taken port started with another peer id and the kernel split incoming
+    connections between the two processes. Binding once, the way a sole owner
+    does (SO_REUSEADDR for TIME_WAIT leftovers, never SO_REUSEPORT), fails with
+    EADDRINUSE while anyone listens there, so it is checked before the host
+    starts. Two nodes started within the same few milliseconds can still both
+    pass; that window is the price of keeping py-libp2p's transport unchanged.
+    Port 0 (any free port) always passes.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+        if exc.errno == errno.EADDRINUSE:
+            why += " (another process is listening there: stop it or choose another port)"
+        raise ConfigError(f"cannot {what}: {why}") from exc
+    except OverflowError as exc:  # a port above 65535
+        raise ConfigError(f"cannot {what}: port out of range") from exc
+
+
+def check_listen_addrs(listen: list[multiaddr.Multiaddr]) -> None:
+    """:func:`check_can_bind` for every ``/ip4|ip6/.../tcp/PORT`` listen address."""
+    for ma in listen:
+        try:
+            port = int(ma.value_for_protocol("tcp"))
+        except Exception:
+            continue  # not TCP: the transport reports its own errors
+        host = None
+        for proto in ("ip4", "ip6"):
+            try:
+                host = ma.value_for_protocol(proto)
+                break
+            except Exception:
+                continue
+        if host is not None:
+            check_can_bind(host, port, f"listen on {ma}")
 
 
 class Node:
@@ -490,6 +539,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     listen = [_parse_listen(a) for a in config.listen]
     for a in config.bootstrap:
         parse_peer_addr(a)  # fail fast on a typo, before anything starts
+    check_listen_addrs(listen)  # a taken port is refused, not shared (SO_REUSEPORT)
     psk = read_swarm_key(config.swarm_key) if config.swarm_key else None
     caps = config.capabilities or await trio.to_thread.run_sync(
         lambda: probe(config.backend, benchmark_s=config.benchmark_s)

@@ -28,6 +28,7 @@ from typing import Any
 import trio
 
 from pcp_p2p.errors import ConfigError, PcpError
+from pcp_p2p.shutdown import run_until_signal
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,10 +72,15 @@ def _cmd_swarm(args: argparse.Namespace) -> int:
         raise ConfigError("--kill-shepherd-every must be >= 0")
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(1_000_000)
-    summary = trio.run(_run, args)
+    # Ctrl+C or SIGTERM: the swarm's processes are stopped (local_swarm), then exit 130/143.
+    summary = run_until_signal(_run, args, stopping="stopping the swarm's processes")
     if args.json:
         print(json.dumps(summary))
-    return 0 if summary["rounds_committed"] == args.rounds and summary["final_theta_hash_agreement"] else 1
+    if summary["rounds_committed"] < args.rounds:
+        raise PcpError(f"only {summary['rounds_committed']}/{args.rounds} rounds were committed before the deadline")
+    if not summary["final_theta_hash_agreement"]:
+        raise PcpError("the live nodes do not all hold the final committed θ")
+    return 0
 
 
 def _spec_toml(args: argparse.Namespace) -> str:

@@ -1,0 +1,176 @@
+"""How a ``pcp`` process stops: on SIGINT or SIGTERM, gracefully, within a bound, and at once when asked twice.
+
+A node that was asked to stop once kept running for minutes: its trio nursery
+waited for a task stuck in a non-cancellable thread (a compile, a blocking
+library call), and the signal receiver that had taken the first signal kept
+swallowing every later SIGINT and SIGTERM until SIGKILL. A nursery always waits
+for its children, so no amount of cancelling from inside trio can bound that
+wait. The bound therefore lives outside trio, in a watchdog thread:
+
+- the **first** SIGINT or SIGTERM cancels the command's work (a graceful stop:
+  ``finally`` blocks run, the node leaves the swarm) and wakes the watchdog;
+- if the process has not exited ``grace_s`` seconds later (default
+  :data:`STOP_GRACE_S`), the watchdog ends it with ``os._exit``: it is meant
+  for commands that exit once it returns;
+- a **second** signal ends it at once, whatever it was doing.
+
+:func:`run_until_signal` is ``trio.run`` with that policy; the graceful case
+surfaces as :class:`Interrupted`, a ``KeyboardInterrupt`` that carries the
+signal, which the CLI turns into exit status 128 + signal number (130, 143).
+
+The signal handlers are plain Python handlers, not ``trio.open_signal_receiver``:
+they run on the main thread between two bytecodes even while trio's scheduler
+is busy, and they only do signal-safe things (write a byte to a pipe, call
+:meth:`trio.lowlevel.TrioToken.run_sync_soon`, ``os._exit``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import trio
+
+log = logging.getLogger("pcp.shutdown")
+
+STOP_GRACE_S = 10.0  # a graceful stop may take this long; then the process exits anyway
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+T = TypeVar("T")
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command was stopped by a signal (after a graceful stop). ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def exit_status(signum: int) -> int:
+    """The shell's convention for a process ended by ``signum``: 128 + its number."""
+    return 128 + int(signum)
+
+
+class _Stopper:
+    """Signal handlers plus the watchdog thread for one :func:`run_until_signal` call."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken, scope: trio.CancelScope, grace_s: float,
+                 stopping: str, on_force: Callable[[], None] | None) -> None:
+        self.token = token
+        self.scope = scope
+        self.grace_s = grace_s
+        self.stopping = stopping
+        self.on_force = on_force
+        self.signum: int | None = None
+        self._wake_r = self._wake_w = -1
+
+    # -- signal context: only signal-safe calls below ------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is None:
+            self.signum = signum
+            os.write(self._wake_w, b"!")  # starts the watchdog's clock
+            with contextlib.suppress(trio.RunFinishedError):  # trio already ending: nothing to cancel
+                self.token.run_sync_soon(self._begin_stop)
+            return
+        name = signal.Signals(signum).name
+        self._force(signum, f"pcp: {name} again: exiting now, without a clean stop\n")
+
+    def _force(self, signum: int, message: str) -> None:
+        try:
+            os.write(2, message.encode())
+            if self.on_force is not None:
+                self.on_force()
+        finally:
+            os._exit(exit_status(signum))
+
+    # -- trio context -----------------------------------------------------------------
+
+    def _begin_stop(self) -> None:
+        assert self.signum is not None
+        log.info("%s: %s (send it again to exit at once; forced exit after %.0f s)",
+                 signal.Signals(self.signum).name, self.stopping, self.grace_s)
+        self.scope.cancel()
+
+    # -- the watchdog thread ------------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            woken = os.read(self._wake_r, 1)
+        finally:
+            os.close(self._wake_r)
+        if not woken:
+            return  # finished without a signal
+        time.sleep(self.grace_s)  # a daemon thread: a process that exits sooner just ends it
+        assert self.signum is not None
+        self._force(self.signum, f"pcp: error: still stopping {self.grace_s:.0f} s after "
+                                 f"{signal.Signals(self.signum).name}; exiting anyway\n")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be set on the main thread
+            return
+        # Also when the parent set them to be ignored: a non-interactive shell starts
+        # background jobs (`pcp node join &`) with SIGINT ignored, and a node that
+        # keeps running after its script was Ctrl+C'ed, or after `kill -INT`, is
+        # exactly the node that "cannot be stopped".
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        self._wake_r, self._wake_w = os.pipe()
+        threading.Thread(target=self._watch, name="pcp-stop-watchdog", daemon=True).start()
+        for s in previous:
+            signal.signal(s, self._on_signal)
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+            # A watchdog still waiting for a signal reads EOF and ends; one that was
+            # woken keeps counting until the process is gone, so that what comes after
+            # trio (threads joined at exit, atexit hooks) is bounded too.
+            os.close(self._wake_w)
+
+
+async def _supervise(
+    async_fn: Callable[..., Awaitable[T]], args: tuple[Any, ...], grace_s: float, stopping: str,
+    on_force: Callable[[], None] | None,
+) -> T:
+    scope = trio.CancelScope()
+    stopper = _Stopper(trio.lowlevel.current_trio_token(), scope, grace_s, stopping, on_force)
+    with stopper.installed():
+        try:
+            with scope:
+                return await async_fn(*args)
+        except BaseException:
+            if stopper.signum is None:
+                raise
+            # Asked to stop: what broke while stopping is not the user's news.
+            log.debug("error while stopping after %s", signal.Signals(stopper.signum).name, exc_info=True)
+    assert stopper.signum is not None  # only a signal cancels ``scope``
+    raise Interrupted(stopper.signum)
+
+
+def run_until_signal(
+    async_fn: Callable[..., Awaitable[T]],
+    *args: Any,
+    grace_s: float = STOP_GRACE_S,
+    stopping: str = "stopping",
+    on_force: Callable[[], None] | None = None,
+) -> T:
+    """``trio.run(async_fn, *args)``, stopped gracefully by SIGINT/SIGTERM within ``grace_s``.
+
+    Returns what ``async_fn`` returns. After a signal, ``async_fn`` is cancelled
+    and :class:`Interrupted` is raised once it has unwound; a second signal, or
+    ``grace_s`` seconds after the first without the process having exited, ends
+    the process with status 128 + signal after calling ``on_force`` (keep it tiny: it runs in a signal handler
+    or the watchdog thread, e.g. removing an address file). ``stopping`` is the
+    log line's verb ("leaving the swarm").
+    """
+    return trio.run(_supervise, async_fn, args, grace_s, stopping, on_force)
