@@ -153,7 +153,7 @@ async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: P
         assert big == [], big
 
 
-POISON_ROUNDS = 10
+POISON_ROUNDS = 12
 POISON_SPEC = SPEC.replace(f"rounds = {ROUNDS}", f"rounds = {POISON_ROUNDS}").replace(
     "min_quorum = 2", "min_quorum = 2\n[election]\nrotate_every = 0")
 
@@ -250,7 +250,9 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
     assert [h["round"] for h in history] == list(range(POISON_ROUNDS))
     assert history[-1]["val_loss"] < history[0]["val_loss"]  # the poison never landed
     assert poisoner.assigned, "the poisoner was never assigned a round: the test proved nothing"
-    banned = sum(st.get("banned", 0) for st in statuses.values())
-    assert banned >= 1  # two replays contradicted its lazy round
-    last = max(a.round for a in poisoner.announcements)
-    assert last not in poisoner.assigned  # banned: the last rounds went on without it
+    # two replays contradicted its lazy round; the evidence reached every member, which
+    # checked it and recorded the ban (the next term's shepherd would refuse it too)
+    assert all(st.get("banned", 0) >= 1 for st in statuses.values()), [st.get("banned") for st in statuses.values()]
+    # banned: refused from then on, so the last rounds went on without it (a shepherd sends
+    # announcements to its roster only, so the poisoner sees none after its ban)
+    assert max(poisoner.assigned) < POISON_ROUNDS - 2, poisoner.assigned

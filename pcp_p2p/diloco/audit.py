@@ -339,9 +339,14 @@ class Evidence(Message):
     reports: tuple[AuditReport, ...]
     differs: tuple[str, ...]
 
+    @property
+    def run_id(self) -> str:
+        """The run it concerns, as its (signed) requests say: routes it to the run's runtime."""
+        return self.requests[0].run_id if self.requests else ""
 
-AUDIT_MESSAGES: tuple[type[Message], ...] = (AuditRequest, StateOffer, AuditReport)
-"""What travels on ``/pcp/msg`` for audits (evidence goes to the ban ledger, not the wire)."""
+
+AUDIT_MESSAGES: tuple[type[Message], ...] = (AuditRequest, StateOffer, AuditReport, Evidence)
+"""What travels on ``/pcp/msg`` for audits (evidence: the shepherd hands a ban to every member)."""
 
 
 def digest_of(msg: Message) -> str:

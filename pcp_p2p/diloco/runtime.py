@@ -51,11 +51,15 @@ from pcp_p2p.diloco.audit import (
     AuditJob,
     AuditReport,
     AuditRequest,
+    Evidence,
     StateOffer,
     check_request,
     check_submission,
+    decode_evidence,
+    encode_evidence,
     make_offer,
     state_to_export,
+    verify_evidence,
 )
 from pcp_p2p.diloco.audit_desk import AuditDesk
 from pcp_p2p.diloco.checkpoint import decode_checkpoint
@@ -412,6 +416,9 @@ class RunRuntime:
             if isinstance(msg, (AuditRequest, StateOffer)):
                 self._on_audit_message(sender, msg)
                 return
+            if isinstance(msg, Evidence):
+                self._on_evidence(sender, msg, now)
+                return
             if isinstance(msg, AllowlistUpdate):
                 try:
                     self.admission.apply(msg, now)  # owner-signed, or refused
@@ -524,6 +531,19 @@ class RunRuntime:
             self._nursery.start_soon(self._serve_audit_state, msg)
         elif msg.auditor == me and (msg.term, msg.round, msg.attempt, msg.worker) not in self._audit_jobs:
             self._nursery.start_soon(self._audit, msg)
+
+    def _on_evidence(self, sender: str, ev: Evidence, now: float) -> None:
+        """A ban another node's shepherd recorded: checked here in full before it counts."""
+        from pcp_p2p.diloco.engine import CHUNK_STEPS
+
+        try:
+            offender = verify_evidence(ev, rate=self.spec.aggregation.audit_rate, is_shepherd=self._holds_term,
+                                       chunk_steps=CHUNK_STEPS)
+        except PcpError as exc:
+            self._reject(sender, exc)
+            return
+        if not self.ledger.banned(offender):
+            self.ledger.ban(offender, encode_evidence(ev), f"audit evidence from {sender:.16}", now)
 
     async def _serve_audit_state(self, req: AuditRequest) -> None:
         """The audited worker: serve the inner state its submission started from."""
@@ -891,6 +911,12 @@ class RunRuntime:
             elif isinstance(e, Banned):
                 self.ledger.ban(e.peer, e.evidence, e.reason, time.time())
                 log.warning("run %s: %s banned: %s", self.run_id[:16], e.peer, e.reason)
+                # The evidence proves itself: every member records the ban, so the
+                # next term's shepherd refuses the offender too.
+                evidence = decode_evidence(e.evidence)
+                for m in self.node.membership.live():
+                    if self.run_id in m.record.runs and m.record.peer_id not in (self.node.peer_id, e.peer):
+                        self._nursery.start_soon(self._send_to, m.record.peer_id, evidence)
             elif isinstance(e, Discarded):
                 log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round, e.attempt, e.error)
             elif isinstance(e, Finished):

@@ -494,7 +494,10 @@ class Shepherd:
         if guard and self.val_loss is None:
             assert self.evaluate is not None
             self.val_loss = float(self.evaluate(self.state.theta))
-        dropped: dict[str, PcpError] = {}
+        # a worker banned (or removed by the owner) after its Δ was accepted is not combined
+        dropped: dict[str, PcpError] = {
+            w: refusal for w in sorted(agg.accepted) if (refusal := self._not_admitted(w)) is not None
+        }
         screened: dict[str, RejectedUpdate] = {}
         outcome: tuple[RoundResult, OuterState, float | None] | None = None
         while len(agg.accepted) - len(dropped) >= quorum:
