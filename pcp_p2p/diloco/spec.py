@@ -55,7 +55,7 @@ Example (every key optional; these are the defaults)::
     max_share = 0.5          # the most token weight one worker may carry
     score_tolerance = 0.05   # a Δ that worsens held-out loss by more (nats) is refused
     val_jump = 0.10          # a commit whose val loss rises >10% is retried without suspects
-    audit_rate = 0.05        # share of accepted submissions re-executed by another worker
+    audit_rate = 0.04        # share of accepted submissions re-executed by another worker
 
     [admission]        # who may contribute
     mode = "open"            # or "allowlist"
@@ -160,7 +160,7 @@ class AggregationPolicy(Message):
     max_share: float = 0.5  # the most token weight one worker may carry in a round
     score_tolerance: float = 0.05  # refuse a Δ whose held-out loss is worse than θ's by more (nats); <0 = off
     val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
-    audit_rate: float = 0.05  # share of accepted submissions re-executed by another worker
+    audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
 
 
 @wire_struct
