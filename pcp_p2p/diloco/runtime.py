@@ -107,6 +107,7 @@ from pcp_p2p.errors import (
     StaleMessage,
     LocalError,
     NotElected,
+    OverBudget,
     OversizedMessage,
     PcpError,
     PeerError,
@@ -132,6 +133,7 @@ SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit 
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 AUDIT_GRACE_S = 30.0  # an audit must be reported within two round deadlines plus this
+MAX_AUDIT_JOBS = 4  # replays (as auditor) and state exports (as audited worker) at once
 MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 
@@ -203,6 +205,7 @@ class RunRuntime:
         self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
+        self._exports = 0  # inner-state exports in progress (as the audited worker)
         self.finished = trio.Event()
 
     # -- inputs from the network -------------------------------------------------------
@@ -527,7 +530,10 @@ class RunRuntime:
             self._reject(sender, exc)
             return
         me = self.node.peer_id
-        if msg.worker == me:
+        if len(self._audit_jobs) + self._exports >= MAX_AUDIT_JOBS:
+            # each costs a replay or an export: even the shepherd gets a bounded share
+            self._reject(sender, OverBudget(f"{MAX_AUDIT_JOBS} audits in progress here", reason="audits"))
+        elif msg.worker == me:
             self._nursery.start_soon(self._serve_audit_state, msg)
         elif msg.auditor == me and (msg.term, msg.round, msg.attempt, msg.worker) not in self._audit_jobs:
             self._nursery.start_soon(self._audit, msg)
@@ -547,6 +553,7 @@ class RunRuntime:
 
     async def _serve_audit_state(self, req: AuditRequest) -> None:
         """The audited worker: serve the inner state its submission started from."""
+        self._exports += 1
         try:
             sub = next((s for s in reversed(self.worker.submitted if self.worker else [])
                         if (s.term, s.round, s.attempt) == (req.term, req.round, req.attempt)), None)
@@ -563,6 +570,8 @@ class RunRuntime:
             await self._send_to(req.auditor, make_offer(req, digest, blob, self.node.identity))
         except PcpError as exc:
             self.node.log_once("self", exc, "serving an audited inner state failed")
+        finally:
+            self._exports -= 1
 
     async def _audit(self, req: AuditRequest) -> None:
         """The auditor: gather the inputs, replay the round exactly, report to the shepherd."""
