@@ -82,12 +82,13 @@ class LocalSwarm:
         return proc
 
     async def add_worker(self, extra: Sequence[str] = ()) -> NodeProcess:
-        assert self.bootstrap is not None, "start_bootstrap() first"
+        # Without a bootstrap server the worker starts a swarm of its own (a lone target).
+        boot = ["--bootstrap", self.bootstrap.addr] if self.bootstrap is not None else []
         i = self._next_index  # reserved before any await: add_worker may run concurrently
         self._next_index += 1
         data_dir = self.root / f"node{i}"
         proc = NodeProcess(f"node{i}", data_dir, [
-            *pcp_command(), "node", "join", "--bootstrap", self.bootstrap.addr,
+            *pcp_command(), "node", "join", *boot,
             "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(data_dir),
             *self.extra_args, *extra,
         ])
