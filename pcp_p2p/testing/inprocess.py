@@ -68,6 +68,8 @@ def pump_run(
     run_inner: InnerFn,
     *,
     max_deliveries: int = 1_000_000,
+    max_discards: int | None = None,
+    log: RunLog | None = None,
 ) -> RunLog:
     """Run ``shepherd`` and ``workers`` until the shepherd finishes (or nothing is left to do).
 
@@ -75,9 +77,12 @@ def pump_run(
     grace; then every effect is carried out in order. When the queue runs dry
     before the run is finished (a round waiting for its deadline), the clock
     jumps to the shepherd's next wakeup. Raises :class:`LocalError` if the run
-    neither finishes nor has anything left to wait for.
+    neither finishes nor has anything left to wait for, takes more than
+    ``max_deliveries`` deliveries, or discards more than ``max_discards``
+    attempts (a run whose honest workers diverged retries forever otherwise).
+    ``log``, when given, is filled in place, so a caller still has it after an error.
     """
-    log = RunLog()
+    log = RunLog() if log is None else log
     blobs: dict[str, bytes] = {}
     queue: list[tuple[str, tuple[Any, ...]]] = []  # (node, input) in delivery order
     me = shepherd.peer_id
@@ -136,6 +141,8 @@ def pump_run(
         log.deliveries += 1
         if log.deliveries > max_deliveries:
             raise LocalError(f"in-process run did not finish in {max_deliveries} deliveries")
+        if max_discards is not None and log.discarded > max_discards:
+            raise LocalError(f"in-process run discarded {log.discarded} attempts: {log.rejected[-3:]}")
         deliver(node, item)
     while queue:  # the final commit records still reach the workers
         node, item = queue.pop(0)
@@ -155,7 +162,9 @@ class JaxTrainer:
     is what compute figures (e.g. the cost of replaying one for an audit) use.
     """
 
-    def __init__(self, spec: RunSpec, *, steps: int, val_batches: int = 16, val_batch_size: int = 64) -> None:
+    def __init__(
+        self, spec: RunSpec, *, steps: int, val_batches: int = 16, val_batch_size: int = 64, score_batches: int = 1
+    ) -> None:
         import jax  # only a trainer needs JAX; the pump does not
 
         from pcp_p2p.compile.model import param_shapes, preset
@@ -169,6 +178,12 @@ class JaxTrainer:
         self._train: dict[int, Callable[..., Any]] = {}
         self.val_x, self.val_y = validation_batches(
             self.ds.val, n_batches=val_batches, batch_size=val_batch_size, seq_len=spec.inner.seq_len
+        )
+        # The shepherd's held-out score batches: also from the validation split
+        # (the training split is the workers'), but other windows than the
+        # validation loss reports on, so the figure is not the guard's own yardstick.
+        self.score_x, self.score_y = validation_batches(
+            self.ds.val, n_batches=score_batches, batch_size=val_batch_size, seq_len=spec.inner.seq_len, seed=1
         )
         self._eval = jax.jit(self._program("eval", val_batch_size).fn)
         self.inner_seconds: list[float] = []
@@ -236,8 +251,14 @@ class JaxTrainer:
 
     def val_loss(self, theta: Params) -> float:
         """Mean loss over the fixed validation batches."""
+        return self._loss(theta, self.val_x, self.val_y)
+
+    def score(self, theta: Params) -> float:
+        """Loss on the small held-out batch: the shepherd's ``score`` of a submission."""
+        return self._loss(theta, self.score_x, self.score_y)
+
+    def _loss(self, theta: Params, xs: np.ndarray, ys: np.ndarray) -> float:
         import jax.numpy as jnp
 
         args = [jnp.asarray(theta[k]) for k in self.names]
-        return float(np.mean([float(self._eval(*args, self.val_x[i], self.val_y[i])[0])
-                              for i in range(len(self.val_x))]))
+        return float(np.mean([float(self._eval(*args, xs[i], ys[i])[0]) for i in range(len(xs))]))

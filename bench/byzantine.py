@@ -1,0 +1,310 @@
+"""A 4-worker DiLoCo run, clean and with one Byzantine worker of each kind.
+
+Run: ``.venv/bin/python bench/byzantine.py`` (about 10 minutes on 2 CPU cores).
+
+Every arm is the same run: the ``tiny`` GPT on Shakespeare from the same warm
+start, the same run id and four worker identities (so the same data shards and
+seeds, also in the arms whose spec differs in its ``[aggregation]`` table),
+``ROUNDS`` rounds of H inner AdamW steps, through the *real* round protocol
+pumped in one process (:mod:`pcp_p2p.testing.inprocess`: the
+:class:`~pcp_p2p.diloco.shepherd.Shepherd` and :class:`~pcp_p2p.diloco.worker.Worker`
+machines, signed messages, int8 Δs, the aggregator with the spec's defences,
+the shepherd scoring each submission on a held-out batch and evaluating each
+commit on the validation batches). In an attacked arm the fourth seat is taken
+by a worker of :mod:`pcp_p2p.testing.byzantine` — same key, well-formed signed
+submissions, dishonest numbers:
+
+=================  ===============================================================
+random             no training; a random Δ with norm 0.99x the absolute bound
+sign_flip          trains, sends −Δ
+scaled             trains, sends 10·Δ (or the largest multiple under the bound)
+token_inflation    joins claiming 1e12 tokens/s, claims the spec's maximum steps
+                   (10·H) and sends its Δ extrapolated to them (x10, under the bound)
+stale_replay       trains in its first round only, then replays that Δ re-signed
+                   (and the old signed submission verbatim, refused as stale)
+=================  ===============================================================
+
+Headline: the worst final validation loss, attacked / clean, both under the
+spec's default defences (target ≤ 1.02, lower is better). One Byzantine worker
+of four is a quarter of the data gone even when it is perfectly ignored; the
+target allows for that, not for damage.
+
+Also, each with its ``*_target``:
+
+- ``robust_clean_cost``: clean run, the defaults (robust rule, norm screen,
+  share cap, scoring, val-jump guard) over the plain token-weighted mean with
+  every defence off (main before issue #12). Target ≤ 1.01.
+- ``audit_overhead``: compute spent on audits over compute spent training.
+  ``audit_overhead_method`` says how it was obtained; until the audit protocol
+  lands it is ``audit_rate × replay time / inner-run time``, the replay being a
+  real deterministic re-execution of recorded clean-arm assignments (and
+  ``audit_replay_exact`` says whether it reproduced the Δ bit for bit).
+  Target ≤ 0.05.
+- ``flood_rss_growth_mib``: a real ``pcp node join`` process flooded by one
+  peer with 48 concurrent ``/pcp/msg`` streams each one byte short of the
+  largest frame (:func:`pcp_p2p.testing.flood.flood`); peak RSS growth.
+  Target ≤ 64 MiB.
+
+Knobs: ``PCP_BENCH_ROUNDS`` (6), ``PCP_BENCH_H`` (50), ``PCP_BENCH_WARMUP``
+(200 synchronous steps), ``PCP_BENCH_ATTACKS`` (comma list, default all),
+``PCP_BENCH_UNDEFENDED`` (comma list of attacks also run with every defence
+off, to show what they do unopposed; default ``random``; empty for none),
+``PCP_BENCH_FLOOD`` (1; 0 skips it), ``PCP_BENCH_FLOOD_HOLD_S`` (10).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from pcp_p2p.diloco.effects import RunInner  # noqa: E402
+from pcp_p2p.diloco.outer import OuterState  # noqa: E402
+from pcp_p2p.diloco.shepherd import Phase, Shepherd  # noqa: E402
+from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec  # noqa: E402
+from pcp_p2p.diloco.tensors import Params  # noqa: E402
+from pcp_p2p.diloco.worker import InnerResult, Worker  # noqa: E402
+from pcp_p2p.errors import LocalError  # noqa: E402
+from pcp_p2p.node.identity import Identity  # noqa: E402
+from pcp_p2p.testing.byzantine import KINDS, RandomDelta  # noqa: E402
+from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run  # noqa: E402
+
+WORKERS = 4
+SEAT = 3  # the attacker takes this worker's identity, shard and seeds
+H = int(os.environ.get("PCP_BENCH_H", "50"))
+ROUNDS = int(os.environ.get("PCP_BENCH_ROUNDS", "6"))
+WARMUP = int(os.environ.get("PCP_BENCH_WARMUP", "200"))
+ATTACKS = [k for k in os.environ.get("PCP_BENCH_ATTACKS", ",".join(KINDS)).split(",") if k]
+UNDEFENDED = [k for k in os.environ.get("PCP_BENCH_UNDEFENDED", "random").split(",") if k]
+B, T = 16, 64
+AUDIT_SAMPLES = 3  # clean-arm inner runs replayed for the audit figure
+VAL_BATCHES = 16
+TIME_BUDGET_S = 60.0
+HONEST_SPEED = H * B * T / TIME_BUDGET_S  # tokens/s: H steps fill the budget (the cap is 1.5·H)
+
+PLAIN_MEAN = """
+[aggregation]
+rule = "mean"
+max_share = 1.0
+norm_vs_median = 0.0
+score_tolerance = -1.0
+val_jump = 0.0
+"""
+
+
+def spec_for(defended: bool) -> RunSpec:
+    """The run: the spec's default defences, or (``defended=False``) the plain mean with none."""
+    return parse_spec(f"""
+name = "bench-byzantine"
+[model]
+preset = "tiny"
+[inner]
+lr = 2e-3
+beta1 = 0.9
+beta2 = 0.99
+weight_decay = 0.1
+grad_clip = 1.0
+batch_size = {B}
+seq_len = {T}
+[outer]
+lr = 0.7
+momentum = 0.9
+[round]
+time_budget_s = {TIME_BUDGET_S}
+deadline_s = 120.0
+max_inner_steps = {10 * H}
+rounds = {ROUNDS}
+min_quorum = {WORKERS - 1}
+delta_codec = "int8"
+{"" if defended else PLAIN_MEAN}""")
+
+
+def log(msg: str) -> None:
+    print(f"[byzantine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Arm:
+    """One run of the swarm: clean or with one attacker, defended or not."""
+
+    def __init__(self, name: str, spec: RunSpec, trainer: JaxTrainer, theta0: Params, attack: str | None) -> None:
+        self.name, self.spec, self.trainer, self.attack = name, spec, trainer, attack
+        rng = np.random.default_rng(0)  # the same keys in every arm
+        owner = Identity(rng.bytes(32))
+        # The same run id in every arm, the defended spec's: data seeds derive from
+        # it, so an arm that differs only in its [aggregation] table still trains
+        # on the same batches and the ratios compare defences, not data.
+        self.run_id = run_id_of(sign_spec(spec_for(True), owner))
+        scoring = {"score": trainer.score} if "score" in inspect.signature(Shepherd).parameters else {}  # TODO robust
+        self.shepherd = Shepherd(
+            spec=spec, run_id=self.run_id, identity=owner, term=0, state=OuterState.initial(theta0),
+            evaluate=trainer.val_loss, **scoring,
+        )
+        common = dict(spec=spec, run_id=self.run_id, shepherds={0: owner.peer_id}, target="cpu-x86_64-v3",
+                      tokens_per_s=HONEST_SPEED)
+        self.workers: dict[str, Worker] = {}
+        self.attacker: str | None = None
+        for i in range(WORKERS):
+            ident = Identity(rng.bytes(32))
+            if i == SEAT and attack is not None:
+                cls = KINDS[attack]
+                extra: dict[str, object] = {"claim_steps": H} if cls is RandomDelta else {}
+                w: Worker = cls(identity=ident, seed=1, **common, **extra)  # type: ignore[arg-type]
+                self.attacker = w.peer_id
+            else:
+                w = Worker(identity=ident, **common)  # type: ignore[arg-type]
+            self.workers[w.peer_id] = w
+        self.recorded: list[tuple[RunInner, InnerResult]] = []
+
+    def run_inner(self, worker: str, e: RunInner) -> InnerResult:
+        result = self.trainer.run_inner(worker, e)
+        if worker != self.attacker and len(self.recorded) < AUDIT_SAMPLES:
+            self.recorded.append((e, result))  # for the audit replay
+        return result
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        n_inner = len(self.trainer.inner_seconds)
+        rl, stalled = RunLog(), None
+        try:
+            pump_run(self.shepherd, self.workers, self.run_inner, max_discards=2 * ROUNDS, log=rl)
+        except LocalError as exc:  # e.g. honest workers diverged on a poisoned θ and submit nothing
+            stalled = str(exc)
+        honest = [w for p, w in self.workers.items() if p != self.attacker]
+        final_val = self.trainer.val_loss(self.shepherd.state.theta)
+        out: dict = {
+            "val_loss": finite(final_val),
+            "finished": self.shepherd.phase is Phase.FINISHED,
+            "stalled": stalled,
+            "val_curve": [finite(c.val_loss) for c in rl.commits if c.val_loss is not None],
+            "discarded_attempts": rl.discarded,
+            "honest_agree_on_theta": {w.theta_cid for w in honest} == {self.shepherd.theta_cid},
+            "honest_refusals": sum(1 for p, _, _ in rl.rejected if p in {w.peer_id for w in honest}),
+            "inner_runs": len(self.trainer.inner_seconds) - n_inner,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+        if self.attacker is not None:
+            out["attacker_in_commits"] = sum(self.attacker in c.participants for c in rl.commits)
+            out["attacker_refusals"] = dict(Counter(rl.rejected_from(self.attacker)))
+            out["attacker_refusal_example"] = next((t for p, _, t in rl.rejected if p == self.attacker), None)
+        log(f"{self.name}: val {final_val:.4f}{'' if stalled is None else ' STALLED'} curve {out['val_curve']} ({out['seconds']} s"
+            + (f", attacker in {out['attacker_in_commits']}/{len(rl.commits)} commits, "
+               f"refused {out['attacker_refusals']}" if self.attacker else "") + ")")
+        return out
+
+
+def finite(x: float | None, digits: int = 4) -> float | None:
+    """``x`` rounded, or None where JSON has no number for it (NaN, ±inf)."""
+    return round(x, digits) if x is not None and math.isfinite(x) else None
+
+
+def audit_replay(trainer: JaxTrainer, recorded: list[tuple[RunInner, InnerResult]], audit_rate: float) -> dict:
+    """Re-execute recorded inner runs (what an auditor does) and compare: cost and exactness."""
+    times, exact = [], True
+    for e, original in recorded:
+        t0 = time.perf_counter()
+        again = trainer.run_inner("auditor", e)
+        times.append(time.perf_counter() - t0)
+        exact &= all(np.array_equal(again.theta[k], original.theta[k]) for k in original.theta)
+    trainer.inner_seconds[-len(recorded):] = []  # not training time
+    replay_s = float(np.median(times))
+    inner_s = float(np.median(trainer.inner_seconds))
+    return {
+        "audit_overhead": round(audit_rate * replay_s / inner_s, 4),
+        "audit_overhead_target": 0.05,
+        "audit_overhead_method": (
+            "estimate: audit_rate x (replay time / inner-run time); the replay re-executes recorded clean-arm "
+            "assignments (same θ, data, optimiser state, step count) in this process"
+        ),
+        "audit_rate": audit_rate,
+        "audit_replay_seconds": round(replay_s, 3),
+        "inner_run_seconds": round(inner_s, 3),
+        "audit_replay_exact": exact,
+    }
+
+
+def flood_figure() -> dict:
+    if os.environ.get("PCP_BENCH_FLOOD", "1") == "0":
+        return {"flood_rss_growth_mib": None, "flood_rss_growth_mib_target": 64, "flood_note": "skipped (PCP_BENCH_FLOOD=0)"}
+    from pcp_p2p.testing.flood import flood
+
+    hold = float(os.environ.get("PCP_BENCH_FLOOD_HOLD_S", "10"))
+    log(f"flood: a node process, 48 /pcp/msg streams from one peer, {hold:g} s")
+    r = flood(peers=1, streams_per_peer=48, hold_s=hold)
+    log(f"flood: {r.as_dict()}")
+    return {
+        "flood_rss_growth_mib": round(r.growth_mib, 1),
+        "flood_rss_growth_mib_target": 64,
+        "flood": r.as_dict(),
+    }
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    defended, plain = spec_for(True), spec_for(False)
+    trainer = JaxTrainer(defended, steps=H, val_batches=VAL_BATCHES, val_batch_size=WORKERS * B)
+    theta0 = trainer.initial_theta()
+    if WARMUP:
+        log(f"warm start: {WARMUP} synchronous steps at batch {WORKERS * B}")
+        theta0 = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)
+    initial_val = trainer.val_loss(theta0)
+    log(f"config: {ROUNDS} rounds x H={H}, {WORKERS} workers, attacks {ATTACKS}, undefended {UNDEFENDED}; "
+        f"initial val {initial_val:.4f}")
+
+    results: dict[str, dict] = {}
+    clean = Arm("clean", defended, trainer, theta0, None)
+    results["clean"] = clean.run()
+    results["clean_plain_mean"] = Arm("clean_plain_mean", plain, trainer, theta0, None).run()
+    audit = audit_replay(trainer, clean.recorded, defended.aggregation.audit_rate)
+    for kind in ATTACKS:
+        results[kind] = Arm(kind, defended, trainer, theta0, kind).run()
+    for kind in UNDEFENDED:
+        results[f"{kind}_undefended"] = Arm(f"{kind}_undefended", plain, trainer, theta0, kind).run()
+
+    clean_val = results["clean"]["val_loss"]
+
+    def ratio(arm: str) -> float:  # a diverged arm (no finite val loss) counts as infinitely worse
+        v = results[arm]["val_loss"]
+        return round(v / clean_val, 4) if v is not None else math.inf
+
+    ratios = {k: ratio(k) for k in ATTACKS}
+    worst = max(ratios, key=ratios.__getitem__) if ratios else None
+    g = defended.aggregation
+    result = {
+        "headline": finite(ratios[worst]) if worst else None,
+        "target": 1.02,
+        "better": "lower",
+        "unit": "ratio",
+        "metric": "worst final validation loss, 1 Byzantine worker of 4 / clean, same run (tiny GPT, Shakespeare)",
+        "worst_attack": worst,
+        **{f"ratio_{k}": finite(r) for k, r in ratios.items()},
+        **{f"ratio_{k}_undefended": finite(ratio(f"{k}_undefended")) for k in UNDEFENDED},
+        "robust_clean_cost": round(clean_val / results["clean_plain_mean"]["val_loss"], 4),
+        "robust_clean_cost_target": 1.01,
+        **audit,
+        **flood_figure(),
+        "clean_val_loss": round(clean_val, 4),
+        "initial_val_loss": round(initial_val, 4),
+        "defences": {"rule": g.rule, "trim_fraction": g.trim_fraction, "norm_vs_median": g.norm_vs_median,
+                     "max_share": g.max_share, "score_tolerance": g.score_tolerance, "val_jump": g.val_jump},
+        "config": {"workers": WORKERS, "byzantine": 1, "rounds": ROUNDS, "inner_steps": H, "batch": B,
+                   "seq_len": T, "warm_start_steps": WARMUP, "min_quorum": WORKERS - 1, "model": "tiny",
+                   "max_inner_steps": 10 * H, "codec": "int8", "val_batches": VAL_BATCHES},
+        "arms": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
+                 for k, r in results.items()},
+        "seconds_total": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
