@@ -49,7 +49,7 @@ Knobs: ``PCP_BENCH_ROUNDS`` (6), ``PCP_BENCH_H`` (50), ``PCP_BENCH_WARMUP``
 (200 synchronous steps), ``PCP_BENCH_ATTACKS`` (comma list, default all),
 ``PCP_BENCH_UNDEFENDED`` (comma list of attacks also run with every defence
 off, to show what they do unopposed; default ``random``; empty for none),
-``PCP_BENCH_FLOOD`` (1; 0 skips it), ``PCP_BENCH_FLOOD_HOLD_S`` (10).
+``PCP_BENCH_FLOOD`` (1; 0 skips it), ``PCP_BENCH_FLOOD_HOLD_S`` (20).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def flood_figure() -> dict:
         return {"flood_rss_growth_mib": None, "flood_rss_growth_mib_target": 64, "flood_note": "skipped (PCP_BENCH_FLOOD=0)"}
     from pcp_p2p.testing.flood import flood
 
-    hold = float(os.environ.get("PCP_BENCH_FLOOD_HOLD_S", "10"))
+    hold = float(os.environ.get("PCP_BENCH_FLOOD_HOLD_S", "20"))
     log(f"flood: a node process, 48 /pcp/msg streams from one peer, {hold:g} s")
     r = flood(peers=1, streams_per_peer=48, hold_s=hold)
     log(f"flood: {r.as_dict()}")

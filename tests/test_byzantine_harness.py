@@ -50,7 +50,11 @@ min_quorum = 3
 delta_codec = "int8"
 [aggregation]
 rule = "mean"
-""")
+max_share = 1.0
+norm_vs_median = 0.0
+score_tolerance = -1.0
+val_jump = 0.0
+""")  # every defence off: these tests are about what the attackers send, not what stops them
 HONEST_SPEED = H * SPEC.tokens_per_step / SPEC.round.time_budget_s  # its cap: ceil(1.5·H) steps
 
 
