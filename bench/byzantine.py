@@ -45,7 +45,7 @@ Also, each with its ``*_target``:
   largest frame (:func:`pcp_p2p.testing.flood.flood`); peak RSS growth.
   Target ≤ 64 MiB.
 
-Knobs: ``PCP_BENCH_ROUNDS`` (6), ``PCP_BENCH_H`` (50), ``PCP_BENCH_WARMUP``
+Knobs: ``PCP_BENCH_ROUNDS`` (5), ``PCP_BENCH_H`` (50), ``PCP_BENCH_WARMUP``
 (200 synchronous steps), ``PCP_BENCH_ATTACKS`` (comma list, default all),
 ``PCP_BENCH_UNDEFENDED`` (comma list of attacks also run with every defence
 off, to show what they do unopposed; default ``random``; empty for none),
@@ -82,13 +82,13 @@ from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run  # noqa: E402
 WORKERS = 4
 SEAT = 3  # the attacker takes this worker's identity, shard and seeds
 H = int(os.environ.get("PCP_BENCH_H", "50"))
-ROUNDS = int(os.environ.get("PCP_BENCH_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("PCP_BENCH_ROUNDS", "5"))
 WARMUP = int(os.environ.get("PCP_BENCH_WARMUP", "200"))
 ATTACKS = [k for k in os.environ.get("PCP_BENCH_ATTACKS", ",".join(KINDS)).split(",") if k]
 UNDEFENDED = [k for k in os.environ.get("PCP_BENCH_UNDEFENDED", "random").split(",") if k]
 B, T = 16, 64
 AUDIT_SAMPLES = 3  # clean-arm inner runs replayed for the audit figure
-VAL_BATCHES = 16
+VAL_BATCHES = 8  # x 64 x 64 tokens; the same windows in every arm, so ratios are paired
 TIME_BUDGET_S = 60.0
 HONEST_SPEED = H * B * T / TIME_BUDGET_S  # tokens/s: H steps fill the budget (the cap is 1.5·H)
 
@@ -180,7 +180,11 @@ class Arm:
         except LocalError as exc:  # e.g. honest workers diverged on a poisoned θ and submit nothing
             stalled = str(exc)
         honest = [w for p, w in self.workers.items() if p != self.attacker]
-        final_val = self.trainer.val_loss(self.shepherd.state.theta)
+        last = rl.commits[-1] if rl.commits else None
+        if last is not None and last.val_loss is not None and last.theta_cid == self.shepherd.theta_cid:
+            final_val = last.val_loss  # the shepherd's evaluate of the final θ: the same batches
+        else:
+            final_val = self.trainer.val_loss(self.shepherd.state.theta)
         out: dict = {
             "val_loss": finite(final_val),
             "finished": self.shepherd.phase is Phase.FINISHED,
