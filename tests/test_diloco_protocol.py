@@ -224,15 +224,27 @@ def test_duplicate_delivery_is_idempotent():
     assert list(r.shepherd.round_agg.accepted) == [r.ids[0].peer_id]
 
 
-def test_token_weighted_mean_and_nesterov_step():
-    r = Round()
+PLAIN_MEAN = dataclasses.replace(
+    SPEC, aggregation=dataclasses.replace(SPEC.aggregation, rule="mean", max_share=1.0, norm_vs_median=0.0)
+)
+
+
+@pytest.mark.parametrize(
+    "spec, mean",
+    [
+        (PLAIN_MEAN, (15 * 0.01 + 5 * 0.04) / 20),  # token-weighted
+        (SPEC, (0.01 + 0.04) / 2),  # default: max_share 0.5 caps 75 % / 25 % at equal shares
+    ],
+    ids=["plain-mean", "capped-trimmed-mean"],
+)
+def test_token_weighted_mean_and_nesterov_step(spec, mean):
+    r = Round(spec=spec)
     d1 = {k: np.full_like(v, 0.01) for k, v in THETA0.items()}
     d2 = {k: np.full_like(v, 0.04) for k, v in THETA0.items()}
     effects = r.shepherd.on_submission(r.submission(r.ids[0], delta=d1, steps=15), now=3.0)
     effects += r.shepherd.on_submission(r.submission(r.ids[1], delta=d2, steps=5), now=3.0)
     effects += r.shepherd.tick(now=100.0)  # third worker never reports
     (rec,) = [e.record for e in effects if isinstance(e, Committed)]
-    mean = (15 * 0.01 + 5 * 0.04) / 20  # token-weighted
     # first outer step from v = 0: v = d, theta = theta - lr (mu v + d) = theta - lr (1 + mu) d
     expect = THETA0["w"] - 0.7 * (1 + 0.9) * mean
     np.testing.assert_allclose(r.shepherd.state.theta["w"], expect, rtol=1e-6)

@@ -27,6 +27,13 @@ deadline_s = 20.0
 max_inner_steps = 40
 rounds = {rounds}
 min_quorum = {quorum}
+# These sims test the protocol under faults; the guards against bad Δs are tested in
+# tests/test_diloco_byzantine.py, on a version of the toy they fit. Here the quadratic's
+# shards are strongly non-IID (an honest θ_k scores up to ~0.16 worse than θ on held-out
+# coordinates) and its loss has no floor (honest rounds move it by several x near the end).
+[aggregation]
+score_tolerance = 0.25
+val_jump = 0.0
 """
     )
 

@@ -1,4 +1,4 @@
-"""Admission and averaging of pseudo-gradients for one round attempt.
+"""Admission and combination of pseudo-gradients for one round attempt.
 
 The aggregator is the only place a worker's numbers touch the global state, so
 it refuses anything it cannot vouch for, each with a typed error the shepherd
@@ -19,28 +19,40 @@ the worker's speed-derived maximum
 undecodable payload                    :class:`RejectedUpdate` (cause chained)
 wrong tensor names or shapes           :class:`RejectedUpdate`
 NaN or infinite values                 :class:`RejectedUpdate`
-norm above the bound                   :class:`RejectedUpdate`
+norm above the absolute bound          :class:`RejectedUpdate` (sanity cap)
+held-out loss of θ−Δ worse than θ's    :class:`RejectedUpdate` (shepherd, when
+by more than ``score_tolerance``       it has a ``score``)
+norm above ``norm_vs_median`` x the    :class:`RejectedUpdate` (at combine time)
+round's median norm
+in a commit whose val loss jumps       :class:`RejectedUpdate` (shepherd drops
+more than ``val_jump``                 the most suspect and recombines)
 =====================================  ========================================
 
-Norm bound. An AdamW step moves a coordinate by ``lr·|m̂|/√v̂`` plus weight
-decay ``lr·wd·|θ|``. By Cauchy–Schwarz ``|m̂|/√v̂ ≤ c = (1−β1)/√(1−β2) /
-√(1−β1²/β2)`` (≈2.3 for β=(0.9, 0.99)), so after ``s`` steps an honest Δ has
-``‖Δ‖ ≤ s·lr·(c·√P + wd·‖θ‖)``. The bound used is twice that (int8 rounding,
-schedules that touch the peak rate), or ``round.max_delta_norm`` when the spec
-sets one. Anything above cannot have come from the announced optimiser.
+Absolute norm bound (a sanity cap only). An AdamW step moves a coordinate by
+``lr·|m̂|/√v̂`` plus weight decay ``lr·wd·|θ|``. By Cauchy–Schwarz ``|m̂|/√v̂ ≤
+c = (1−β1)/√(1−β2) / √(1−β1²/β2)`` (≈2.3 for β=(0.9, 0.99)), so after ``s``
+steps an honest Δ has ``‖Δ‖ ≤ s·lr·(c·√P + wd·‖θ‖)``. The bound used is twice
+that (int8 rounding, schedules that touch the peak rate), or
+``round.max_delta_norm`` when the spec sets one. Anything above cannot have
+come from the announced optimiser — but the bound is loose (tens of times ‖θ‖
+on a small model), so what actually bounds a worker is relative to its peers.
 
-Weighting. Δ̄ = Σ_k tokens_k·Δ_k / Σ_k tokens_k: fast hardware that processed
-more tokens in the same time budget counts for more, so a round is sized by
-time, not by the slowest worker's step count.
+Combining (:meth:`RoundAggregator.combine`, :mod:`~pcp_p2p.diloco.robust`):
+norm screen against the round's median, token weights capped at ``max_share``
+(fast hardware that processed more tokens still counts for more, but no one
+dominates), then the spec's rule — ``trimmed_mean`` by default,
+``centered_clip``, or the plain weighted ``mean``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pcp_p2p.diloco import robust
 from pcp_p2p.diloco.messages import RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, codec_of, global_norm, num_params
@@ -78,6 +90,19 @@ class Accepted:
     tokens: int
     losses: tuple[float, ...]
     delta: Params
+    score: float | None = None  # held-out loss of θ − Δ, when the shepherd scores
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What :meth:`RoundAggregator.combine` made of a round's submissions."""
+
+    delta: Params
+    tokens: int  # claimed tokens of the workers combined (not capped: what was trained)
+    mean_loss: float  # their final training loss, weighted like their Δs
+    weights: dict[str, float]  # worker -> capped share of the combination
+    screened: dict[str, RejectedUpdate]  # refused by the norm screen
+    norms: dict[str, float]  # ‖Δ‖ of every submission offered
 
 
 @dataclass
@@ -161,23 +186,41 @@ class RoundAggregator:
             raise RejectedUpdate(f"‖Δ‖ = {norm:.4g} above the bound {bound:.4g} for {sub.steps} steps")
         return delta
 
-    def admit(self, sub: Submission, delta: Params) -> None:
-        self.accepted[sub.worker] = Accepted(sub.worker, sub.tokens, sub.losses, delta)
+    def admit(self, sub: Submission, delta: Params, score: float | None = None) -> None:
+        self.accepted[sub.worker] = Accepted(sub.worker, sub.tokens, sub.losses, delta, score)
 
     def refuse(self, worker: str, error: PcpError) -> None:
         self.refused[worker] = error
 
-    def mean(self) -> tuple[Params, int, float]:
-        """(token-weighted mean Δ, total tokens, token-weighted mean of final losses)."""
-        if not self.accepted:
+    def combine(self, exclude: Collection[str] = ()) -> RoundResult:
+        """Combine the accepted submissions (less ``exclude``) by the spec's policy.
+
+        Norm screen → capped token weights → ``spec.aggregation.rule``
+        (:func:`~pcp_p2p.diloco.robust.aggregate`), workers in sorted order so
+        every replay gives the same bits. Pure: the caller decides what to do
+        with the workers screened out (the shepherd refuses them).
+        """
+        subs = {k: a for k, a in sorted(self.accepted.items()) if k not in exclude}
+        if not subs:
             raise ValueError("no accepted submissions")
-        total = sum(a.tokens for a in self.accepted.values())
-        out: Params = {k: np.zeros_like(v, dtype=np.float32) for k, v in self.theta.items()}
+        agg = robust.aggregate(
+            {k: a.delta for k, a in subs.items()}, {k: float(a.tokens) for k, a in subs.items()},
+            self.spec.aggregation,
+        )
         loss = 0.0
-        for a in sorted(self.accepted.values(), key=lambda a: a.worker):  # fixed order: same bits
-            w = np.float32(a.tokens / total)
-            for k in out:
-                out[k] += w * a.delta[k]
-            tail = a.losses[-max(1, len(a.losses) // 10) :] if a.losses else (float("nan"),)
-            loss += a.tokens / total * float(np.mean(tail))
-        return out, total, loss
+        for k, w in agg.weights.items():
+            losses = subs[k].losses
+            tail = losses[-max(1, len(losses) // 10) :] if losses else (float("nan"),)
+            loss += w * float(np.mean(tail))
+        tokens = sum(subs[k].tokens for k in agg.weights)
+        return RoundResult(agg.delta, tokens, loss, agg.weights, agg.screened, agg.norms)
+
+    def mean(self) -> tuple[Params, int, float]:
+        """(combined Δ, tokens of the workers combined, their weighted mean final loss).
+
+        Kept for callers of the old token-weighted mean; the rule is now the
+        spec's (``aggregation.rule = "mean"``, ``max_share = 1``,
+        ``norm_vs_median = 0`` give the old plain token-weighted mean).
+        """
+        r = self.combine()
+        return r.delta, r.tokens, r.mean_loss

@@ -44,11 +44,12 @@ Transitions (``*`` = every input not listed leaves the phase unchanged)::
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Collection
 
 from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.diloco import data as data_mod
-from pcp_p2p.diloco.aggregate import RoundAggregator, max_steps_for_speed
+from pcp_p2p.diloco.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
 from pcp_p2p.diloco.effects import (
     Committed,
@@ -116,8 +117,20 @@ class Shepherd:
         evaluate: Callable[[Params], float] | None = None,
         end_round: int | None = None,
         dataset_cid: str = "",
+        score: Callable[[Params], float] | None = None,
+        val_loss: float | None = None,
     ) -> None:
-        """``evaluate`` (optional, pure): validation loss of a θ, put in commit records.
+        """``evaluate`` (optional, pure): validation loss of a θ, put in commit records
+        and used by the val-jump guard (``aggregation.val_jump``).
+
+        ``score`` (optional, pure, cheap): loss of a θ on a small held-out batch.
+        With it each submission is scored as the θ its worker claims to hold,
+        θ_r − Δ_k, and refused if that is worse than θ_r by more than
+        ``aggregation.score_tolerance`` nats.
+
+        ``val_loss`` (optional): θ's validation loss as the last commit recorded
+        it (:meth:`from_checkpoint` takes it from the checkpoint's metrics); if
+        unknown and ``evaluate`` is set, θ is evaluated once at the first commit.
 
         ``end_round`` (optional): the term ends by rotation once this many rounds
         are committed — the shepherd commits round ``end_round - 1`` and then
@@ -134,6 +147,10 @@ class Shepherd:
         if stray:
             raise ConfigError(f"artifacts for targets the run spec does not allow: {sorted(stray)}")
         self.evaluate = evaluate
+        self.score = score
+        self.val_loss = val_loss  # of the current θ (the previous commit's), for the val-jump guard
+        self._base_score: tuple[str, float] | None = None  # (θ CID, score(θ)), once per θ
+        self._guard_fails = 0  # attempts of this round the val-jump guard discarded
         self.phase = Phase.WAITING if state.round < spec.round.rounds else Phase.FINISHED
         self.roster: dict[str, Join] = {}
         self.misses: dict[str, int] = {}
@@ -157,6 +174,7 @@ class Shepherd:
             raise VerificationError(f"checkpoint belongs to run {ckpt.run_id:.20}")
         if term < ckpt.term:
             raise StaleMessage(f"term {term} is older than the checkpoint's term {ckpt.term}")
+        kw.setdefault("val_loss", ckpt.metrics.get("val_loss"))  # the val-jump guard's yardstick
         return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)  # type: ignore[arg-type]
 
     # --- inputs ------------------------------------------------------------
@@ -274,10 +292,33 @@ class Shepherd:
         assert agg is not None
         try:
             delta = agg.check_delta(sub, payload)
+            score = self._score(sub, delta)
         except PcpError as exc:
             return self._refuse(sub, exc, now)
-        agg.admit(sub, delta)
+        agg.admit(sub, delta, score)
         return self._maybe_close(now)
+
+    def _score(self, sub: Submission, delta: Params) -> float | None:
+        """Held-out loss of θ_r − Δ (the θ the worker claims to hold); raises if too much worse.
+
+        Why θ_r − Δ and not θ after the whole round: it judges this worker alone,
+        and an honest worker's own step should not hurt held-out loss; a random,
+        sign-flipped or blown-up Δ does, by far more than the tolerance.
+        """
+        tol = self.spec.aggregation.score_tolerance
+        if self.score is None or tol < 0:
+            return None
+        if self._base_score is None or self._base_score[0] != self.theta_cid:
+            self._base_score = (self.theta_cid, float(self.score(self.state.theta)))
+        base = self._base_score[1]
+        theta = self.state.theta
+        s = float(self.score({k: theta[k] - delta[k] for k in theta}))
+        if not s <= base + tol:  # NaN too
+            raise RejectedUpdate(
+                f"{sub.worker:.16}…: held-out loss of θ−Δ is {s:.4g}, θ's is {base:.4g} "
+                f"({s - base:+.3g} nats, tolerance {tol:g})"
+            )
+        return s
 
     def _refuse(self, sub: Submission, exc: PcpError, now: float) -> list[Effect]:
         assert self.round_agg is not None
@@ -339,12 +380,12 @@ class Shepherd:
                 if self.misses[w] >= EVICT_AFTER_MISSES:
                     self.roster.pop(w, None)
 
-    def _discard(self, now: float) -> list[Effect]:
+    def _discard(self, now: float, why: str = "") -> list[Effect]:
         agg = self.round_agg
         assert agg is not None
         err = QuorumError(
             f"round {self.state.round} attempt {self.attempt}: {len(agg.accepted)} accepted, "
-            f"quorum {self.spec.round.min_quorum}"
+            f"quorum {self.spec.round.min_quorum}{why}"
         )
         effects: list[Effect] = [Discarded(self.state.round, self.attempt, err)]
         self._count_misses(set(agg.accepted))
@@ -356,15 +397,74 @@ class Shepherd:
         self.quorum_since = None
         return effects
 
+    def _val_limit(self) -> float:
+        """The highest val loss a commit may have: ``last·(1+val_jump)^(1+f)``.
+
+        ``f`` counts this round's attempts the guard already discarded. Near a
+        loss floor honest noise alone can exceed a fixed limit on every attempt;
+        loosening it per failed attempt means that cannot stall the run, while
+        each attempt still drops the suspects first.
+        """
+        assert self.val_loss is not None
+        return self.val_loss * (1 + self.spec.aggregation.val_jump) ** (1 + self._guard_fails)
+
+    def _suspect(self, agg: RoundAggregator, kept: Collection[str], norms: dict[str, float]) -> str:
+        """The submission to drop first: worst held-out score, else largest norm (ties: by id)."""
+        return max(
+            sorted(kept),
+            key=lambda w: (agg.accepted[w].score if agg.accepted[w].score is not None else -math.inf, norms[w]),
+        )
+
+    def _candidate(self) -> tuple[tuple[RoundResult, OuterState, float | None] | None, list[Effect]]:
+        """The round's outcome: combine, step, evaluate; drop suspects while val loss jumps.
+
+        Returns ``((result, new state, val loss) or None, Rejected effects)``;
+        None when fewer than ``min_quorum`` remain after the norm screen and the
+        val-jump guard. Workers refused here are moved from ``accepted`` to
+        ``refused``, so they are not participants and count as missing.
+        """
+        agg = self.round_agg
+        assert agg is not None
+        g, quorum = self.spec.aggregation, self.spec.round.min_quorum
+        guard = self.evaluate is not None and g.val_jump > 0
+        if guard and self.val_loss is None:
+            assert self.evaluate is not None
+            self.val_loss = float(self.evaluate(self.state.theta))
+        dropped: dict[str, PcpError] = {}
+        screened: dict[str, RejectedUpdate] = {}
+        outcome: tuple[RoundResult, OuterState, float | None] | None = None
+        while len(agg.accepted) - len(dropped) >= quorum:
+            result = agg.combine(exclude=dropped)
+            screened = result.screened
+            if len(result.weights) < quorum:
+                break
+            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
+            val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
+            if not guard or val_loss is None or self.val_loss is None or val_loss <= self._val_limit():
+                outcome = (result, new_state, val_loss)
+                break
+            suspect = self._suspect(agg, result.weights, result.norms)
+            dropped[suspect] = RejectedUpdate(
+                f"{suspect:.16}… dropped from round {self.state.round}: with it val loss {val_loss:.4g} "
+                f"exceeds the limit {self._val_limit():.4g} (last commit {self.val_loss:.4g})"
+            )
+        if outcome is None and dropped:
+            self._guard_fails += 1
+        refused: dict[str, PcpError] = {**screened, **dropped}
+        for w, err in sorted(refused.items()):
+            agg.accepted.pop(w, None)
+            agg.refuse(w, err)
+        return outcome, [Rejected(w, err) for w, err in sorted(refused.items())]
+
     def _commit(self, now: float) -> list[Effect]:
         agg = self.round_agg
         assert agg is not None
-        delta, tokens, mean_loss = agg.mean()
+        outcome, rejected = self._candidate()
+        if outcome is None:
+            return rejected + self._discard(now, " after the norm screen and the val-jump guard")
+        result, new_state, val_loss = outcome
+        tokens, mean_loss = result.tokens, result.mean_loss
         prev_cid = self.theta_cid
-        new_state = nesterov_step(
-            self.state, delta, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum
-        )
-        val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
         metrics = {"tokens": float(tokens), "mean_loss": mean_loss}
         if val_loss is not None:
             metrics["val_loss"] = val_loss
@@ -391,6 +491,8 @@ class Shepherd:
         # From here on the new state is the state: one assignment, never half.
         self._count_misses(set(participants))
         self.state = new_state
+        self.val_loss = val_loss
+        self._guard_fails = 0
         self.theta_bytes = pack_tensors(new_state.theta, "fp32")
         self.theta_cid = theta_cid
         self.attempt = 0
@@ -398,6 +500,7 @@ class Shepherd:
         self.commits.append(record)
         recipients = sorted(set(self.roster) | set(participants))
         effects: list[Effect] = [
+            *rejected,
             StoreBlob(theta_cid, self.theta_bytes),
             StoreBlob(ckpt_cid, ckpt_bytes),
             Committed(record),

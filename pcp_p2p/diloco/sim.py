@@ -12,12 +12,16 @@ Faults, all drawn from one ``random.Random(seed)`` so a failing seed replays:
 - the network drops, duplicates and delays messages (:class:`Faults`);
 - a worker can be killed at any phase of a chosen round (:class:`WorkerPlan`
   ``kill_at=(round, phase)``, phase one of :data:`KILL_PHASES`);
-- a worker can join late (``join_at``) and have a different speed.
+- a worker can join late (``join_at``) and have a different speed;
+- a worker can be Byzantine (``attack``, one of :data:`ATTACKS`): it runs the
+  honest protocol but lies about its Δ or its work (see :meth:`World._attack`).
 
 The inner loop is AdamW on a per-shard quadratic ``½·Σ a⊙(θ − θ*_k)²`` with
 gradient noise seeded by the data assignment: each shard pulls towards its own
 optimum, so averaging matters, and the validation loss (distance to the global
-optimum θ*) falls only if the protocol really combines the workers.
+optimum θ*) falls only if the protocol really combines the workers. The
+shepherd's held-out ``score`` is the same loss on a fixed quarter of the
+coordinates (a small held-out batch stands in for the validation set).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import numpy as np
 import trio
 
 from pcp_p2p.cid import cid_of
+from pcp_p2p.diloco.aggregate import delta_norm_bound
 from pcp_p2p.diloco.effects import (
     CancelInner,
     Committed,
@@ -48,7 +53,7 @@ from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submi
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.shepherd import Phase, Shepherd
 from pcp_p2p.diloco.spec import RunSpec, sign_spec, run_id_of
-from pcp_p2p.diloco.tensors import Params
+from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.diloco.worker import InnerResult, Worker
 from pcp_p2p.errors import BlobNotFound, PcpError, ProtocolError
 from pcp_p2p.node.identity import Identity
@@ -56,6 +61,11 @@ from pcp_p2p.wire import Message, decode, encode
 
 SIM_ARTIFACT = b"stands in for a compiled .vmfb"
 KILL_PHASES = ("announced", "fetching", "training", "submitted", "committed")
+ATTACKS = ("random", "sign_flip", "scale10", "lazy", "stale")
+"""Byzantine workers: a random Δ just under the absolute norm bound; the honest Δ
+sign-flipped; the honest Δ times 10; one real step claimed as ``max_steps``;
+the Δ of its first round re-sent each round (and the first submission itself
+replayed verbatim, which the header check refuses as stale)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,7 @@ class WorkerPlan:
     tokens_per_s: float = 1000.0
     join_at: float = 0.0
     kill_at: tuple[int, str] | None = None
+    attack: str | None = None  # one of ATTACKS
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,9 @@ class SimConfig:
     seed: int = 0
     shape: tuple[int, int] = (16, 8)
     time_limit: float = 10_000.0
+    scoring: bool = True  # give the shepherd the held-out score
+    spread: float = 0.5  # how far the shards' optima lie from the global one (non-IID-ness)
+    floor: float = 0.0  # irreducible loss added to val loss and score (a language model's entropy)
 
 
 @dataclass
@@ -108,14 +122,18 @@ class Quadratic:
     curvature: Params
     optimum: Params
     spread: Params
+    held_out: Params  # 0/1 masks: the coordinates the held-out score looks at
+    floor: float = 0.0  # added to every loss, like a language model's irreducible entropy
 
     @classmethod
-    def make(cls, rng: np.random.Generator, shape: tuple[int, int]) -> Quadratic:
+    def make(cls, rng: np.random.Generator, shape: tuple[int, int], spread: float = 0.5, floor: float = 0.0) -> Quadratic:
         names = {"w": shape, "b": (shape[1],)}
         return cls(
             curvature={k: rng.uniform(0.5, 2.0, s).astype(np.float32) for k, s in names.items()},
             optimum={k: rng.normal(0, 1, s).astype(np.float32) for k, s in names.items()},
-            spread={k: rng.normal(0, 0.5, s).astype(np.float32) for k, s in names.items()},
+            spread={k: rng.normal(0, spread, s).astype(np.float32) for k, s in names.items()},
+            held_out={k: (rng.random(s) < 0.25).astype(np.float32) for k, s in names.items()},
+            floor=floor,
         )
 
     def initial(self) -> Params:
@@ -131,7 +149,13 @@ class Quadratic:
         target = self.optimum if target is None else target
         tot = sum(float(np.sum(self.curvature[k] * (theta[k] - target[k]) ** 2)) for k in theta)
         n = sum(v.size for v in theta.values())
-        return 0.5 * tot / n
+        return self.floor + 0.5 * tot / n
+
+    def score(self, theta: Params) -> float:
+        """The loss on the held-out coordinates only: cheaper and noisier than :meth:`loss`."""
+        tot = sum(float(np.sum(self.held_out[k] * self.curvature[k] * (theta[k] - self.optimum[k]) ** 2)) for k in theta)
+        n = sum(float(m.sum()) for m in self.held_out.values())
+        return self.floor + 0.5 * tot / max(1.0, n)
 
     def inner(self, run: RunInner, steps: int, spec: RunSpec) -> InnerResult:
         """``steps`` AdamW steps from ``run.theta`` on the assigned shard (moments kept)."""
@@ -200,12 +224,13 @@ class World:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.problem = Quadratic.make(np.random.default_rng(cfg.seed), cfg.shape)
+        self.problem = Quadratic.make(np.random.default_rng(cfg.seed), cfg.shape, cfg.spread, cfg.floor)
         self.blobs: dict[str, bytes] = {}
         self.board: CommitRecord | None = None  # stands in for the DHT's latest-commit record
         self.rejected: list[tuple[str, str | None, PcpError]] = []
         self.discarded: list[tuple[int, int]] = []
         self.workers: dict[str, Worker] = {}
+        self.first_delta: dict[str, Params] = {}  # the "stale" attackers' first Δ
         self.killed: set[str] = set()
         self.kill_scopes: dict[str, trio.CancelScope] = {}
         self.done = trio.Event()
@@ -222,6 +247,7 @@ class World:
             state=OuterState.initial(self.problem.initial()),
             artifacts={self.target: cid_of(SIM_ARTIFACT)},
             evaluate=self.problem.loss,
+            score=self.problem.score if cfg.scoring else None,
         )
         # the artifact is an ordinary blob too (its bytes are irrelevant to the sim)
         self.blobs[self.shepherd.artifacts[self.target]] = SIM_ARTIFACT
@@ -235,6 +261,10 @@ class World:
         for eff in effects:
             if isinstance(eff, Send):
                 net.send(eff.to, eff.message)
+                plan = self.plans.get(node)
+                if plan is not None and plan.attack == "stale" and isinstance(eff.message, Submission):
+                    if len(self.workers[node].submitted) > 1:
+                        net.send(eff.to, self.workers[node].submitted[0])  # a verbatim replay too
             elif isinstance(eff, StoreBlob):
                 self.blobs[eff.cid] = eff.data
             elif isinstance(eff, FetchBlob):
@@ -278,9 +308,38 @@ class World:
         steps = max(1, min(run.assignment.max_steps, by_time))
         await trio.sleep(steps * spec.tokens_per_step / plan.tokens_per_s)
         result = self.problem.inner(run, steps, spec)
+        if plan.attack is not None:
+            result = self._attack(node, plan.attack, run, result)
         inbox = net.inboxes.get(node)
         if inbox is not None:
             inbox.send_nowait(("inner", result))
+
+    def _attack(self, node: str, attack: str, run: RunInner, honest: InnerResult) -> InnerResult:
+        """What a Byzantine worker hands its (honest) worker machine in place of its training result."""
+        spec = self.cfg.spec
+        theta = {k: np.asarray(v, dtype=np.float32) for k, v in run.theta.items()}
+        delta = {k: theta[k] - honest.theta[k] for k in theta}
+        steps = honest.steps
+        if attack == "random":
+            rng = np.random.default_rng(run.assignment.seed)
+            noise = {k: rng.normal(0, 1, v.shape).astype(np.float32) for k, v in theta.items()}
+            scale = 0.9 * delta_norm_bound(spec, theta, steps) / global_norm(noise)
+            delta = {k: np.float32(scale) * v for k, v in noise.items()}
+        elif attack == "sign_flip":
+            delta = {k: -v for k, v in delta.items()}
+        elif attack == "scale10":
+            delta = {k: 10 * v for k, v in delta.items()}
+        elif attack == "lazy":
+            one = self.problem.inner(run, 1, spec)
+            delta = {k: theta[k] - one.theta[k] for k in theta}
+            steps = run.assignment.max_steps
+        elif attack == "stale":
+            delta = self.first_delta.setdefault(node, delta)
+        else:
+            raise ValueError(f"unknown attack {attack!r}; known: {ATTACKS}")
+        new_theta = {k: theta[k] - delta[k] for k in theta}
+        losses = honest.losses[:steps] + (honest.losses[-1],) * max(0, steps - len(honest.losses))
+        return InnerResult(honest.round, honest.attempt, new_theta, steps, losses, honest.inner_state)
 
     # --- nodes -----------------------------------------------------------------
 
