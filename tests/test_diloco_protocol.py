@@ -334,7 +334,7 @@ def test_worker_round_trip_and_hash_checked_theta():
     local = {k: v - 0.02 for k, v in run.theta.items()}
     effects = w.on_inner_done(InnerResult(0, 0, local, 10, (1.0,) * 10, "adam-state"), now=10.0)
     (sub,) = sent(effects, Submission)
-    assert w.inner_state == "adam-state"  # kept for the next round
+    assert w.inner_state is None and w.pending_state == (0, 0, "adam-state")  # until a commit takes it
     assert r.shepherd.on_submission(sub, now=10.1) == []
     assert r.shepherd.round_agg.accepted[w.peer_id].tokens == 10 * BT
 

@@ -11,6 +11,13 @@ only *ask* for work. This module does it:
 - :class:`InnerEngine` (worker): runs a ``RunInner`` on the IREE executor. θ is
   uploaded each round; the AdamW moments and step stay on the device across
   rounds (DiLoCo keeps inner optimiser state local) and come back only when asked.
+  For audits (:mod:`~pcp_p2p.diloco.audit`) each run ends by naming its inner
+  state with a digest computed on the device side and keeping a snapshot of it
+  under that name (references, no copy); the next run starts from the snapshot
+  the worker names (``inner_state``), so a run whose result was never submitted
+  or committed cannot leak into the next. :meth:`InnerEngine.replay` re-executes
+  an exact step count from a given θ and inner state, and
+  :meth:`InnerEngine.export_state` serves a kept state to an auditor.
 - :class:`Evaluator` (shepherd): validation loss of a θ with ``jax.jit``.
 
 Only the shepherd side imports JAX and the compiler (lazily); a worker runs
@@ -21,14 +28,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pcp_p2p.diloco.data import CharDataset, batches_for_assignment, validation_batches
+from pcp_p2p.diloco.audit import InnerState, encode_inner_state
 from pcp_p2p.diloco.effects import RunInner
+from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.worker import InnerResult
 from pcp_p2p.errors import ConfigError, ExecutorError
@@ -43,8 +54,19 @@ CHUNK_STEPS = 5
 """AdamW steps per executor call: small enough that a time budget is met within
 one chunk's time, large enough that the per-call overhead stays negligible."""
 
-ON_DEVICE = "on-device"
-"""The worker's ``inner_state`` once AdamW moments live in the executor."""
+KEEP_STATES = 6
+"""Inner states an engine keeps on the device (LRU): the one the worker will
+start from next, the ones it submitted but has not seen committed, and the
+recent start states an auditor may still ask for."""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What an exact-step replay produced (see :meth:`InnerEngine.replay`)."""
+
+    theta: dict[str, np.ndarray]  # θ_local after the steps
+    state_out: str  # digest of the moments and step after them
+    losses: tuple[float, ...]
 
 
 def program_options(spec: RunSpec) -> Any:
@@ -118,25 +140,22 @@ class InnerEngine:
         self.spec = spec
         self.dataset = dataset
         self.busy_s = 0.0  # time spent inside train calls (compute utilisation)
+        self.state_s = 0.0  # time spent naming and keeping inner states (the audit's cost per round)
+        self.replay_s = 0.0  # time spent replaying other workers' rounds
         self.tokens = 0
+        # One run or replay at a time: both own the device state while they train.
+        self._lock = threading.Lock()
+        self._states: OrderedDict[str, None] = OrderedDict()
 
     def run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
         """Train from ``eff.theta`` for the round's time budget (whole chunks, up to max_steps)."""
-        if eff.inner_state == ON_DEVICE:
-            self.executor.load_params(eff.theta)
-        else:  # first round on this node: fresh AdamW moments
-            self.executor.load_state(eff.theta)
-        # Whole chunks only, and never more steps than the assignment allows: the
-        # shepherd refuses a claim above what this worker's announced speed permits.
-        max_steps = (eff.assignment.max_steps // CHUNK_STEPS) * CHUNK_STEPS
-        if max_steps == 0:
-            raise ExecutorError(
-                f"the round allows {eff.assignment.max_steps} steps, less than one compiled chunk of {CHUNK_STEPS}"
-            )
-        xs, ys = batches_for_assignment(
-            self.dataset.train, eff.assignment, steps=max_steps,
-            batch_size=self.spec.inner.batch_size, seq_len=self.spec.inner.seq_len,
-        )
+        with self._lock:
+            return self._run(eff, cancelled)
+
+    def _run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
+        state_in = self._start(eff.theta, eff.inner_state)
+        xs, ys = self._batches(eff.assignment)
+        max_steps = len(xs)
         lr = self.spec.inner.lr
         t_end = time.monotonic() + eff.time_budget_s
         losses: list[float] = []
@@ -157,7 +176,90 @@ class InnerEngine:
             raise ExecutorError("inner training diverged (non-finite loss)")
         self.tokens += steps * self.spec.tokens_per_step
         theta = self.executor.read_params()
-        return InnerResult(eff.round, eff.attempt, theta, steps, tuple(losses), ON_DEVICE)
+        state_out = self._keep()
+        return InnerResult(eff.round, eff.attempt, theta, steps, tuple(losses), state_out,
+                           state_in=state_in, state_out=state_out)
+
+    def replay(self, theta: dict[str, np.ndarray], state: InnerState | None,
+               assignment: DataAssignment, steps: int) -> Replay:
+        """Exactly ``steps`` inner steps from ``theta`` and ``state`` (None: fresh moments).
+
+        The batches are drawn exactly as :meth:`run` draws them for the same
+        assignment, so an honest round replays bit for bit (docs/diloco.md). The
+        device's current state is overwritten; the worker's own states are kept
+        as snapshots, and every :meth:`run` starts from one (or fresh).
+        """
+        if steps <= 0 or steps % CHUNK_STEPS:
+            raise ExecutorError(f"a replay runs whole chunks of {CHUNK_STEPS} steps, not {steps}")
+        with self._lock:
+            t0 = time.monotonic()
+            if state is None:
+                self.executor.load_state(theta)
+            else:
+                self.executor.load_state(theta, state.m, state.v, state.step)
+            xs, ys = self._batches(assignment)
+            if steps > len(xs):
+                raise ExecutorError(f"a replay of {steps} steps, the assignment allows {len(xs)}")
+            lr = self.spec.inner.lr
+            losses: list[float] = []
+            for i in range(0, steps, CHUNK_STEPS):
+                out = self.executor.train(lr, xs[i : i + CHUNK_STEPS], ys[i : i + CHUNK_STEPS])
+                losses.extend(float(x) for x in out)
+            result = Replay(self.executor.read_params(), self.executor.inner_digest(), tuple(losses))
+            self.replay_s += time.monotonic() - t0
+            return result
+
+    def export_state(self, digest: str) -> bytes:
+        """The state blob (:func:`~pcp_p2p.diloco.audit.encode_inner_state`) of a kept state."""
+        if digest not in self._states:
+            raise ExecutorError(f"inner state {digest:.16} is no longer kept")
+        st = self.executor.read_inner(tag=digest)
+        return encode_inner_state(InnerState(st.m, st.v, st.step))
+
+    @property
+    def kept_states(self) -> tuple[str, ...]:
+        return tuple(self._states)
+
+    # --- internals -----------------------------------------------------------------
+
+    def _batches(self, assignment: DataAssignment) -> tuple[np.ndarray, np.ndarray]:
+        # Whole chunks only, and never more steps than the assignment allows: the
+        # shepherd refuses a claim above what this worker's announced speed permits.
+        max_steps = (assignment.max_steps // CHUNK_STEPS) * CHUNK_STEPS
+        if max_steps == 0:
+            raise ExecutorError(
+                f"the round allows {assignment.max_steps} steps, less than one compiled chunk of {CHUNK_STEPS}"
+            )
+        return batches_for_assignment(
+            self.dataset.train, assignment, steps=max_steps,
+            batch_size=self.spec.inner.batch_size, seq_len=self.spec.inner.seq_len,
+        )
+
+    def _start(self, theta: dict[str, np.ndarray], inner_state: Any) -> str:
+        """Load θ and the inner state the worker names; the digest started from, or FRESH_STATE."""
+        if isinstance(inner_state, str) and inner_state in self._states:
+            self.executor.restore(inner_state)
+            self.executor.load_params(theta)
+            self._states.move_to_end(inner_state)
+            return inner_state
+        # First round on this node, or a state this engine no longer holds: fresh moments.
+        self.executor.load_state(theta)
+        return FRESH_STATE
+
+    def _keep(self) -> str:
+        """Name the device's inner state by its digest and keep a snapshot of it."""
+        t0 = time.monotonic()
+        digest = self.executor.inner_digest()
+        if digest in self._states:
+            self._states.move_to_end(digest)
+        else:
+            self.executor.snapshot(digest)
+            self._states[digest] = None
+        while len(self._states) > KEEP_STATES:
+            old, _ = self._states.popitem(last=False)
+            self.executor.drop_snapshot(old)
+        self.state_s += time.monotonic() - t0
+        return digest
 
 
 def start_executor(vmfb_path: Path, manifest: Manifest, shepherd: str) -> Executor:

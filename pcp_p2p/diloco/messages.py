@@ -26,6 +26,8 @@ S = TypeVar("S", bound=Message)
 MAX_LOSSES = 4096
 INLINE_DELTA_LIMIT = HARD_MAX_SIZE - 64 * 1024
 """A Δ payload above this goes out as a blob and the submission names its CID."""
+FRESH_STATE = "fresh"
+"""A submission's ``state_in`` when its inner loop started from fresh AdamW moments (zeros, step 0)."""
 
 
 @wire_message("diloco.join", max_size=4 * 1024)
@@ -90,6 +92,13 @@ class Submission(Message):
     steps: int
     tokens: int
     losses: tuple[float, ...]
+    # The inner optimiser state (AdamW moments and step) the worker started from
+    # and ended with, as :func:`~pcp_p2p.diloco.audit.inner_state_digest` hex
+    # digests (``state_in`` may be FRESH_STATE). With θ, the assignment and the
+    # step count they make the round replayable (:mod:`pcp_p2p.diloco.audit`);
+    # "" = no commitment (a submission that cannot be audited).
+    state_in: str = ""
+    state_out: str = ""
     signature: bytes = b""
 
 

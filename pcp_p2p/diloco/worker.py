@@ -20,7 +20,12 @@ Two rules keep every worker on the same trajectory:
 
 The inner AdamW state is opaque here (``inner_state``), handed to the executor
 with each ``RunInner`` and taken back with its result: it survives across
-rounds, as DiLoCo intends, and dies with the worker process.
+rounds, as DiLoCo intends, and dies with the worker process. For audits
+(:mod:`~pcp_p2p.diloco.audit`) the submission names the state it started from
+and ended with, and the worker moves on to a new state only once a commit
+lists it as a participant of the round it submitted: a submission that was
+lost, refused or discarded never becomes a start state, so the worker's
+states form the same chain the shepherd sees (``audit.StateChain``).
 
 A late joiner sends ``Join`` and looks up the latest commit record (the DHT's
 latest-checkpoint record), which makes it prefetch that θ; the first
@@ -99,6 +104,13 @@ class InnerResult:
     steps: int
     losses: tuple[float, ...]
     inner_state: Any
+    state_in: str = ""  # digest of the inner state the run started from (FRESH_STATE, or "" untracked)
+    state_out: str = ""  # digest of the inner state it ended with ("" untracked)
+
+
+def pseudo_gradient(theta: Params, theta_local: Params) -> Params:
+    """Δ = θ_r − θ_local in float32, exactly as a worker submits it (an audit recomputes it)."""
+    return {k: theta[k] - np.asarray(theta_local[k], dtype=np.float32) for k in theta}
 
 
 class Worker:
@@ -130,6 +142,8 @@ class Worker:
         self.held_artifacts: set[str] = set()
         self.wanted: set[str] = set()
         self.inner_state: Any = None
+        # (round, attempt, inner state) submitted, waiting for a commit naming us
+        self.pending_state: tuple[int, int, Any] | None = None
         self.last_commit: CommitRecord | None = None
         self.joined_for: tuple[int, int, int] | None = None
         self.submitted: list[Submission] = []
@@ -297,8 +311,7 @@ class Worker:
             or self.theta is None
         ):
             return []  # superseded: the round moved on while we trained
-        self.inner_state = result.inner_state
-        delta = {k: self.theta[k] - np.asarray(result.theta[k], dtype=np.float32) for k in self.theta}
+        delta = pseudo_gradient(self.theta, result.theta)
         codec = self.spec.round.delta_codec
         try:
             payload = codec_of(codec).encode(delta)
@@ -325,9 +338,12 @@ class Worker:
                 steps=result.steps,
                 tokens=result.steps * self.spec.tokens_per_step,
                 losses=tuple(float(x) for x in result.losses),
+                state_in=result.state_in,
+                state_out=result.state_out,
             ),
             self.identity,
         )
+        self.pending_state = (ann.round, ann.attempt, result.inner_state)
         self.submitted.append(sub)
         self.phase = WorkerPhase.SUBMITTED
         return effects + [Send(ann.shepherd, sub)]
@@ -359,6 +375,7 @@ class Worker:
         self.term = max(self.term, rec.term)
         self.last_heard = now
         self.last_commit = rec
+        self._settle_state(rec)
         effects: list[Effect] = []
         ann = self.current
         if ann is not None and ann.round > rec.round:
@@ -374,6 +391,15 @@ class Worker:
         return effects
 
     # --- internals -------------------------------------------------------------
+
+    def _settle_state(self, rec: CommitRecord) -> None:
+        """Start from the submitted inner state once a commit lists us for its round."""
+        pending = self.pending_state
+        if pending is None or rec.round < pending[0]:
+            return
+        if (rec.round, rec.attempt) == pending[:2] and self.peer_id in rec.participants:
+            self.inner_state = pending[2]
+        self.pending_state = None  # committed, or its round was committed without it
 
     def _join(self, ann: RoundAnnouncement | None = None) -> list[Effect]:
         shepherd = ann.shepherd if ann is not None else self.shepherd

@@ -34,6 +34,14 @@ one lock serialises requests, so calls from several threads are safe)::
     losses = ex.train(lr, xs, ys)          # H inner steps; state stays on the device
     params, m, v, step = ex.read_state()   # when the round ends
     ex.close()
+
+For audits (:mod:`pcp_p2p.diloco.audit`) the inner optimiser state — moments
+and step, not the parameters — can be named and kept without leaving the
+device: :meth:`Executor.inner_digest` hashes it in the child,
+:meth:`Executor.snapshot` keeps references to it under a tag (device arrays
+are never written in place, so this copies nothing), :meth:`Executor.restore`
+puts it back and :meth:`Executor.read_inner` copies one out when an auditor
+asks for it.
 """
 
 from __future__ import annotations
@@ -294,10 +302,53 @@ class Executor:
         got = self._get(names)
         return {n.removeprefix("param/"): got[n] for n in names}
 
-    def _get(self, names: list[str]) -> dict[str, np.ndarray]:
+    # --- inner optimiser state (audits) ---------------------------------------------
+
+    def inner_names(self) -> list[str]:
+        """``m/*``, ``v/*`` and ``step``: the train program's state besides the parameters."""
+        self._need("train")
+        return [s.name for s in self._manifests["train"].outputs
+                if s.name.startswith(("m/", "v/")) or s.name == "step"]
+
+    def inner_digest(self, tag: str | None = None) -> str:
+        """:func:`~pcp_p2p.node.executor_child.state_digest` of the current (or a snapshot's)
+        moments and step, computed in the child."""
+        names = self.inner_names()
+        if tag is None:
+            self._require_loaded(names)
+        return str(self._request("digest", names=names, tag=tag)["digest"])
+
+    def snapshot(self, tag: str) -> None:
+        """Keep the current moments and step under ``tag`` (references, no copy)."""
+        names = self.inner_names()
+        self._require_loaded(names)
+        self._request("snapshot", tag=tag, names=names)
+
+    def restore(self, tag: str) -> None:
+        """Make snapshot ``tag`` the current moments and step."""
+        self._request("restore", tag=tag)
+        self._loaded_state.update(self.inner_names())
+
+    def drop_snapshot(self, tag: str) -> None:
+        self._request("drop", tag=tag)
+
+    def read_inner(self, tag: str | None = None) -> TrainState:
+        """Host copies of the moments and step (current, or of snapshot ``tag``); no params."""
+        names = self.inner_names()
+        if tag is None:
+            self._require_loaded(names)
+        got = {k: proto.unpack_array(a) for k, a in self._request("get", names=names, tag=tag)["arrays"].items()}
+        m = {n.removeprefix("m/"): got[n] for n in names if n.startswith("m/")}
+        v = {n.removeprefix("v/"): got[n] for n in names if n.startswith("v/")}
+        return TrainState({}, m, v, int(got["step"]))
+
+    def _require_loaded(self, names: list[str]) -> None:
         missing = [n for n in names if n not in self._loaded_state]
         if missing:
             raise ExecutorError(f"no state loaded for {missing[0]} (call load_state first)")
+
+    def _get(self, names: list[str]) -> dict[str, np.ndarray]:
+        self._require_loaded(names)
         reply = self._request("get", names=names)
         return {k: proto.unpack_array(a) for k, a in reply["arrays"].items()}
 

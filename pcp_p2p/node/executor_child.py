@@ -25,7 +25,11 @@ Requests (``op`` and its fields) and what a success returns:
                                         run ``program`` on ``inputs`` (each a feed or a state
                                         name); outputs named in ``keep`` replace state,
                                         those in ``fetch`` come back
-``get {names}``                       -> {arrays}
+``get {names, tag?}``                 -> {arrays}  (from snapshot ``tag`` if given)
+``digest {names, tag?}``              -> {digest}  :func:`state_digest` of those arrays, ``step`` last
+``snapshot {tag, names}``             -> {}  remember the current arrays ``names`` under ``tag``
+``restore {tag}``                     -> {}  put a snapshot's arrays back into state
+``drop {tag}``                        -> {}  forget a snapshot
 ``modules``                           -> {modules: [...]}  (for the no-JAX test)
 ``pid``                               -> {pid}
 ``exit``                              -> {} and the child exits
@@ -36,9 +40,11 @@ A failure answers ``{ok: False, kind, msg}`` with ``kind`` one of
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import sys
+from collections.abc import Iterable
 from typing import Any, BinaryIO
 
 import msgpack
@@ -92,6 +98,29 @@ def unpack_array(d: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(tuple(d["shape"])).copy()
 
 
+STATE_DIGEST_TAG = b"pcp-inner-state/1\0"
+
+
+def state_digest(step: int, arrays: Iterable[tuple[str, np.ndarray]]) -> str:
+    """The hex sha256 that names an inner optimiser state (a worker commits to it).
+
+    Defined over the values, not over any file format, so the executor child
+    (which holds the arrays on its device) and a node that decoded a state blob
+    compute it with this one function. It covers the step, and each array's
+    name, dtype, shape and little-endian bytes, in the order given.
+    """
+    h = hashlib.sha256(STATE_DIGEST_TAG)
+    h.update(struct.pack(">q", int(step)))
+    for name, a in arrays:
+        a = np.asarray(a)
+        a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
+        head = f"{name}|{a.dtype.str}|{','.join(map(str, a.shape))}".encode()
+        h.update(struct.pack(">I", len(head)))
+        h.update(head)
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
 # --- the child -------------------------------------------------------------------
 
 
@@ -108,6 +137,9 @@ class _Child:
         self.device: Any = None
         self.programs: dict[str, Any] = {}
         self.state: dict[str, Any] = {}
+        # Device arrays are immutable (no program aliases its inputs), so a
+        # snapshot is only references: free until the state moves on.
+        self.snapshots: dict[str, dict[str, Any]] = {}
 
     def op_init(self, driver: str) -> dict:
         import iree.runtime as rt
@@ -174,11 +206,42 @@ class _Child:
             self.state[name] = by_name[name]
         return {"arrays": out}
 
-    def op_get(self, names: list) -> dict:
-        missing = [n for n in names if n not in self.state]
+    def _arrays(self, names: list, tag: str | None) -> dict[str, Any]:
+        if tag is None:
+            source = self.state
+        elif tag in self.snapshots:
+            source = self.snapshots[tag]
+        else:
+            raise _Failure("ExecutorError", f"no snapshot {tag!r:.80}")
+        missing = [n for n in names if n not in source]
         if missing:
             raise _Failure("ExecutorError", f"no state for {missing[:5]}")
-        return {"arrays": {n: pack_array(_host_copy(self.state[n])) for n in names}}
+        return {n: source[n] for n in names}
+
+    def op_get(self, names: list, tag: str | None = None) -> dict:
+        got = self._arrays(names, tag)
+        return {"arrays": {n: pack_array(_host_copy(a)) for n, a in got.items()}}
+
+    def op_digest(self, names: list, tag: str | None = None) -> dict:
+        """:func:`state_digest` of ``names`` (the last one is the int step), hashed here:
+        only 64 hex characters cross the pipe, not the moments."""
+        got = self._arrays(names, tag)
+        *arrays, step = names
+        return {"digest": state_digest(int(got[step].to_host()), ((n, got[n].to_host()) for n in arrays))}
+
+    def op_snapshot(self, tag: str, names: list) -> dict:
+        self.snapshots[tag] = self._arrays(names, None)
+        return {}
+
+    def op_restore(self, tag: str) -> dict:
+        if tag not in self.snapshots:
+            raise _Failure("ExecutorError", f"no snapshot {tag!r:.80}")
+        self.state.update(self.snapshots[tag])
+        return {}
+
+    def op_drop(self, tag: str) -> dict:
+        self.snapshots.pop(tag, None)
+        return {}
 
     def op_modules(self) -> dict:
         return {"modules": sorted(sys.modules)}
