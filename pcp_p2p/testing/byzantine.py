@@ -17,20 +17,23 @@ Workers that do not need to train (random, stale after its first round) answer
 their ``RunInner`` at once, without compute, the way a freeloader would.
 
 ``last_base`` / ``last_honest`` / ``last_forged`` keep the θ of the most recent
-forgery, the honest Δ from it (if one was trained) and the Δ actually sent, so tests can check each attacker does what
+forgery, the honest Δ from it (if one was trained) and the Δ actually sent, and
+``inner_requests`` the inputs of every round it was asked to train (what an
+auditor replays), so tests can check each attacker does what
 it says (a sign flip is exactly −honest, ...).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import ClassVar
 
 import numpy as np
 
 from pcp_p2p.diloco.aggregate import delta_norm_bound
 from pcp_p2p.diloco.effects import Effect, RunInner, Send
-from pcp_p2p.diloco.messages import RoundAnnouncement, Submission
+from pcp_p2p.diloco.messages import FRESH_STATE, RoundAnnouncement, Submission
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.diloco.worker import InnerResult, Worker
 
@@ -50,6 +53,7 @@ class ByzantineWorker(Worker):
         self.last_honest: Params | None = None
         self.last_forged: Params | None = None
         self.last_losses: tuple[float, ...] = ()
+        self.inner_requests: dict[tuple[int, int], RunInner] = {}  # (round, attempt) -> its inputs, for audits
 
     # --- what a subclass decides ---------------------------------------------------
 
@@ -73,8 +77,14 @@ class ByzantineWorker(Worker):
         """Answer at once the ``RunInner`` of a round this attacker does not train for."""
         out: list[Effect] = []
         for e in effects:
+            if isinstance(e, RunInner):
+                self.inner_requests[(e.round, e.attempt)] = e
             if isinstance(e, RunInner) and not self.trains(e):
-                out += self.on_inner_done(InnerResult(e.round, e.attempt, e.theta, 0, (), e.inner_state), now)
+                # It claims fresh moments and names an end state it never had: well-formed,
+                # and only an audit's replay can tell (audit.StateChain allows fresh starts).
+                fake_out = hashlib.sha256(self.rng.bytes(32)).hexdigest()
+                result = InnerResult(e.round, e.attempt, e.theta, 0, (), e.inner_state, FRESH_STATE, fake_out)
+                out += self.on_inner_done(result, now)
             else:
                 out.append(e)
         return out

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from pcp_p2p.diloco.audit import InnerState, inner_state_digest
 from pcp_p2p.diloco.data import CharDataset, batches_for, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.effects import (
     Committed,
@@ -34,7 +35,7 @@ from pcp_p2p.diloco.effects import (
     Send,
     StoreBlob,
 )
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
+from pcp_p2p.diloco.messages import FRESH_STATE, CommitRecord, DataAssignment, Join, RoundAnnouncement, Submission
 from pcp_p2p.diloco.shepherd import Phase, Shepherd
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params
@@ -51,6 +52,7 @@ class RunLog:
     """What an in-process run did, as its machines reported it."""
 
     commits: list[CommitRecord] = field(default_factory=list)
+    announcements: dict[tuple[int, int, int], RoundAnnouncement] = field(default_factory=dict)  # (term, round, attempt)
     rejected: list[tuple[str | None, str, str]] = field(default_factory=list)  # (peer, error type, text)
     discarded: int = 0
     submission_bytes: list[int] = field(default_factory=list)
@@ -94,6 +96,9 @@ def pump_run(
                 data = encode(e.message)  # through the real codec, both ways
                 if isinstance(e.message, Submission):
                     log.submission_bytes.append(len(data))
+                elif isinstance(e.message, RoundAnnouncement):
+                    a = e.message
+                    log.announcements[(a.term, a.round, a.attempt)] = a
                 queue.append((e.to, ("msg", data)))
             elif isinstance(e, StoreBlob):
                 blobs[e.cid] = e.data
@@ -158,8 +163,12 @@ class JaxTrainer:
     baselines, a data-parallel ``n·B``), and one ``eval`` program. Inner runs
     always do exactly ``steps`` steps (the program's unrolled length); an
     assignment capping a worker below that is an error here, not a silent
-    shortcut. ``inner_seconds`` collects the wall time of each inner run, which
-    is what compute figures (e.g. the cost of replaying one for an audit) use.
+    shortcut. Like the executor, each run names its start and end optimiser
+    states by :func:`~pcp_p2p.diloco.audit.inner_state_digest` (``state_in`` /
+    ``state_out``), so submissions commit to them and a round can be audited.
+    ``inner_seconds`` collects the wall time of each inner run and
+    ``state_seconds`` that of naming its end state: compute figures (the cost
+    of auditability, of a replay) use them.
     """
 
     def __init__(
@@ -187,6 +196,7 @@ class JaxTrainer:
         )
         self._eval = jax.jit(self._program("eval", val_batch_size).fn)
         self.inner_seconds: list[float] = []
+        self.state_seconds: list[float] = []
 
     def _program(self, kind: str, batch: int) -> Any:
         from pcp_p2p.compile.programs import ProgramOptions, build_program
@@ -234,7 +244,21 @@ class JaxTrainer:
         t0 = time.perf_counter()
         theta, state, losses = self.train(e.theta, e.inner_state, xs, ys)
         self.inner_seconds.append(time.perf_counter() - t0)
-        return InnerResult(e.round, e.attempt, theta, self.steps, tuple(float(x) for x in losses), state)
+        state_in = FRESH_STATE if e.inner_state is None else inner_state_digest(as_inner_state(e.inner_state))
+        t0 = time.perf_counter()
+        state_out = inner_state_digest(as_inner_state(state))
+        self.state_seconds.append(time.perf_counter() - t0)
+        return InnerResult(e.round, e.attempt, theta, self.steps, tuple(float(x) for x in losses), state,
+                           state_in, state_out)
+
+    def replay(self, theta: Params, state: InnerState | None, assignment: DataAssignment) -> InnerResult:
+        """An auditor's re-execution of a round from its public inputs and its start state."""
+        e = RunInner(round=-1, attempt=0, theta=theta, theta_cid="", artifact_cid=None, assignment=assignment,
+                     time_budget_s=0.0, inner_state=None if state is None else (state.m, state.v, np.int32(state.step)))
+        result = self.run_inner("auditor", e)
+        self.inner_seconds.pop()  # an audit's compute, not training's
+        self.state_seconds.pop()
+        return result
 
     def warm_start(self, theta: Params, *, steps: int, batch: int, seed: int = 20_000) -> Params:
         """``steps`` synchronous AdamW steps at batch ``batch`` from ``theta`` (moments discarded after)."""
@@ -262,3 +286,9 @@ class JaxTrainer:
 
         args = [jnp.asarray(theta[k]) for k in self.names]
         return float(np.mean([float(self._eval(*args, xs[i], ys[i])[0]) for i in range(len(xs))]))
+
+
+def as_inner_state(state: Any) -> InnerState:
+    """The trainer's optimiser state ``(m, v, step)`` as the audit module names it."""
+    m, v, step = state
+    return InnerState(m, v, int(step))
