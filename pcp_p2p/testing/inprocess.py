@@ -172,7 +172,7 @@ class JaxTrainer:
     """
 
     def __init__(
-        self, spec: RunSpec, *, steps: int, val_batches: int = 16, val_batch_size: int = 64, score_batches: int = 1
+        self, spec: RunSpec, *, steps: int, val_batches: int = 16, val_batch_size: int = 64, score_batches: int = 2
     ) -> None:
         import jax  # only a trainer needs JAX; the pump does not
 
@@ -188,11 +188,12 @@ class JaxTrainer:
         self.val_x, self.val_y = validation_batches(
             self.ds.val, n_batches=val_batches, batch_size=val_batch_size, seq_len=spec.inner.seq_len
         )
-        # The shepherd's held-out score batches: also from the validation split
-        # (the training split is the workers'), but other windows than the
-        # validation loss reports on, so the figure is not the guard's own yardstick.
+        # The shepherd's held-out score windows, as the runtime's Evaluator.score
+        # draws them (pcp_p2p.diloco.engine: 2 batches of the spec's shape, seed 1):
+        # the validation split, but not the windows the validation loss reports on.
         self.score_x, self.score_y = validation_batches(
-            self.ds.val, n_batches=score_batches, batch_size=val_batch_size, seq_len=spec.inner.seq_len, seed=1
+            self.ds.val, n_batches=score_batches, batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len,
+            seed=1,
         )
         self._eval = jax.jit(self._program("eval", val_batch_size).fn)
         self.inner_seconds: list[float] = []
