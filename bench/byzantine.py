@@ -63,6 +63,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -95,6 +96,7 @@ SEAT = 3  # the attacker takes this worker's identity, shard and seeds
 H = int(os.environ.get("PCP_BENCH_H", "50"))
 ROUNDS = int(os.environ.get("PCP_BENCH_ROUNDS", "5"))
 WARMUP = int(os.environ.get("PCP_BENCH_WARMUP", "200"))
+FRESH_MOMENTS = os.environ.get("PCP_BENCH_FRESH_MOMENTS", "0") == "1"
 ATTACKS = [k for k in os.environ.get("PCP_BENCH_ATTACKS", ",".join(KINDS)).split(",") if k]
 UNDEFENDED = [k for k in os.environ.get("PCP_BENCH_UNDEFENDED", "random").split(",") if k]
 B, T = 16, 64
@@ -147,7 +149,9 @@ def log(msg: str) -> None:
 class Arm:
     """One run of the swarm: clean or with one attacker, defended or not."""
 
-    def __init__(self, name: str, spec: RunSpec, trainer: JaxTrainer, theta0: Params, attack: str | None) -> None:
+    def __init__(
+        self, name: str, spec: RunSpec, trainer: JaxTrainer, theta0: Params, moments: Any, attack: str | None
+    ) -> None:
         self.name, self.spec, self.trainer, self.attack = name, spec, trainer, attack
         rng = np.random.default_rng(0)  # the same keys in every arm
         owner = Identity(rng.bytes(32))
@@ -173,6 +177,7 @@ class Arm:
                 self.attacker = w.peer_id
             else:
                 w = Worker(identity=ident, **common)  # type: ignore[arg-type]
+            w.inner_state = moments  # (a copy is not needed: the trainer never writes into a state)
             self.workers[w.peer_id] = w
         self.log = RunLog()
         self.runs: dict[tuple[str, int, int], tuple[RunInner, InnerResult]] = {}  # for audits
@@ -341,21 +346,23 @@ def main() -> None:
     t_start = time.perf_counter()
     defended, plain = spec_for(True), spec_for(False)
     trainer = JaxTrainer(defended, steps=H, val_batches=VAL_BATCHES, val_batch_size=WORKERS * B)
-    theta0 = trainer.initial_theta()
+    theta0, moments = trainer.initial_theta(), None
     if WARMUP:
         log(f"warm start: {WARMUP} synchronous steps at batch {WORKERS * B}")
-        theta0 = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)
+        theta0, moments = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)
+    if FRESH_MOMENTS:
+        moments = None
     initial_val = trainer.val_loss(theta0)
     log(f"config: {ROUNDS} rounds x H={H}, {WORKERS} workers, attacks {ATTACKS}, undefended {UNDEFENDED}; "
         f"initial val {initial_val:.4f}")
 
     results: dict[str, dict] = {}
-    clean = Arm("clean", defended, trainer, theta0, None)
+    clean = Arm("clean", defended, trainer, theta0, moments, None)
     results["clean"] = clean.run()
-    results["clean_plain_mean"] = Arm("clean_plain_mean", plain, trainer, theta0, None).run()
+    results["clean_plain_mean"] = Arm("clean_plain_mean", plain, trainer, theta0, moments, None).run()
     audit = audit_figure(clean, trainer, defended.aggregation.audit_rate)
     for kind in ATTACKS:
-        arm = Arm(kind, defended, trainer, theta0, kind)
+        arm = Arm(kind, defended, trainer, theta0, moments, kind)
         results[kind] = arm.run()
         # What the aggregator let through, an audit of it would say (every one audited, rate 1).
         assert arm.attacker is not None
@@ -364,7 +371,7 @@ def main() -> None:
         if verdicts:
             log(f"{kind}: audits of its accepted submissions: {dict(verdicts)}")
     for kind in UNDEFENDED:
-        results[f"{kind}_undefended"] = Arm(f"{kind}_undefended", plain, trainer, theta0, kind).run()
+        results[f"{kind}_undefended"] = Arm(f"{kind}_undefended", plain, trainer, theta0, moments, kind).run()
 
     clean_val = results["clean"]["val_loss"]
 
@@ -393,7 +400,7 @@ def main() -> None:
         "defences": {"rule": g.rule, "trim_fraction": g.trim_fraction, "norm_vs_median": g.norm_vs_median,
                      "max_share": g.max_share, "score_tolerance": g.score_tolerance, "val_jump": g.val_jump},
         "config": {"workers": WORKERS, "byzantine": 1, "rounds": ROUNDS, "inner_steps": H, "batch": B,
-                   "seq_len": T, "warm_start_steps": WARMUP, "min_quorum": WORKERS - 1, "model": "tiny",
+                   "seq_len": T, "warm_start_steps": WARMUP, "fresh_moments": FRESH_MOMENTS, "min_quorum": WORKERS - 1, "model": "tiny",
                    "max_inner_steps": 10 * H, "codec": "int8", "val_batches": VAL_BATCHES},
         "arms": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
                  for k, r in results.items()},

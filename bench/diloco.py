@@ -108,7 +108,7 @@ def main() -> None:
     # Optional shared warm start (the DiLoCo paper starts both arms from a
     # pretrained model): WARMUP synchronous steps, then both arms continue from it.
     if WARMUP:
-        theta0 = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)
+        theta0, _ = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)  # moments: fresh in both arms
 
     # --- (a) DiLoCo through the real round protocol --------------------------------
     rng = np.random.default_rng(0)

@@ -30,6 +30,7 @@ from pcp_p2p.diloco.effects import (
     Committed,
     Discarded,
     FetchBlob,
+    LookupCommit,
     Rejected,
     RunInner,
     Send,
@@ -76,9 +77,11 @@ def pump_run(
     """Run ``shepherd`` and ``workers`` until the shepherd finishes (or nothing is left to do).
 
     Workers start and join; the shepherd opens the first round after its join
-    grace; then every effect is carried out in order. When the queue runs dry
-    before the run is finished (a round waiting for its deadline), the clock
-    jumps to the shepherd's next wakeup. Raises :class:`LocalError` if the run
+    grace; then every effect is carried out in order (a worker's
+    ``LookupCommit`` is answered with the latest commit, as the DHT would).
+    When the queue runs dry before the run is finished (a round waiting for
+    its deadline, evicted workers), the clock jumps to the next wakeup of the
+    shepherd or a worker, which is ticked. Raises :class:`LocalError` if the run
     neither finishes nor has anything left to wait for, takes more than
     ``max_deliveries`` deliveries, or discards more than ``max_discards``
     attempts (a run whose honest workers diverged retries forever otherwise).
@@ -113,6 +116,8 @@ def pump_run(
                 log.commits.append(e.record)
             elif isinstance(e, Discarded):
                 log.discarded += 1
+            elif isinstance(e, LookupCommit) and log.commits:  # the DHT's latest-commit record
+                queue.append((node, ("msg", encode(log.commits[-1]))))
 
     def deliver(node: str, item: tuple[Any, ...]) -> None:
         if node == me:
@@ -133,13 +138,23 @@ def pump_run(
 
     for w in workers.values():
         carry_out(w.peer_id, w.start(now))
+    idle_ticks = 0
     while shepherd.phase is not Phase.FINISHED:
         if not queue:
-            wake = shepherd.next_wakeup
-            if wake is None:
+            # Nothing in flight: time passes to the next wakeup, the shepherd's
+            # (a deadline, the join grace) or a worker's (a deadline of silence:
+            # it looks up the latest commit and joins again, as an evicted one must).
+            wakes = [t for t in (shepherd.next_wakeup, *(w.next_wakeup for w in workers.values())) if t is not None]
+            idle_ticks += 1
+            if not wakes or idle_ticks > 1000:
                 raise LocalError(f"in-process run stalled in {shepherd.phase}: {log.rejected[-3:]}")
-            now = max(now, wake)
-            carry_out(me, shepherd.tick(now))
+            now = max(now, min(wakes))
+            wake = shepherd.next_wakeup
+            if wake is not None and wake <= now:
+                carry_out(me, shepherd.tick(now))
+            for w in workers.values():
+                if w.next_wakeup <= now:
+                    carry_out(w.peer_id, w.tick(now))
             continue
         node, item = queue.pop(0)
         now += 1.0
@@ -261,13 +276,13 @@ class JaxTrainer:
         self.state_seconds.pop()
         return result
 
-    def warm_start(self, theta: Params, *, steps: int, batch: int, seed: int = 20_000) -> Params:
-        """``steps`` synchronous AdamW steps at batch ``batch`` from ``theta`` (moments discarded after)."""
+    def warm_start(self, theta: Params, *, steps: int, batch: int, seed: int = 20_000) -> tuple[Params, Any]:
+        """``steps`` synchronous AdamW steps at batch ``batch`` from ``theta``: (θ, AdamW state)."""
         state = None
         for c in range(steps // self.steps):
             xs, ys = self.dp_batches(seed + c, batch)
             theta, state, _ = self.train(theta, state, xs, ys)
-        return theta
+        return theta, state
 
     def dp_batches(self, seed: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, batch, T)`` windows from the whole training split (data-parallel baselines)."""
