@@ -103,6 +103,10 @@ B, T = 16, 64
 AUDIT_SAMPLES = 3  # audits run at least, drawn or not, to time one
 VAL_BATCHES = 8  # x 64 x 64 tokens; the same windows in every arm, so ratios are paired
 TIME_BUDGET_S = 60.0
+# A round commits with 2 of the 4: the attacker's refusal must not be enough to
+# discard it, and neither must one honest worker's (the score refuses some, see
+# the arms' honest_refusals) on top of it.
+QUORUM = 2
 HONEST_SPEED = H * B * T / TIME_BUDGET_S  # tokens/s: H steps fill the budget (the cap is 1.5·H)
 
 PLAIN_MEAN = """
@@ -137,7 +141,7 @@ time_budget_s = {TIME_BUDGET_S}
 deadline_s = 120.0
 max_inner_steps = {10 * H}
 rounds = {ROUNDS}
-min_quorum = {WORKERS - 1}
+min_quorum = {QUORUM}
 delta_codec = "int8"
 {"" if defended else PLAIN_MEAN}""")
 
@@ -400,7 +404,7 @@ def main() -> None:
         "defences": {"rule": g.rule, "trim_fraction": g.trim_fraction, "norm_vs_median": g.norm_vs_median,
                      "max_share": g.max_share, "score_tolerance": g.score_tolerance, "val_jump": g.val_jump},
         "config": {"workers": WORKERS, "byzantine": 1, "rounds": ROUNDS, "inner_steps": H, "batch": B,
-                   "seq_len": T, "warm_start_steps": WARMUP, "fresh_moments": FRESH_MOMENTS, "min_quorum": WORKERS - 1, "model": "tiny",
+                   "seq_len": T, "warm_start_steps": WARMUP, "fresh_moments": FRESH_MOMENTS, "min_quorum": QUORUM, "model": "tiny",
                    "max_inner_steps": 10 * H, "codec": "int8", "val_batches": VAL_BATCHES},
         "arms": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
                  for k, r in results.items()},
