@@ -14,7 +14,9 @@ How the lie is told: the honest machinery computes the pseudo-gradient as
 Δ it wants to send and the claimed step count, and the worker hands the parent
 a θ_local of ``θ_r − Δ`` — codec, signature and bill are then the parent's own.
 Workers that do not need to train (random, stale after its first round) answer
-their ``RunInner`` at once, without compute, the way a freeloader would.
+their ``RunInner`` at once, without compute, the way a freeloader would. Every
+attacker joins again with each submission: refused every round, it still never
+misses enough rounds to leave the roster, so it attacks every round.
 
 ``last_base`` / ``last_honest`` / ``last_forged`` keep the θ of the most recent
 forgery, the honest Δ from it (if one was trained) and the Δ actually sent, and
@@ -101,7 +103,10 @@ class ByzantineWorker(Worker):
         self.last_base, self.last_honest, self.last_forged = theta, honest, delta
         forged_local = {k: (theta[k] - delta[k]).astype(np.float32) for k in theta}
         losses = self.last_losses[:steps] or (2.0,)  # a healthy-looking training loss
-        return super().on_inner_done(dataclasses.replace(result, theta=forged_local, steps=steps, losses=losses), now)
+        effects = super().on_inner_done(dataclasses.replace(result, theta=forged_local, steps=steps, losses=losses), now)
+        # Persistent: it joins again with every submission, so a refusal never
+        # makes it miss rounds and drop off the roster (a Join resets the count).
+        return effects + self._join() if any(isinstance(e, Send) for e in effects) else effects
 
     # --- helpers for subclasses ---------------------------------------------------------
 
