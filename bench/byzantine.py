@@ -194,7 +194,7 @@ class Arm:
 
     def run(self) -> dict:
         t0 = time.perf_counter()
-        n_inner = len(self.trainer.inner_seconds)
+        n_inner = len(self.trainer.inner_cpu_s)
         rl, stalled = self.log, None
         try:
             pump_run(self.shepherd, self.workers, self.run_inner, max_discards=2 * ROUNDS, log=rl)
@@ -214,7 +214,7 @@ class Arm:
             "discarded_attempts": rl.discarded,
             "honest_agree_on_theta": {w.theta_cid for w in honest} == {self.shepherd.theta_cid},
             "honest_refusals": sum(1 for p, _, _ in rl.rejected if p in {w.peer_id for w in honest}),
-            "inner_runs": len(self.trainer.inner_seconds) - n_inner,
+            "inner_runs": len(self.trainer.inner_cpu_s) - n_inner,
             "seconds": round(time.perf_counter() - t0, 1),
         }
         if self.attacker is not None:
@@ -246,7 +246,7 @@ def plan_for(arm: Arm, workers: set[str], rate: float) -> list[PlannedAudit]:
 
 
 def run_audits(arm: Arm, trainer: JaxTrainer, planned: list[PlannedAudit]) -> tuple[Counter[str], list[tuple]]:
-    """Carry out audits as the protocol does them; (verdicts, (export, import, replay) seconds each).
+    """Carry out audits as the protocol does them; (verdicts, (export, import, replay) CPU seconds each).
 
     The audited worker exports its start state as a blob, the auditor imports
     it (checking the digest the worker signed), replays the round from the
@@ -266,17 +266,17 @@ def run_audits(arm: Arm, trainer: JaxTrainer, planned: list[PlannedAudit]) -> tu
             e = w.inner_requests[(req.round, req.attempt)]
         else:
             e, _ = arm.runs[(req.worker, req.round, req.attempt)]
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         # The worker serves the state it signed as state_in; a liar claiming fresh moments serves none.
         blob = None if sub.state_in == FRESH_STATE else encode_inner_state(as_inner_state(e.inner_state))
-        t1 = time.perf_counter()
+        t1 = time.process_time()
         state = None if blob is None else decode_inner_state(blob, e.theta)
         if state is not None and inner_state_digest(state) != sub.state_in:
             verdicts["state_in does not match"] += 1
             continue
-        t2 = time.perf_counter()
+        t2 = time.process_time()
         rep = trainer.replay(e.theta, state, req.assignment)
-        t3 = time.perf_counter()
+        t3 = time.process_time()
         assert sub.delta_inline is not None
         report = judge(req, sub, e.theta, sub.delta_inline, rep.theta, rep.state_out, rep.losses, auditor)
         verdicts[report.verdict + (f" ({', '.join(report.differs)})" if report.differs else "")] += 1
@@ -300,8 +300,8 @@ def audit_figure(arm: Arm, trainer: JaxTrainer, rate: float) -> dict:
     extra = [p for p in reversed(plan_for(arm, everyone, 1.0)) if p.request.submission_cid not in taken]
     extra = extra[: max(0, AUDIT_SAMPLES - len(drawn))]
     verdicts, costs = run_audits(arm, trainer, drawn + extra)
-    inner_s = float(np.median(trainer.inner_seconds))
-    state_s = float(np.median(trainer.state_seconds))
+    inner_s = float(np.median(trainer.inner_cpu_s))
+    state_s = float(np.median(trainer.state_cpu_s))
     export_s, import_s, replay_s = (float(np.median(c)) for c in zip(*costs))
     per_round = state_s / inner_s
     per_audit = (export_s + import_s + replay_s) / inner_s
@@ -310,7 +310,7 @@ def audit_figure(arm: Arm, trainer: JaxTrainer, rate: float) -> dict:
         "audit_overhead_target": 0.05,
         "audit_overhead_method": (
             "state digest per inner run / inner run + audit_rate x (state export + import + replay) / inner run, "
-            "as bench/audit.py defines it, measured in this process with the JAX inner loop: clean-arm "
+            "as bench/audit.py defines it, in CPU seconds of this process with the JAX inner loop: clean-arm "
             "submissions drawn by audit.plan_audits, replayed and judged by audit.judge"
         ),
         "audit_rate": rate,
@@ -318,10 +318,10 @@ def audit_figure(arm: Arm, trainer: JaxTrainer, rate: float) -> dict:
         "audits_run": len(drawn) + len(extra),
         "audit_verdicts": dict(verdicts),
         "audited_submissions": sum(len(c.participants) for c in arm.log.commits),
-        "audit_replay_seconds": round(replay_s, 3),
-        "audit_state_export_import_ms": round((export_s + import_s) * 1e3, 2),
-        "state_digest_ms": round(state_s * 1e3, 2),
-        "inner_run_seconds": round(inner_s, 3),
+        "audit_replay_cpu_s": round(replay_s, 3),
+        "audit_state_export_import_cpu_ms": round((export_s + import_s) * 1e3, 2),
+        "state_digest_cpu_ms": round(state_s * 1e3, 2),
+        "inner_run_cpu_s": round(inner_s, 3),
     }
 
 

@@ -181,9 +181,10 @@ class JaxTrainer:
     shortcut. Like the executor, each run names its start and end optimiser
     states by :func:`~pcp_p2p.diloco.audit.inner_state_digest` (``state_in`` /
     ``state_out``), so submissions commit to them and a round can be audited.
-    ``inner_seconds`` collects the wall time of each inner run and
-    ``state_seconds`` that of naming its end state: compute figures (the cost
-    of auditability, of a replay) use them.
+    ``inner_cpu_s`` collects the CPU seconds (this process, all threads) of
+    each inner run and ``state_cpu_s`` those of naming its end state: compute
+    figures (the cost of auditability, of a replay) use them, CPU rather than
+    wall time so that other jobs on a shared machine do not skew them.
     """
 
     def __init__(
@@ -211,8 +212,8 @@ class JaxTrainer:
             seed=1,
         )
         self._eval = jax.jit(self._program("eval", val_batch_size).fn)
-        self.inner_seconds: list[float] = []
-        self.state_seconds: list[float] = []
+        self.inner_cpu_s: list[float] = []
+        self.state_cpu_s: list[float] = []
 
     def _program(self, kind: str, batch: int) -> Any:
         from pcp_p2p.compile.programs import ProgramOptions, build_program
@@ -257,13 +258,13 @@ class JaxTrainer:
             raise LocalError(f"assignment caps {worker:.16}… at {a.max_steps} steps, the program runs {self.steps}")
         i = self.spec.inner
         xs, ys = batches_for_assignment(self.ds.train, a, steps=self.steps, batch_size=i.batch_size, seq_len=i.seq_len)
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         theta, state, losses = self.train(e.theta, e.inner_state, xs, ys)
-        self.inner_seconds.append(time.perf_counter() - t0)
+        self.inner_cpu_s.append(time.process_time() - t0)
         state_in = FRESH_STATE if e.inner_state is None else inner_state_digest(as_inner_state(e.inner_state))
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         state_out = inner_state_digest(as_inner_state(state))
-        self.state_seconds.append(time.perf_counter() - t0)
+        self.state_cpu_s.append(time.process_time() - t0)
         return InnerResult(e.round, e.attempt, theta, self.steps, tuple(float(x) for x in losses), state,
                            state_in, state_out)
 
@@ -272,8 +273,8 @@ class JaxTrainer:
         e = RunInner(round=-1, attempt=0, theta=theta, theta_cid="", artifact_cid=None, assignment=assignment,
                      time_budget_s=0.0, inner_state=None if state is None else (state.m, state.v, np.int32(state.step)))
         result = self.run_inner("auditor", e)
-        self.inner_seconds.pop()  # an audit's compute, not training's
-        self.state_seconds.pop()
+        self.inner_cpu_s.pop()  # an audit's compute, not training's
+        self.state_cpu_s.pop()
         return result
 
     def warm_start(self, theta: Params, *, steps: int, batch: int, seed: int = 20_000) -> tuple[Params, Any]:
