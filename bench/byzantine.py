@@ -10,9 +10,13 @@ pumped in one process (:mod:`pcp_p2p.testing.inprocess`: the
 :class:`~pcp_p2p.diloco.shepherd.Shepherd` and :class:`~pcp_p2p.diloco.worker.Worker`
 machines, signed messages, int8 Δs, the aggregator with the spec's defences,
 the shepherd scoring each submission on a held-out batch and evaluating each
-commit on the validation batches). In an attacked arm the fourth seat is taken
-by a worker of :mod:`pcp_p2p.testing.byzantine` — same key, well-formed signed
-submissions, dishonest numbers:
+commit on the validation batches). A round commits with 2 of the 4 accepted.
+The workers start from the warm start's AdamW moments, as in the steady state
+of a long run (``PCP_BENCH_FRESH_MOMENTS=1``: fresh moments, where the held-out
+score refuses more honest first rounds). In an attacked arm the fourth seat is
+taken by a worker of :mod:`pcp_p2p.testing.byzantine` — same key, well-formed
+signed submissions, dishonest numbers, and a Join with every submission so that
+refusals never evict it:
 
 =================  ===============================================================
 random             no training; a random Δ with norm 0.99x the absolute bound
@@ -33,13 +37,16 @@ Also, each with its ``*_target``:
 
 - ``robust_clean_cost``: clean run, the defaults (robust rule, norm screen,
   share cap, scoring, val-jump guard) over the plain token-weighted mean with
-  every defence off (main before issue #12). Target ≤ 1.01.
+  every defence off (main before issue #12). Target ≤ 1.01. Every arm reports
+  ``honest_refusals``: honest submissions the defences refused (false positives).
 - ``audit_overhead``: compute spent on auditability and audits over compute
   spent training, as ``bench/audit.py`` defines it (state digest per round +
   ``audit_rate`` × (state export + import + replay)), measured here on the
   clean arm's submissions: drawn by :func:`~pcp_p2p.diloco.audit.plan_audits`,
   replayed by the JAX inner loop, judged by :func:`~pcp_p2p.diloco.audit.judge`
-  (``audit_verdicts``: all ``match`` when replays are bit-exact). Target ≤ 0.05;
+  (``audit_verdicts``: all ``match`` when replays are bit-exact), in CPU
+  seconds. Each attacked arm also audits every attacker submission the
+  aggregator accepted (``attacker_audit_verdicts``). Target ≤ 0.05;
   ``audit_overhead_method`` says the same. ``bench/audit.py`` measures it on the
   IREE executor.
 - ``flood_rss_growth_mib``: a real ``pcp node join`` process flooded by one
@@ -51,7 +58,8 @@ Knobs: ``PCP_BENCH_ROUNDS`` (5), ``PCP_BENCH_H`` (50), ``PCP_BENCH_WARMUP``
 (200 synchronous steps), ``PCP_BENCH_ATTACKS`` (comma list, default all),
 ``PCP_BENCH_UNDEFENDED`` (comma list of attacks also run with every defence
 off, to show what they do unopposed; default ``random``; empty for none),
-``PCP_BENCH_FLOOD`` (1; 0 skips it), ``PCP_BENCH_FLOOD_HOLD_S`` (20).
+``PCP_BENCH_FLOOD`` (1; 0 skips it), ``PCP_BENCH_FLOOD_HOLD_S`` (20),
+``PCP_BENCH_FRESH_MOMENTS`` (0).
 """
 
 from __future__ import annotations
