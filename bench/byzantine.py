@@ -30,8 +30,8 @@ stale_replay       trains in its first round only, then replays that Δ re-signe
 
 Headline: the worst final validation loss, attacked / clean, both under the
 spec's default defences (target ≤ 1.02, lower is better). One Byzantine worker
-of four is a quarter of the data gone even when it is perfectly ignored; the
-target allows for that, not for damage.
+of four is a quarter of the data gone even when it is perfectly ignored:
+``ratio_three_honest`` is that floor, the same run with the fourth seat empty.
 
 Also, each with its ``*_target``:
 
@@ -101,6 +101,7 @@ from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, as_inner_state, pump_r
 
 WORKERS = 4
 SEAT = 3  # the attacker takes this worker's identity, shard and seeds
+ABSENT = "absent"  # an arm with the seat empty: three honest workers only
 H = int(os.environ.get("PCP_BENCH_H", "50"))
 ROUNDS = int(os.environ.get("PCP_BENCH_ROUNDS", "5"))
 WARMUP = int(os.environ.get("PCP_BENCH_WARMUP", "200"))
@@ -182,6 +183,8 @@ class Arm:
         self.attacker: str | None = None
         for i in range(WORKERS):
             ident = Identity(rng.bytes(32))
+            if i == SEAT and attack == ABSENT:
+                continue  # the seat stays empty: an attacker ignored perfectly, from the start
             if i == SEAT and attack is not None:
                 cls = KINDS[attack]
                 extra: dict[str, object] = {"claim_steps": H} if cls is RandomDelta else {}
@@ -372,6 +375,7 @@ def main() -> None:
     clean = Arm("clean", defended, trainer, theta0, moments, None)
     results["clean"] = clean.run()
     results["clean_plain_mean"] = Arm("clean_plain_mean", plain, trainer, theta0, moments, None).run()
+    results["three_honest"] = Arm("three_honest", defended, trainer, theta0, moments, ABSENT).run()
     audit = audit_figure(clean, trainer, defended.aggregation.audit_rate)
     for kind in ATTACKS:
         arm = Arm(kind, defended, trainer, theta0, moments, kind)
@@ -403,6 +407,7 @@ def main() -> None:
         "worst_attack": worst,
         **{f"ratio_{k}": finite(r) for k, r in ratios.items()},
         **{f"ratio_{k}_undefended": finite(ratio(f"{k}_undefended")) for k in UNDEFENDED},
+        "ratio_three_honest": finite(ratio("three_honest")),
         "robust_clean_cost": round(clean_val / results["clean_plain_mean"]["val_loss"], 4),
         "robust_clean_cost_target": 1.01,
         **audit,
