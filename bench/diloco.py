@@ -52,33 +52,15 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pcp_p2p.compile.model import init_params, param_shapes, preset  # noqa: E402
-from pcp_p2p.compile.programs import ProgramOptions, build_program  # noqa: E402
-from pcp_p2p.diloco.data import (  # noqa: E402
-    CharDataset,
-    batches_for,
-    batches_for_assignment,
-    validation_batches,
-)
-from pcp_p2p.diloco.effects import (  # noqa: E402
-    Committed,
-    FetchBlob,
-    Rejected,
-    RunInner,
-    Send,
-    StoreBlob,
-)
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission  # noqa: E402
+from pcp_p2p.diloco.data import CharDataset  # noqa: E402
 from pcp_p2p.diloco.outer import OuterState  # noqa: E402
 from pcp_p2p.diloco.shepherd import Phase, Shepherd  # noqa: E402
 from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec  # noqa: E402
-from pcp_p2p.diloco.worker import InnerResult, Worker  # noqa: E402
+from pcp_p2p.diloco.worker import Worker  # noqa: E402
 from pcp_p2p.node.identity import Identity  # noqa: E402
-from pcp_p2p.wire import decode, encode  # noqa: E402
+from pcp_p2p.testing.inprocess import JaxTrainer, pump_run  # noqa: E402
 
 WORKERS = 4
 H = 50
@@ -117,50 +99,16 @@ delta_codec = "int8"
 def main() -> None:
     t_start = time.perf_counter()
     spec = parse_spec(SPEC)
-    ds = CharDataset.load(spec.dataset)
-    cfg = preset(spec.model, vocab_size=ds.vocab_size)
-    names = tuple(param_shapes(cfg))
-    theta0 = init_params(cfg, seed=spec.seed)
+    trainer = JaxTrainer(spec, steps=H, val_batches=VAL_BATCHES, val_batch_size=WORKERS * B)
+    ds = trainer.ds
+    theta0 = trainer.initial_theta()
     n_params = sum(v.size for v in theta0.values())
-
-    def opts(batch: int) -> ProgramOptions:
-        i = spec.inner
-        return ProgramOptions(
-            inner_steps=H, batch=batch, seq=T, beta1=i.beta1, beta2=i.beta2,
-            weight_decay=i.weight_decay, grad_clip=i.grad_clip,
-        )
-
-    train_w = jax.jit(build_program("train", cfg, opts(B)).fn)
-    train_dp = jax.jit(build_program("train", cfg, opts(WORKERS * B)).fn)
-    vx, vy = validation_batches(ds.val, n_batches=VAL_BATCHES, batch_size=WORKERS * B, seq_len=T)
-    eval_fn = jax.jit(build_program("eval", cfg, opts(WORKERS * B)).fn)
-
-    def val_loss(theta: dict[str, np.ndarray]) -> float:
-        args = [jnp.asarray(theta[k]) for k in names]
-        return float(np.mean([float(eval_fn(*args, vx[i], vy[i])[0]) for i in range(VAL_BATCHES)]))
-
-    def run_train(fn, theta, state, lr, xs, ys):  # -> theta, state, losses
-        if state is None:
-            state = ({k: np.zeros_like(v) for k, v in theta.items()},
-                     {k: np.zeros_like(v) for k, v in theta.items()}, np.int32(0))
-        m, v, step = state
-        out = fn(*(theta[k] for k in names), *(m[k] for k in names), *(v[k] for k in names),
-                 step, np.float32(lr), xs, ys)
-        n = len(names)
-        out = [np.asarray(o) for o in out]
-        new_theta = dict(zip(names, out[:n]))
-        new_state = (dict(zip(names, out[n:2 * n])), dict(zip(names, out[2 * n:3 * n])), out[3 * n])
-        return new_theta, new_state, out[3 * n + 1]
+    val_loss = trainer.val_loss
 
     # Optional shared warm start (the DiLoCo paper starts both arms from a
     # pretrained model): WARMUP synchronous steps, then both arms continue from it.
     if WARMUP:
-        theta_w, state_w = {k: v.copy() for k, v in theta0.items()}, None
-        for c in range(WARMUP // H):
-            xs, ys = batches_for(ds.train, shard=0, num_shards=1, seed=20_000 + c, steps=H,
-                                 batch_size=WORKERS * B, seq_len=T)
-            theta_w, state_w, _ = run_train(train_dp, theta_w, state_w, spec.inner.lr, xs, ys)
-        theta0 = theta_w
+        theta0, _ = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)  # moments: fresh in both arms
 
     # --- (a) DiLoCo through the real round protocol --------------------------------
     rng = np.random.default_rng(0)
@@ -174,57 +122,10 @@ def main() -> None:
         w = Worker(spec=spec, run_id=run_id, identity=Identity(rng.bytes(32)),
                    shepherds={0: owner.peer_id}, target="cpu-x86_64-v3", tokens_per_s=1e9)
         workers[w.peer_id] = w
-    blobs: dict[str, bytes] = {}
-    queue: list[tuple[str, object]] = []  # (node, input) in delivery order
-    rejected: list[str] = []
-    submission_bytes: list[int] = []
-    commits: list[CommitRecord] = []
-    now = 0.0
     t_diloco = time.perf_counter()
-
-    def carry_out(node: str, effects: list) -> None:
-        for e in effects:
-            if isinstance(e, Send):
-                data = encode(e.message)  # through the real codec, both ways
-                if isinstance(e.message, Submission):
-                    submission_bytes.append(len(data))
-                queue.append((e.to, ("msg", data)))
-            elif isinstance(e, StoreBlob):
-                blobs[e.cid] = e.data
-            elif isinstance(e, FetchBlob):
-                queue.append((node, ("blob", e.cid, blobs[e.cid])))
-            elif isinstance(e, RunInner):
-                a = e.assignment
-                xs, ys = batches_for_assignment(ds.train, a, steps=H, batch_size=B, seq_len=T)
-                theta, state, losses = run_train(train_w, e.theta, e.inner_state, spec.inner.lr, xs, ys)
-                queue.append((node, ("inner", InnerResult(e.round, e.attempt, theta, H,
-                                                          tuple(float(x) for x in losses), state))))
-            elif isinstance(e, Rejected):
-                rejected.append(f"{type(e.error).__name__}: {e.error}")
-            elif isinstance(e, Committed):
-                commits.append(e.record)
-
-    for w in workers.values():
-        carry_out(w.peer_id, w.start(now))
-    while queue:
-        node, item = queue.pop(0)
-        carry_out(node, shepherd.receive(decode(item[1], Join), now))
-    carry_out(shepherd.peer_id, shepherd.tick(now + shepherd.join_grace_s))
-    while queue:
-        node, item = queue.pop(0)
-        now += 1.0
-        if node == shepherd.peer_id:
-            assert item[0] == "msg"
-            carry_out(node, shepherd.receive(decode(item[1], Join, Submission), now))
-        else:
-            w = workers[node]
-            if item[0] == "msg":
-                carry_out(node, w.receive(decode(item[1], RoundAnnouncement, CommitRecord), now))
-            elif item[0] == "blob":
-                carry_out(node, w.on_blob(item[1], item[2], now))
-            else:
-                carry_out(node, w.on_inner_done(item[1], now))
+    log = pump_run(shepherd, workers, trainer.run_inner)
     t_diloco = time.perf_counter() - t_diloco
+    rejected, submission_bytes, commits = log.rejected, log.submission_bytes, log.commits
     assert shepherd.phase is Phase.FINISHED, f"DiLoCo run did not finish: {rejected[:3]}"
     final_cids = {w.theta_cid for w in workers.values()}
     diloco_val = val_loss(shepherd.state.theta)
@@ -234,9 +135,8 @@ def main() -> None:
     theta, state = {k: v.copy() for k, v in theta0.items()}, None
     dp_curve = []
     for r in range(ROUNDS):
-        xs, ys = batches_for(ds.train, shard=0, num_shards=1, seed=10_000 + r, steps=H,
-                             batch_size=WORKERS * B, seq_len=T)
-        theta, state, _ = run_train(train_dp, theta, state, spec.inner.lr, xs, ys)
+        xs, ys = trainer.dp_batches(10_000 + r, WORKERS * B)
+        theta, state, _ = trainer.train(theta, state, xs, ys)
         dp_curve.append(round(val_loss(theta), 4))
     dp_val = dp_curve[-1]
     t_dp = time.perf_counter() - t_dp
