@@ -92,16 +92,21 @@ def of(effects, kind):
     return [e for e in effects if isinstance(e, kind)]
 
 
-def test_score_refuses_a_harmful_delta_at_admission_and_the_round_still_closes_early():
+def test_score_refuses_a_harmful_delta_and_the_round_still_closes_early():
     r = Round(score=quad)
     flipped = {"w": -HONEST["w"]}
-    effects = r.submit(0, flipped)
-    (rej,) = of(effects, Rejected)
-    assert rej.peer == r.ids[0].peer_id and isinstance(rej.error, RejectedUpdate)
-    assert "held-out loss" in str(rej.error)
+    assert of(r.submit(0, flipped), Rejected) == []  # not grossly worse: judged against the round at commit
     effects = r.submit(1, HONEST) + r.submit(2, HONEST)  # the last one decides the round: no deadline wait
     (com,) = of(effects, Committed)
     assert com.record.participants == tuple(sorted([r.ids[1].peer_id, r.ids[2].peer_id]))
+    (rej,) = [e for e in of(effects, Rejected) if e.peer == r.ids[0].peer_id]
+    assert isinstance(rej.error, RejectedUpdate) and "held-out loss" in str(rej.error)
+
+
+def test_a_grossly_harmful_delta_is_refused_on_arrival():
+    r = Round(score=quad)
+    (rej,) = of(r.submit(0, {"w": -30 * HONEST["w"]}), Rejected)
+    assert rej.peer == r.ids[0].peer_id and "held-out loss" in str(rej.error)
 
 
 def test_score_within_tolerance_or_switched_off_is_accepted():

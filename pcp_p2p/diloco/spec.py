@@ -53,7 +53,7 @@ Example (every key optional; these are the defaults)::
     clip_iters = 3
     norm_vs_median = 3.0     # ‖Δ‖ above 3x the round's median is refused; 0 = off
     max_share = 0.5          # the most token weight one worker may carry
-    score_tolerance = 0.05   # a Δ that worsens held-out loss by more (nats) is refused
+    score_tolerance = 0.05   # a Δ whose held-out loss is worse than the round's median by more (nats) is refused
     val_jump = 0.10          # a commit whose val loss rises >10% is retried without suspects
     audit_rate = 0.04        # share of accepted submissions re-executed by another worker
 
@@ -158,7 +158,7 @@ class AggregationPolicy(Message):
     clip_iters: int = 3  # centered_clip: refinement passes
     norm_vs_median: float = 3.0  # refuse ‖Δ‖ above this times the round's median norm; 0 = off
     max_share: float = 0.5  # the most token weight one worker may carry in a round
-    score_tolerance: float = 0.05  # refuse a Δ whose held-out loss is worse than θ's by more (nats); <0 = off
+    score_tolerance: float = 0.05  # refuse a Δ scoring worse than θ (or the round median, if higher) by more (nats); <0 = off
     val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
     audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
 
