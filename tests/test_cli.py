@@ -110,3 +110,14 @@ def test_bootstrap_config_with_unknown_key_is_refused(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text('listen = ["/ip4/127.0.0.1/tcp/0"]\nlisten_port = 3\n')
     res = run("bootstrap", "--config", str(tmp_path / "c.toml"), "--data-dir", str(tmp_path))
     assert res.returncode == 1 and "listen_port" in res.stderr
+
+
+def test_pcp_id_prints_the_peer_id_of_the_data_dirs_key(tmp_path: Path) -> None:
+    first = run("id", "--data-dir", str(tmp_path))
+    assert first.returncode == 0 and first.stderr == ""
+    peer_id = first.stdout.strip()
+    from pcp_p2p.node.identity import load_or_create_identity
+
+    assert peer_id == load_or_create_identity(tmp_path).peer_id  # the key a node there would use
+    assert run("id", "--data-dir", str(tmp_path)).stdout.strip() == peer_id  # created once, then read
+    assert peer_id != run("id", "--data-dir", str(tmp_path / "other")).stdout.strip()

@@ -78,11 +78,25 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
     status.set_defaults(func=_cmd_status)
 
+    ident = sub.add_parser("id", help="print this node's peer id (what owners list in --trust and allowlists)",
+                           description="Print the peer id of the identity key in the data directory, creating "
+                           "the key (mode 0600) if there is none yet; the same key a node started there uses.")
+    ident.add_argument("--data-dir", type=Path, default=None,
+                       help=f"where the identity key lives (default {default_data_dir()})")
+    ident.set_defaults(func=_cmd_id)
+
     key = sub.add_parser("swarm-key", help="create a private-swarm key file",
                          description="Write a new random libp2p pre-shared key (go-libp2p swarm.key format, mode 0600). "
                          "Give the same file to every member with --swarm-key.")
     key.add_argument("path", type=Path)
     key.set_defaults(func=_cmd_swarm_key)
+
+
+def _cmd_id(args: argparse.Namespace) -> int:
+    from pcp_p2p.node.identity import load_or_create_identity
+
+    print(load_or_create_identity(args.data_dir or default_data_dir()).peer_id)
+    return 0
 
 
 def _common_node_args(p: argparse.ArgumentParser) -> None:
