@@ -248,6 +248,7 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
 
     history = run_history(statuses)
     assert [h["round"] for h in history] == list(range(POISON_ROUNDS))
+    assert {h["shepherd"] for h in history} <= set(members)
     assert history[-1]["val_loss"] < history[0]["val_loss"]  # the poison never landed
     assert poisoner.assigned, "the poisoner was never assigned a round: the test proved nothing"
     # two replays contradicted its lazy round; the evidence reached every member, which
