@@ -26,6 +26,7 @@ from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.effects import Committed, Discarded, Rejected, Send, StoreBlob
 from pcp_p2p.diloco.messages import Join, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco import shepherd as shepherd_mod
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.sim import SimConfig, SimResult, WorkerPlan, simulate_sync
 from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
@@ -261,3 +262,16 @@ def test_the_plain_mean_is_wrecked_by_the_same_attackers(kind, at_least):
 def test_the_robust_default_costs_the_clean_run_at_most_1_percent():
     for seed in SEEDS:
         assert clean("", seed) <= 1.01 * clean(PLAIN_MEAN, seed)
+
+
+def test_the_roster_is_bounded_whatever_the_number_of_identities(monkeypatch):
+    """Identities are free: each joined one is assigned a shard and named in every announcement."""
+    monkeypatch.setattr(shepherd_mod, "MAX_ROSTER", 4)
+    r = Round()  # three joined
+    sh = r.shepherd
+    ids = [Identity(bytes([40 + i]) * 32) for i in range(3)]
+    joins = [sign(Join(run_id=RUN_ID, worker=i.peer_id, target="cpu", tokens_per_s=1.0), i) for i in ids]
+    assert sh.on_join(joins[0], 0.0) == [] and len(sh.roster) == 4
+    (err,) = [e.error for e in sh.on_join(joins[1], 0.0) if isinstance(e, Rejected)]
+    assert "roster is full" in str(err) and len(sh.roster) == 4
+    assert sh.on_join(joins[0], 0.0) == []  # a member joining again is no new seat

@@ -188,7 +188,9 @@ def test_a_far_future_commit_without_a_lease_is_held_and_moves_nothing() -> None
     forged = commit(STRANGER, 10**6, 39, "junk")  # "final" and far ahead
     (err,) = errors(e.on_commit(forged, 2.1))
     assert isinstance(err, HeldBack)
-    assert e.best_commit == honest and not e.authorizes(forged)
+    assert e.best_commit == honest
+    with pytest.raises(HeldBack):  # what the runtime asks before fetching anything it names
+        e.check_commit(forged)
     # renewals go on, and honest commits are still taken
     assert e.on_lease(lease(holder, 0, 3.0, claimed_at=0.5), 3.0) == []
     nxt = commit(holder, 0, 1, "honest2")
@@ -229,12 +231,19 @@ def test_replays_from_an_older_term_or_another_run_are_refused() -> None:
 
 def test_many_strangers_hold_a_bounded_amount_and_change_nothing() -> None:
     e, holder = follower()
+    # held first: the next term's lease of a member this node's view does not list yet, and
+    # a commit of that term (both honest-looking, both waiting on what the node learns next)
+    newcomer = Identity(b"\x55" * 32)
+    e.on_lease(lease(newcomer, 1, 0.9), 0.9)
+    e.on_commit(commit(newcomer, 1, 0, "next"), 0.9)
     for i in range(100):
         ident = Identity(i.to_bytes(2, "big") * 16)
-        e.on_lease(lease(ident, 1 + i, 1.0 + i * 1e-3), 1.0 + i * 1e-3)
-        e.on_commit(commit(ident, 1 + i, i), 1.0)
+        e.on_lease(lease(ident, 2 + i, 1.0 + i * 1e-3), 1.0 + i * 1e-3)
+        e.on_commit(commit(ident, 2 + i, i), 1.0)
     assert len(e.held_leases) <= CFG.max_held and len(e.held_commits) <= CFG.max_held
     assert e.holder == holder.peer_id and e.current_term == 0 and e.best_commit is None
+    # the flood's far-future terms went first, not what is held for the next term
+    assert newcomer.peer_id in e.held_leases and (1, newcomer.peer_id, "next") in e.held_commits
 
 
 # --- a term does not outlive its claim ---------------------------------------------------------

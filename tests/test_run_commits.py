@@ -11,7 +11,7 @@ import trio.testing
 from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.messages import CommitRecord, sign
 from pcp_p2p.diloco.runtime import COMMIT_PUT_ATTEMPTS, RunRuntime
-from pcp_p2p.errors import NotElected, PeerTimeout
+from pcp_p2p.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.node.identity import Identity
 
 RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
@@ -99,13 +99,20 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     async def fetch(cid: str, hint: str | None = None) -> None:
         fetched.append(cid)
 
-    for election in (None, following(shepherd)):
-        rt, inbox = delivering_runtime(election, set())
-        rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
-        with pytest.raises(NotElected):
-            await rt.deliver(stranger.identity.peer_id, commit(stranger))
-        assert fetched == []
-        assert inbox.receive_nowait()[0] == "msg"  # handed to the election, which holds or refuses it
+    # no lease known yet: the election keeps it until one arrives (nothing fetched, no ack)
+    rt, inbox = delivering_runtime(None, set())
+    rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
+    with pytest.raises(NotElected):
+        await rt.deliver(stranger.identity.peer_id, commit(stranger))
+    assert fetched == [] and inbox.receive_nowait()[0] == "msg"
+    # following the shepherd's term: a stranger's commit for it can never hold, refused outright
+    rt, inbox = delivering_runtime(following(shepherd), set())
+    rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
+    with pytest.raises(BadSignature):
+        await rt.deliver(stranger.identity.peer_id, commit(stranger))
+    assert fetched == []
+    with pytest.raises(trio.WouldBlock):
+        inbox.receive_nowait()
 
 
 async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_accepted() -> None:

@@ -30,11 +30,13 @@ is the whole chain, checked before anything is acted on (``check_lease``):
    ``max_claim_age_s``;
 2. the holder is an eligible candidate in this node's view (a live member that
    took up the run, is admitted to lead it, can compile, has the uptime);
-3. the holder ranks first for the term among the candidates that were already
-   eligible when it claimed (members younger than the claim cannot outrank it,
-   so a node restarted mid-term accepts the term it finds), the previous
-   holder left out if its lease had lapsed by then — for every new term, not
-   only fresh ones;
+3. a fresh claim (within the fresh window) ranks first for the term among the
+   candidates that were already eligible when it claimed (members younger than
+   the claim cannot outrank it), the previous holder left out if its lease had
+   lapsed by then. An older claim — a term established in a view this node
+   cannot see, the other side of a healed partition — is checked for (2), (4)
+   and its age only: refusing it would split the run for good (see
+   ``docs/election.md`` for what that leaves an eligible member able to do);
 4. the term is reachable from the chain this node holds: while the current
    term is live only the very next term, freshly claimed, may replace it; a
    vacant node accepts at most ``claim_timeout_s``-skips ahead.
@@ -547,10 +549,12 @@ class Election:
         return int(max(0.0, now - self.vacant_since) // self.config.claim_timeout_s) + 1
 
     def _hold_lease(self, lease: Lease) -> None:
+        """Keep ``lease`` (one per holder). When full, the farthest-ahead term goes first:
+        an honest held lease is for the next term or two, a stranger's may name any."""
         self.held_leases[lease.holder] = lease
         if len(self.held_leases) > self.config.max_held:
-            oldest = min(self.held_leases, key=lambda h: self.held_leases[h].issued)
-            del self.held_leases[oldest]
+            far = max(self.held_leases, key=lambda h: (self.held_leases[h].term, self.held_leases[h].issued))
+            del self.held_leases[far]
 
     def _retry_held(self, now: float) -> list[ElectionEffect]:
         """Look again at held-back leases (the view or the term changed); accept what now checks out."""
@@ -645,19 +649,12 @@ class Election:
             raise BadSignature(f"{rec.shepherd:.16}… does not hold term {rec.term}")
         verify(rec, lease.holder)
 
-    def authorizes(self, rec: CommitRecord) -> bool:
-        """Whether ``rec`` passes the authority chain now (no state changes): the
-        runtime asks before it fetches the checkpoint a commit names."""
-        try:
-            self.check_commit(rec)
-        except PcpError:
-            return False
-        return True
-
     def _hold_commit(self, rec: CommitRecord) -> None:
+        """Keep ``rec`` until its term's lease is accepted; when full the farthest-ahead goes
+        first (an honest held commit is for the next term, a forged one for any)."""
         self.held_commits[(rec.term, rec.shepherd, rec.theta_cid)] = rec
         while len(self.held_commits) > self.config.max_held:
-            del self.held_commits[min(self.held_commits, key=lambda k: (k[0], self.held_commits[k].round))]
+            del self.held_commits[max(self.held_commits, key=lambda k: (k[0], self.held_commits[k].round))]
 
     def _release_commits(self, now: float) -> list[ElectionEffect]:
         """Held-back commits that the newly accepted lease makes checkable."""

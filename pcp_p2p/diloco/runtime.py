@@ -104,13 +104,13 @@ from pcp_p2p.diloco.worker import Worker
 from pcp_p2p.errors import (
     BlobNotFound,
     HeldBack,
-    StaleMessage,
     LocalError,
     NotElected,
     OverBudget,
     OversizedMessage,
     PcpError,
     PeerError,
+    StaleMessage,
     VerificationError,
 )
 from pcp_p2p.wire import Message, decode, encode
@@ -224,12 +224,15 @@ class RunRuntime:
             return
         if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
             verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
-            if self.election is None or not self.election.authorizes(msg):
-                # Not (yet) backed by a lease this node accepted: the election
-                # holds it, nothing it names is fetched, and no ack goes back.
+            try:  # the authority chain first: nothing a commit names is fetched before it
+                if self.election is None:
+                    raise HeldBack("this node's election has not started")
+                self.election.check_commit(msg)  # refused outright (not acked) if it can never hold
+            except HeldBack as exc:
+                # Not checkable yet (its lease has not arrived): the election keeps it,
+                # nothing it names is fetched, and no ack goes back.
                 self._send.send_nowait(("msg", sender, msg))
-                raise NotElected(f"commit of term {msg.term} round {msg.round}: no accepted lease of that "
-                                 f"term names {sender}; not acknowledged")
+                raise NotElected(f"commit of term {msg.term} round {msg.round}: {exc}; not acknowledged") from exc
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
             if not self.blobs.store.has(msg.checkpoint_cid):

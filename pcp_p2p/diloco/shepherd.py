@@ -29,7 +29,8 @@ announcement waits :attr:`Shepherd.join_grace_s` after the quorum has joined, so
 workers that start together train together. A joiner is assigned from the next
 announcement on (never mid-round). A worker that misses
 :data:`EVICT_AFTER_MISSES` attempts in a row leaves the roster; a live worker
-that finds itself unassigned simply joins again.
+that finds itself unassigned simply joins again. The roster holds at most
+:data:`MAX_ROSTER` workers.
 
 The whole outer state — θ, momentum, round — is recoverable from the latest
 checkpoint (:meth:`Shepherd.from_checkpoint`), and every message carries the
@@ -96,6 +97,9 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message
 
 EVICT_AFTER_MISSES = 2
+MAX_ROSTER = 1024
+"""Workers on the roster at most: identities are free, and every one is assigned a shard
+and named in each announcement (whose size is bounded)."""
 SCORE_ABSOLUTE = 4.0
 """A submission scoring worse than θ_r by more than this many ``score_tolerance`` is refused
 on arrival; within that, it must not be worse than the round's median by more than one."""
@@ -139,8 +143,10 @@ class Shepherd:
 
         ``score`` (optional, pure, cheap): loss of a θ on a small held-out batch.
         With it each submission is scored as the θ its worker claims to hold,
-        θ_r − Δ_k, and refused if that is worse than θ_r by more than
-        ``aggregation.score_tolerance`` nats.
+        θ_r − Δ_k: refused on arrival if that is worse than θ_r by more than
+        ``SCORE_ABSOLUTE`` × ``aggregation.score_tolerance`` nats, and at the
+        commit if worse than the higher of θ_r and the round's median submission
+        by more than the tolerance (:meth:`_score_outliers`).
 
         ``val_loss`` (optional): θ's validation loss as the last commit recorded
         it (:meth:`from_checkpoint` takes it from the checkpoint's metrics); if
@@ -180,7 +186,7 @@ class Shepherd:
         self._guard_fails = 0  # attempts of this round the val-jump guard discarded
         self.phase = Phase.WAITING if state.round < spec.round.rounds else Phase.FINISHED
         self.roster: dict[str, Join] = {}
-        self.misses: dict[str, int] = {}
+        self.misses: dict[str, int] = {}  # assigned attempts missed since the last contribution
         self.attempt = 0
         self.round_agg: RoundAggregator | None = None
         self.pending: dict[str, list[Submission]] = {}  # Δ blob CID -> submissions naming it
@@ -270,6 +276,8 @@ class Shepherd:
             verify(msg, msg.worker)
             if self.artifacts and msg.target not in self.artifacts:
                 raise RejectedUpdate(f"no artifact for target {msg.target!r:.40} in this run")
+            if msg.worker not in self.roster and len(self.roster) >= MAX_ROSTER:
+                raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers)")
         except PcpError as exc:
             return [Rejected(msg.worker, exc)]
         self.roster[msg.worker] = msg
@@ -470,6 +478,7 @@ class Shepherd:
                 self.misses[w] = self.misses.get(w, 0) + 1
                 if self.misses[w] >= EVICT_AFTER_MISSES:
                     self.roster.pop(w, None)
+                    self.misses.pop(w, None)  # forgotten with it: strangers' identities must not pile up
 
     def _discard(self, now: float, why: str = "") -> list[Effect]:
         agg = self.round_agg
@@ -528,6 +537,7 @@ class Shepherd:
         dropped.update(self._score_outliers(agg))
         screened: dict[str, RejectedUpdate] = {}
         outcome: tuple[RoundResult, OuterState, float | None] | None = None
+        guard_dropped = False  # only the guard's own drops loosen its limit for the next attempt
         while len(agg.accepted) - len(dropped) >= quorum:
             result = agg.combine(exclude=dropped)
             screened = result.screened
@@ -539,11 +549,12 @@ class Shepherd:
                 outcome = (result, new_state, val_loss)
                 break
             suspect = self._suspect(agg, result.weights, result.norms)
+            guard_dropped = True
             dropped[suspect] = RejectedUpdate(
                 f"{suspect:.16}… dropped from round {self.state.round}: with it val loss {val_loss:.4g} "
                 f"exceeds the limit {self._val_limit():.4g} (last commit {self.val_loss:.4g})"
             )
-        if outcome is None and dropped:
+        if outcome is None and guard_dropped:
             self._guard_fails += 1
         refused: dict[str, PcpError] = {**screened, **dropped}
         for w, err in sorted(refused.items()):
