@@ -389,8 +389,7 @@ async def test_trickled_hellos_are_cut_at_the_handshake_deadline_and_an_honest_f
         assert len(cut_after) == 4 and max(cut_after) < 10  # cut by the server, long before a hello could finish
         assert server._uploads.peak == 4  # never above the total
         with trio.fail_after(10):  # the honest upload's thread hands its slot back after the client closed
-            while server._uploads.held:  # (no event: it ends inside the server's handler)
-                await trio.sleep(0.05)
+            await server._uploads.wait_idle()
 
 
 async def test_a_client_reading_below_the_minimum_rate_is_cut_and_its_slot_freed(tmp_path: Path) -> None:
@@ -442,8 +441,7 @@ async def test_a_client_reading_below_the_minimum_rate_is_cut_and_its_slot_freed
             nursery.start_soon(read_slowly)
             start = trio.current_time()
             with trio.fail_after(60):
-                while server._uploads.peak == 0 or server._uploads.held:  # (no event: the upload
-                    await trio.sleep(0.05)  # thread ends inside the server's handler)
+                await server._uploads.wait_idle(releases=1)  # its upload started, was cut, gave the slot back
             released_after = trio.current_time() - start
             done.set()
         # At 128 KiB/s the 24 MiB would have held the slot over three minutes; the

@@ -105,6 +105,17 @@ class UploadSlots:
         self._by_peer: dict[str, trio.Semaphore] = {}
         self.peak = 0  # the most slots ever held at once (never above total)
         self.busy = 0  # requests answered busy: no slot within their wait
+        self.released = 0  # slots given back, in all
+        self._on_release = trio.Event()  # set, and replaced, whenever a slot is given back
+
+    async def wait_idle(self, releases: int = 0) -> None:
+        """Return once no slot is held and at least ``releases`` were given back in all.
+
+        A slot is released inside the server's handler, after its upload thread
+        ends: whoever must know it is free (a test, a shutdown) waits on this.
+        """
+        while self.held or self.released < releases:
+            await self._on_release.wait()
 
     @property
     def held(self) -> int:
@@ -150,6 +161,9 @@ class _Slot:
             self._slots._free.release()
             self._mine.release()
             self._slots._forget(self._peer)
+            self._slots.released += 1
+            done, self._slots._on_release = self._slots._on_release, trio.Event()
+            done.set()
 
 
 @dataclass
