@@ -265,7 +265,9 @@ def test_the_robust_default_costs_the_clean_run_at_most_1_percent():
 
 
 def test_the_roster_is_bounded_whatever_the_number_of_identities(monkeypatch):
-    """Identities are free: each joined one is assigned a shard and named in every announcement."""
+    """Identities are free: each joined one is assigned a shard and named in every announcement.
+    When the roster is full a newcomer takes the seat of a member that missed rounds, never a
+    contributor's."""
     monkeypatch.setattr(shepherd_mod, "MAX_ROSTER", 4)
     r = Round()  # three joined
     sh = r.shepherd
@@ -275,3 +277,6 @@ def test_the_roster_is_bounded_whatever_the_number_of_identities(monkeypatch):
     (err,) = [e.error for e in sh.on_join(joins[1], 0.0) if isinstance(e, Rejected)]
     assert "roster is full" in str(err) and len(sh.roster) == 4
     assert sh.on_join(joins[0], 0.0) == []  # a member joining again is no new seat
+    # a member that missed a round (joined, never submitted) makes room; contributors never do
+    sh.misses[ids[0].peer_id] = 1
+    assert sh.on_join(joins[1], 0.0) == [] and ids[0].peer_id not in sh.roster and len(sh.roster) == 4

@@ -277,7 +277,7 @@ class Shepherd:
             if self.artifacts and msg.target not in self.artifacts:
                 raise RejectedUpdate(f"no artifact for target {msg.target!r:.40} in this run")
             if msg.worker not in self.roster and len(self.roster) >= MAX_ROSTER:
-                raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers)")
+                self._free_a_seat()
         except PcpError as exc:
             return [Rejected(msg.worker, exc)]
         self.roster[msg.worker] = msg
@@ -286,6 +286,16 @@ class Shepherd:
             if self.quorum_since is None:
                 self.quorum_since = now
         return []
+
+    def _free_a_seat(self) -> None:
+        """The roster is full: the member that missed the most rounds makes room; if every
+        member is contributing, the join is refused. So identities that join and never
+        submit cannot lock honest newcomers out, and contributors never lose their seat."""
+        idle = max(sorted(self.roster), key=lambda w: self.misses.get(w, 0))
+        if self.misses.get(idle, 0) == 0:
+            raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers, all contributing)")
+        self.roster.pop(idle)
+        self.misses.pop(idle, None)
 
     def on_submission(self, sub: Submission, now: float) -> list[Effect]:
         agg = self.round_agg
