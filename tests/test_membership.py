@@ -1,117 +1,218 @@
-"""The membership state machine, driven on trio's MockClock."""
+"""The SWIM membership machine, on trio's MockClock and in an in-memory network of real machines."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import pytest
 import trio
 import trio.testing
 
 from pcp_p2p.dht.records import sign_record
-from pcp_p2p.errors import BadSignature, MalformedMessage, StaleMessage
-from pcp_p2p.node.capabilities import Capabilities
+from pcp_p2p.errors import BadSignature, MalformedMessage, VerificationError
 from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.membership import Heartbeat, MemberJoined, MemberLeft, MemberRecord, Membership, MemberUpdated
-from pcp_p2p.wire import encode
+from pcp_p2p.node.membership import (
+    Gossip,
+    MemberJoined,
+    MemberRecord,
+    Membership,
+    Refute,
+    Send,
+    SwimConfig,
+    SwimPacket,
+    boot_ms,
+)
+from pcp_p2p.testing.swim_net import CAPS, SwimNet, run_on_trio
+from pcp_p2p.wire import decode, encode
 
-CAPS = Capabilities(("local-task",), "cpu", "x86_64", (), 2, 1 << 30, (), 10.0, {}, False)
 SELF, A, B = Identity.generate(), Identity.generate(), Identity.generate()
+CFG = SwimConfig()
+# Longest a dead node may stay in a view on a lossless network: first probe within
+# two passes of the view, the probe's own timeout, suspicion, and a few periods of spread.
+def detection_bound(n: int) -> float:
+    return 2 * n * CFG.period_s + CFG.probe_timeout_s + CFG.suspicion_s + 5 * CFG.period_s
 
 
-def heartbeat(ident: Identity, seq: int, *, boot: int = 1000, role: str = "worker", claim: str | None = None) -> bytes:
-    rec = MemberRecord(ident.peer_id, ("/ip4/127.0.0.1/tcp/1",), role, 0.0, CAPS)
-    signed = sign_record(ident, "member", ident.peer_id, rec, ttl_s=600)
-    return encode(Heartbeat(claim or ident.peer_id, boot, seq, encode(signed)))
+def signed(ident: Identity, seq: int = 1, *, started_at: float = 1000.0, role: str = "worker",
+           name: str | None = None, runs: tuple[str, ...] = ()) -> bytes:
+    rec = MemberRecord(ident.peer_id, ("/ip4/127.0.0.1/tcp/1",), role, started_at, CAPS, runs=runs)
+    return encode(sign_record(ident, "member", name or ident.peer_id, rec, ttl_s=600, seq=seq))
 
 
-async def test_join_then_leave_after_timeout(autojump_clock: trio.testing.MockClock) -> None:
-    m = Membership(SELF.peer_id, timeout=5.0)
-    assert m.receive_heartbeat(heartbeat(A, 1), sender=A.peer_id, now=trio.current_time()) == [MemberJoined(A.peer_id)]
-    await trio.sleep(5.0)
-    assert m.tick(trio.current_time()) == []  # exactly at the timeout: still a member
-    await trio.sleep(0.01)
-    events = m.tick(trio.current_time())
-    assert len(events) == 1 and isinstance(events[0], MemberLeft) and events[0].peer_id == A.peer_id
-    assert A.peer_id not in m
+def alive(ident: Identity, seq: int = 1, started_at: float = 1000.0, **kw) -> Gossip:  # type: ignore[no-untyped-def]
+    return Gossip("alive", ident.peer_id, int(started_at * 1000), seq, signed(ident, seq, started_at=started_at, **kw))
 
 
-async def test_dropped_heartbeats_are_tolerated(autojump_clock: trio.testing.MockClock) -> None:
-    """Gossipsub may drop up to four heartbeats in a row without the member leaving."""
-    m = Membership(SELF.peer_id, timeout=5.0)
-    m.receive_heartbeat(heartbeat(A, 1), sender=A.peer_id, now=trio.current_time())
-    for seq in (6, 11, 16):  # seqs 2-5, 7-10, ... dropped
-        await trio.sleep(4.9)
-        assert m.tick(trio.current_time()) == []
-        assert m.receive_heartbeat(heartbeat(A, seq), sender=A.peer_id, now=trio.current_time()) == []
-    assert A.peer_id in m
+def machine(**cfg: float) -> Membership:
+    m = Membership(SELF.peer_id, config=SwimConfig(**cfg))  # type: ignore[arg-type]
+    m.set_self(signed(SELF), now=0.0)
+    return m
 
 
-async def test_replayed_heartbeat_is_refused_and_does_not_refresh(autojump_clock: trio.testing.MockClock) -> None:
-    m = Membership(SELF.peer_id, timeout=5.0)
-    old = heartbeat(A, 1)
-    m.receive_heartbeat(old, sender=A.peer_id, now=trio.current_time())
-    m.receive_heartbeat(heartbeat(A, 2), sender=A.peer_id, now=trio.current_time())
-    await trio.sleep(4.0)
-    with pytest.raises(StaleMessage):
-        m.receive_heartbeat(old, sender=A.peer_id, now=trio.current_time())
-    await trio.sleep(1.5)
-    assert [type(e) for e in m.tick(trio.current_time())] == [MemberLeft]
+# -- the machine alone ---------------------------------------------------------------
 
 
-async def test_restart_with_later_boot_is_not_a_replay(autojump_clock: trio.testing.MockClock) -> None:
-    m = Membership(SELF.peer_id)
-    m.receive_heartbeat(heartbeat(A, 50, boot=1000), sender=A.peer_id, now=trio.current_time())
-    m.receive_heartbeat(heartbeat(A, 1, boot=2000), sender=A.peer_id, now=trio.current_time())
-    with pytest.raises(StaleMessage):
-        m.receive_heartbeat(heartbeat(A, 99, boot=1000), sender=A.peer_id, now=trio.current_time())
+def test_sync_teaches_members_and_ping_is_answered_with_an_ack() -> None:
+    m = machine()
+    reply, relay, events = m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A), alive(B))), 0.0)
+    assert events == [MemberJoined(A.peer_id), MemberJoined(B.peer_id)] and relay is None
+    assert reply is not None and reply.kind == "sync"
+    assert {g.peer_id for g in reply.updates} >= {SELF.peer_id, A.peer_id, B.peer_id}
+    ack, _, _ = m.respond(A.peer_id, SwimPacket("ping", 7, SELF.peer_id), 0.1)
+    assert ack is not None and (ack.kind, ack.probe) == ("ack", 7)
+    # A holds an older record of ours (known_seq 0): the ack carries our record first.
+    assert ack.updates[0].peer_id == SELF.peer_id and ack.updates[0].kind == "alive"
 
 
-async def test_record_change_is_an_update(autojump_clock: trio.testing.MockClock) -> None:
-    m = Membership(SELF.peer_id)
-    m.receive_heartbeat(heartbeat(A, 1), sender=A.peer_id, now=0.0)
-    assert m.receive_heartbeat(heartbeat(A, 2, role="bootstrap"), sender=A.peer_id, now=0.5) == [MemberUpdated(A.peer_id)]
+async def test_unanswered_probe_escalates_to_indirect_then_suspicion_then_dead(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A), alive(B))), 0.0)
+    sent: list[Send] = []
+    left = []
+    while trio.current_time() < 30 and not left:
+        await trio.sleep(0.1)
+        effects, events = m.tick(trio.current_time())
+        sent += [e for e in effects if isinstance(e, Send)]
+        left += events
+        for e in effects:  # B answers everything, A nothing
+            if isinstance(e, Send) and e.peer == B.peer_id and e.packet.kind == "ping":
+                m.receive(B.peer_id, SwimPacket("ack", e.packet.probe, B.peer_id), trio.current_time())
+            elif isinstance(e, Send) and e.peer == B.peer_id and e.packet.kind == "ping_req":
+                m.receive(B.peer_id, SwimPacket("nack", e.packet.probe, e.packet.target), trio.current_time())
+    kinds = [(s.peer, s.packet.kind) for s in sent]
+    assert (A.peer_id, "ping") in kinds and (B.peer_id, "ping_req") in kinds
+    assert [e.peer_id for e in left] == [A.peer_id] and left[0].reason == "dead"
+    assert m.stats.suspicions == 1 and m.stats.confirmed == 1
+    assert A.peer_id not in m and B.peer_id in m
+
+
+async def test_suspect_that_answers_directly_is_cleared(autojump_clock: trio.testing.MockClock) -> None:
+    m = machine(suspicion_s=10.0)
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
+    m.respond(B.peer_id, SwimPacket("ping", 1, SELF.peer_id, updates=(Gossip("suspect", A.peer_id, 1_000_000, 1),)), 0.0)
+    assert m.suspected() == [A.peer_id]
+    m.respond(A.peer_id, SwimPacket("ping", 2, SELF.peer_id), 1.0)  # A itself talks to us
+    assert m.suspected() == []
+    assert not any(True for _ in m.tick(20.0)[1])
+
+
+def test_claim_about_this_node_asks_for_a_refutation_and_a_higher_seq_clears_it() -> None:
+    m = machine()
+    claim = Gossip("dead", SELF.peer_id, 1_000_000, 1)
+    m.respond(A.peer_id, SwimPacket("ping", 1, SELF.peer_id, updates=(claim,)), 0.0)
+    effects, _ = m.tick(0.1)
+    assert any(isinstance(e, Refute) for e in effects)
+    m.set_self(signed(SELF, 2), now=0.2)  # the pump re-signs
+    assert not any(isinstance(e, Refute) for e in m.tick(0.3)[0])
+    # ... and the new record is what we gossip next
+    ack, _, _ = m.respond(A.peer_id, SwimPacket("ping", 2, SELF.peer_id, known_boot=1_000_000, known_seq=1), 0.4)
+    assert ack is not None and any(g.peer_id == SELF.peer_id and g.seq == 2 for g in ack.updates)
+
+
+def test_stale_claims_and_records_change_nothing() -> None:
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A, 5),)), 0.0)
+    m.respond(B.peer_id, SwimPacket("sync", updates=(alive(A, 3), Gossip("suspect", A.peer_id, 1_000_000, 4))), 0.0)
     member = m.get(A.peer_id)
-    assert member is not None and member.record.role == "bootstrap"
+    assert member is not None and member.signed.seq == 5 and m.suspected() == []
+    assert m.stats.stale == 2 and m.take_errors() == []
 
 
-def test_heartbeat_claiming_another_sender_is_refused() -> None:
-    m = Membership(SELF.peer_id)
-    with pytest.raises(BadSignature):
-        m.receive_heartbeat(heartbeat(A, 1), sender=B.peer_id, now=0.0)
-    # B relays A's signed record inside a heartbeat claiming to be B.
-    with pytest.raises(BadSignature):
-        m.receive_heartbeat(heartbeat(A, 1, claim=B.peer_id), sender=B.peer_id, now=0.0)
-    assert len(m) == 0
+def test_bad_gossip_is_refused_alone_and_the_rest_of_the_packet_counts() -> None:
+    m = machine()
+    forged = Gossip("alive", A.peer_id, 1_000_000, 1, signed(B, name=A.peer_id))  # B signs A's key
+    mismatch = Gossip("alive", A.peer_id, 1_000_000, 9, signed(A, 1))  # claims seq 9, record says 1
+    client = alive(B, role="client")
+    garbage = Gossip("alive", B.peer_id, 1, 1, b"\x00garbage")
+    unknown = Gossip("resurrect", A.peer_id, 1, 1)
+    good = alive(A)
+    _, _, events = m.respond(B.peer_id, SwimPacket("sync", updates=(forged, mismatch, client, garbage, unknown, good)), 0.0)
+    errors = m.take_errors()
+    assert [type(e) for e in errors][:2] == [BadSignature, BadSignature]
+    assert isinstance(errors[2], VerificationError) and isinstance(errors[4], MalformedMessage)
+    assert len(errors) == 5 and events == [MemberJoined(A.peer_id)] and B.peer_id not in m
 
 
-def test_heartbeat_with_forged_record_is_refused() -> None:
-    m = Membership(SELF.peer_id)
-    rec = MemberRecord(A.peer_id, (), "worker", 0.0, CAPS)
-    signed = sign_record(A, "member", A.peer_id, rec, ttl_s=600)
-    forged = dataclasses.replace(signed, signature=B.sign(b"x"))
-    with pytest.raises(BadSignature):
-        m.receive_heartbeat(encode(Heartbeat(A.peer_id, 1, 1, encode(forged))), sender=A.peer_id, now=0.0)
-
-
-def test_exact_duplicate_from_gossip_is_dropped_silently() -> None:
-    m = Membership(SELF.peer_id)
-    hb = heartbeat(A, 3)
-    m.receive_heartbeat(hb, sender=A.peer_id, now=0.0)
-    assert m.receive_heartbeat(hb, sender=A.peer_id, now=0.5) == []
-
-
-def test_garbage_heartbeat_is_refused() -> None:
-    m = Membership(SELF.peer_id)
+def test_requests_that_are_not_requests_are_refused() -> None:
+    m = machine()
     with pytest.raises(MalformedMessage):
-        m.receive_heartbeat(b"\x93\x01", sender=A.peer_id, now=0.0)
+        m.respond(A.peer_id, SwimPacket("ack", 1, SELF.peer_id), 0.0)
+    with pytest.raises(MalformedMessage):
+        m.respond(A.peer_id, SwimPacket("ping", 1, B.peer_id), 0.0)  # a ping for someone else
+    with pytest.raises(MalformedMessage):
+        m.receive(A.peer_id, SwimPacket("ping", 1, SELF.peer_id), 0.0)
+    assert decode(encode(SwimPacket("ping", 1, SELF.peer_id)), SwimPacket).kind == "ping"
 
 
-async def test_many_members_expire_independently(autojump_clock: trio.testing.MockClock) -> None:
-    m = Membership(SELF.peer_id, timeout=5.0)
-    m.receive_heartbeat(heartbeat(A, 1), sender=A.peer_id, now=trio.current_time())
-    await trio.sleep(3.0)
-    m.receive_heartbeat(heartbeat(B, 1), sender=B.peer_id, now=trio.current_time())
-    await trio.sleep(2.5)
-    assert [e.peer_id for e in m.tick(trio.current_time())] == [A.peer_id]
-    assert B.peer_id in m
+def test_full_view_is_bounded_and_run_mates_are_never_evicted() -> None:
+    m = machine(max_view=8)
+    m.set_interest({"run-1"})
+    mates = [Identity.generate() for _ in range(3)]
+    for ident in mates:
+        m.respond(ident.peer_id, SwimPacket("sync", updates=(alive(ident, runs=("run-1",)),)), 0.0)
+    for _ in range(60):
+        ident = Identity.generate()
+        m.respond(ident.peer_id, SwimPacket("sync", updates=(alive(ident),)), 0.0)
+    assert len(m) - 1 == 8  # the view (self not counted) never exceeds max_view
+    assert all(ident.peer_id in m for ident in mates)
+    assert m.stats.evicted > 0
+
+
+# -- many real machines on an in-memory network ------------------------------------------
+
+
+async def test_a_swarm_converges_and_a_dead_node_leaves_every_view(autojump_clock: trio.testing.MockClock) -> None:
+    net = SwimNet(12, seed=1)
+    net.join_all()
+    await run_on_trio(net, 20)
+    everyone = set(net.nodes)
+    assert all(net.view(p) == everyone for p in net.nodes)
+    victim = list(net.nodes)[5]
+    net.kill(victim)
+    t0 = trio.current_time()
+    while any(victim in net.view(p) for p in net.live_ids()):
+        await run_on_trio(net, 0.5)
+        assert trio.current_time() - t0 < detection_bound(12)
+    assert all(net.view(p) == everyone - {victim} for p in net.live_ids())
+    assert all(e.reason == "dead" for p in net.live_ids() for e in net.nodes[p].left)
+
+
+async def test_lossy_network_without_deaths_confirms_nobody(autojump_clock: trio.testing.MockClock) -> None:
+    """5% of packets lost: suspicions happen, refutations clear them, nobody is declared dead."""
+    net = SwimNet(16, seed=2, loss=0.05)
+    net.join_all()
+    await run_on_trio(net, 120)
+    assert all(net.view(p) == set(net.nodes) for p in net.nodes)
+    assert sum(n.machine.stats.confirmed for n in net.nodes.values()) == 0
+    assert sum(n.machine.stats.suspicions for n in net.nodes.values()) > 0  # the test could have failed
+
+
+async def test_restarted_node_comes_back_with_a_higher_incarnation(autojump_clock: trio.testing.MockClock) -> None:
+    net = SwimNet(8, seed=3)
+    net.join_all()
+    await run_on_trio(net, 15)
+    victim = list(net.nodes)[2]
+    net.kill(victim)
+    await run_on_trio(net, detection_bound(8))
+    assert all(victim not in net.view(p) for p in net.live_ids())
+    old_boot = boot_ms(net.nodes[victim].machine.get(victim).record)  # type: ignore[union-attr]
+    back = net.restart(victim)
+    back.machine.join(net.now)
+    net._exchange(victim, Send(list(net.nodes)[0], (), back.machine.join(net.now), 1.0))
+    await run_on_trio(net, 20)
+    assert all(victim in net.view(p) for p in net.live_ids())
+    assert boot_ms(net.nodes[list(net.nodes)[0]].machine.get(victim).record) > old_boot  # type: ignore[union-attr]
+
+
+async def test_partition_splits_the_views_and_healing_merges_them(autojump_clock: trio.testing.MockClock) -> None:
+    net = SwimNet(10, seed=4)
+    net.join_all()
+    await run_on_trio(net, 15)
+    ids = list(net.nodes)
+    left, right = set(ids[:5]), set(ids[5:])
+    net.partition(left, right)
+    await run_on_trio(net, 2 * detection_bound(5))
+    assert all(net.view(p) == left for p in left) and all(net.view(p) == right for p in right)
+    net.heal()
+    await run_on_trio(net, 4 * CFG.sync_every_s)
+    assert all(net.view(p) == set(ids) for p in ids)

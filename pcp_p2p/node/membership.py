@@ -1,46 +1,89 @@
-"""Membership: who is in the swarm right now, as a sans-IO state machine.
+"""Membership: who is in the swarm right now, as a sans-IO SWIM state machine.
 
-Design
-------
-Each node publishes a signed *member record* (peer id, addresses, measured
-capabilities) and, every second, a *heartbeat* over gossipsub. A heartbeat
-carries the sender's incarnation (``boot``: when this run of the process
-started, in ms) and a sequence number, plus the current signed member record,
-so a heartbeat alone is enough to learn a new member: gossipsub drops messages
-silently under load, and a design that needed a second message (a DHT lookup)
-to make sense of the first would turn each drop into a delay.
+Why SWIM and not heartbeats
+---------------------------
+The first design published a heartbeat per node per second on one gossipsub
+topic. Every node then received and relayed every other node's heartbeat, so an
+idle node's cost grew as N and the swarm's as N²: twelve idle nodes saturated a
+2-core machine (issue #18). Here, as in SWIM (Das, Gupta, Motivala 2002) and its
+descendants (memberlist, Lifeguard), each node does a constant amount of work per
+protocol period whatever the size of the swarm:
 
-Liveness is soft state: a member silent for longer than ``timeout`` (default
-5 s, five heartbeats) leaves the view. Losing up to four heartbeats in a row is
-therefore harmless, which is how we tolerate gossipsub's drops.
+- **Probing.** Every ``period_s`` a node pings one member, taken round-robin from
+  a shuffled list of its view (so every member is probed within two passes). No
+  ack within ``ping_timeout_s``: it asks ``indirect_k`` other members to ping the
+  target for it (a ``ping_req``), which tells a dead node from a lossy path
+  between two live ones. No ack, direct or relayed, by ``probe_timeout_s``: the
+  target becomes *suspect*.
+- **Suspicion.** A suspect that does not refute within ``suspicion_s`` is
+  declared dead and leaves the view. Nodes refute by re-signing their member
+  record with a higher ``seq``: the incarnation is ``(boot, seq)``, boot being the
+  record's ``started_at`` in ms (so a restarted node starts above its old self)
+  and ``seq`` the signed record's sequence number. Only the subject can sign its
+  record, so only it can refute, and a replayed older record changes nothing.
+- **Dissemination.** Changes (alive with a new record, suspect, dead) ride on the
+  pings and acks a node sends anyway, at most ``max_piggyback`` per packet, each
+  retransmitted ``retransmit_mult * ceil(log2(N + 1))`` times: infection-style
+  spread reaching all N in O(log N) periods at O(1) cost per node per period.
+- **Anti-entropy and joining.** A joiner ``sync``s with a bootstrap server (a
+  push-pull exchange of a bounded sample of signed records), and every node syncs
+  with a random member every ``sync_every_s``, which repairs what piggybacking
+  missed and keeps partial views mixed.
 
-Ordering is by ``(boot, seq)``: a heartbeat at or below the newest one seen
-from that peer is a replay (or a duplicate from gossip) and is refused with
-:class:`~pcp_p2p.errors.StaleMessage`. A restarted node has a later ``boot``
-and starts again at seq 0 without being mistaken for a replay.
+Every peer is a stranger
+------------------------
+- ``alive`` carries the subject's signed record: verified (signature, expiry,
+  kind, key) before anything changes; older incarnations are dropped.
+- ``suspect`` and ``dead`` are *claims* by the (stream-authenticated) sender and
+  cannot remove anyone by themselves: a claim only starts this node's own
+  suspicion timer, the subject hears of it and refutes, and this node itself
+  decides when the timer runs out. A stranger spreading "everyone is dead" makes
+  nodes re-sign their records; it does not empty views.
+- Views are bounded (``max_view``); a full view takes a newcomer by replacing a
+  random member half the time, so it stays a random sample of the swarm and
+  Sybil identities cannot pin it. Members that share a run with this node
+  (:meth:`Membership.set_interest`) are never evicted: the run's roster is
+  tracked exactly, the rest of the planet by sample.
+- Tombstones (bounded) keep a dead incarnation from being resurrected by a late
+  copy of its old record.
 
-This module does no I/O and reads no clock: the pump passes ``now`` (trio's
-clock, so tests run on ``MockClock``) and acts on the returned events.
+This module does no I/O and reads no clock: the pump
+(:class:`pcp_p2p.node.node.Node`) passes ``now`` (trio's clock, so tests run on
+``MockClock``), carries the :class:`SwimPacket` effects over ``/pcp/swim/1.0.0``
+streams and feeds back what comes in.
 
-Transitions, per peer::
+Transitions, per member::
 
-    (unknown) --heartbeat--> LIVE   emits MemberJoined
-    LIVE      --heartbeat--> LIVE   emits MemberUpdated if the record changed
-    LIVE      --tick, silent > timeout--> (unknown)  emits MemberLeft
+    (unknown) --alive, verified--------------------> ALIVE    MemberJoined
+    ALIVE     --alive, higher incarnation----------> ALIVE    MemberUpdated if the record changed
+    ALIVE     --probe unanswered / suspect claim---> SUSPECT
+    SUSPECT   --alive, higher incarnation----------> ALIVE
+    SUSPECT   --direct ack from it-----------------> ALIVE    (proof of life; nothing gossiped)
+    SUSPECT   --suspicion_s without refutation-----> (dead)   MemberLeft, dead gossiped, tombstone
+    ALIVE     --evicted from a full view-----------> (unknown) MemberLeft(reason="evicted")
+    self      --suspect/dead claim about us--------> Refute effect: the pump re-signs the record
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from pcp_p2p.dht.records import SignedRecord, register_kind, verify_record
-from pcp_p2p.errors import BadSignature, StaleMessage
+from pcp_p2p.dht.records import SignedRecord, VerifiedRecord, register_kind, verify_record
+from pcp_p2p.errors import BadSignature, MalformedMessage, PcpError, VerificationError
 from pcp_p2p.node.capabilities import Capabilities
-from pcp_p2p.wire import Message, decode, wire_message
+from pcp_p2p.wire import Message, wire_message
+from pcp_p2p.wire.codec import wire_struct
 
-HEARTBEAT_TOPIC = "/pcp/members/1.0.0"
-DEFAULT_TIMEOUT_S = 5.0
-DEFAULT_INTERVAL_S = 1.0
+SWIM_PROTOCOL = "/pcp/swim/1.0.0"
+MAX_PACKET = 64 * 1024
+DEFAULT_PERIOD_S = 1.0
+# How long a SIGKILLed node can stay in views, at most, on a quiet loopback swarm:
+# probe_timeout + suspicion + a few periods of dissemination (tests and docs use it).
+DEFAULT_TIMEOUT_S = 10.0
 
 
 @wire_message("member.record", max_size=8 * 1024)
@@ -57,13 +100,60 @@ class MemberRecord(Message):
 
 register_kind("member", MemberRecord)
 
+GOSSIP_KINDS = ("alive", "suspect", "dead")
+PACKET_KINDS = ("ping", "ack", "ping_req", "nack", "sync")
 
-@wire_message("member.heartbeat", max_size=16 * 1024)
-class Heartbeat(Message):
+
+@wire_struct
+class Gossip(Message):
+    """One membership change riding on a packet."""
+
+    kind: str  # alive | suspect | dead
     peer_id: str
-    boot: int  # incarnation: process start, unix ms
+    boot: int
     seq: int
-    record: bytes  # an encoded SignedRecord holding the sender's MemberRecord
+    record: bytes = b""  # alive: the subject's encoded SignedRecord
+    origin: str = ""  # suspect: the node whose probe failed (Lifeguard's independent confirmations)
+
+
+@wire_message("swim.packet", max_size=MAX_PACKET)
+class SwimPacket(Message):
+    """Everything on ``/pcp/swim/1.0.0``: a request and its reply are one packet each.
+
+    ``ping``: is the receiver alive? ``target`` names the receiver and
+    ``known_boot``/``known_seq`` say which of its records the sender holds, so the
+    ack carries the receiver's record only when the sender is behind.
+    ``ping_req``: ping ``target`` for me; answered by ``ack`` (target answered)
+    or ``nack``. ``sync``: a sample of signed records, answered by a sample.
+    """
+
+    kind: str
+    probe: int = 0
+    target: str = ""
+    known_boot: int = 0
+    known_seq: int = 0
+    updates: tuple[Gossip, ...] = ()
+
+
+@dataclass(frozen=True)
+class SwimConfig:
+    period_s: float = DEFAULT_PERIOD_S
+    ping_timeout_s: float = 0.8
+    probe_timeout_s: float = 2.4  # direct + indirect, from the ping
+    indirect_k: int = 3
+    suspicion_s: float = 4.0  # with `confirmations` independent suspecters; one alone waits max_suspicion_s
+    max_suspicion_s: float = 12.0
+    confirmations: int = 3
+    max_view: int = 256
+    max_piggyback: int = 8
+    retransmit_mult: int = 3
+    sync_every_s: float = 30.0
+    sync_bytes: int = 40 * 1024  # records per sync packet, by size
+    tombstone_s: float = 300.0
+    max_tombstones: int = 4096
+
+
+# -- events (for the node and the runtime) and effects (for the pump) ---------
 
 
 @dataclass(frozen=True)
@@ -80,90 +170,517 @@ class MemberUpdated:
 class MemberLeft:
     peer_id: str
     silent_s: float
+    reason: str = "dead"  # dead (suspicion ran out) or evicted (view full)
 
 
 MembershipEvent = MemberJoined | MemberUpdated | MemberLeft
+
+
+@dataclass(frozen=True)
+class Send:
+    """Open a stream to ``peer`` (at ``addrs``), write ``packet``, feed the reply to :meth:`Membership.receive`."""
+
+    peer: str
+    addrs: tuple[str, ...]
+    packet: SwimPacket
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Refute:
+    """Someone suspects this node: re-sign its record with a higher seq and call :meth:`Membership.set_self`."""
+
+
+Effect = Send | Refute
 
 
 @dataclass
 class Member:
     record: MemberRecord
     signed: SignedRecord
-    boot: int
-    seq: int
-    last_seen: float  # on the pump's clock
+    signed_bytes: bytes
+    last_seen: float  # last evidence of life, on the pump's clock
+    suspect_since: float | None = None
+    suspecters: set[str] = field(default_factory=set)
+
+    @property
+    def incarnation(self) -> tuple[int, int]:
+        return boot_ms(self.record), self.signed.seq
+
+
+@dataclass
+class _Probe:
+    id: int
+    target: str
+    started: float
+    indirect_sent: bool = False
+
+
+@dataclass
+class _Outgoing:
+    gossip: Gossip
+    left: int
+
+
+@dataclass
+class Stats:
+    sent: int = 0
+    received: int = 0
+    suspicions: int = 0  # members this node started to suspect
+    refuted: int = 0  # suspicions cleared by a higher incarnation or a direct ack
+    confirmed: int = 0  # suspects declared dead
+    refutations: int = 0  # times this node re-signed to refute a claim about itself
+    stale: int = 0  # gossip older than what is held (normal in epidemic spread)
+    evicted: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def boot_ms(record: MemberRecord) -> int:
+    return int(round(record.started_at * 1000))
 
 
 class Membership:
-    """The membership view of one node."""
+    """The membership view of one node, and its part in the SWIM protocol.
 
-    def __init__(self, self_peer_id: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    ``announce``: whether this node is a member others should see (workers are;
+    bootstrap servers and short-lived clients take part without being listed).
+    """
+
+    def __init__(
+        self,
+        self_peer_id: str,
+        *,
+        config: SwimConfig | None = None,
+        rng: random.Random | None = None,
+        announce: bool = True,
+        verify: Callable[[bytes], VerifiedRecord] = verify_record,
+    ) -> None:
         self.self_peer_id = self_peer_id
-        self.timeout = timeout
+        # verify_record by default; a simulator of 10,000 nodes passes a cached one
+        # (the same checks, done once per distinct record rather than once per copy).
+        self._verify = verify
+        self.config = config or SwimConfig()
+        self.rng = rng or random.Random()
+        self.announce = announce
+        self.stats = Stats()
+        self._self: Member | None = None
         self._members: dict[str, Member] = {}
+        self._order: list[str] = []  # probe round-robin
+        self._probe: _Probe | None = None
+        self._next_probe_at = 0.0
+        self._next_sync_at: float | None = None
+        self._sync_gap = self.config.sync_every_s
+        self._probe_ids = 0
+        self._queue: dict[str, _Outgoing] = {}
+        # dead members: (incarnation, kept until, their last record: for reconnect attempts)
+        self._tombstones: OrderedDict[str, tuple[tuple[int, int], float, Member]] = OrderedDict()
+        self._interest: frozenset[str] = frozenset()
+        self._seeds: dict[str, tuple[str, ...]] = {}
+        self._refute_pending = False
+        self.errors: list[PcpError] = []
 
-    # -- inputs ---------------------------------------------------------------
+    # -- inputs: this node ---------------------------------------------------------
 
-    def receive_heartbeat(
-        self, data: bytes, *, sender: str, now: float, wall_now: float | None = None
-    ) -> list[MembershipEvent]:
-        """Handle one heartbeat's bytes as delivered by pubsub from ``sender``.
-
-        ``sender`` is the pubsub-authenticated origin; a heartbeat whose body
-        claims another peer is refused. Raises only PcpError subclasses.
-        """
-        hb = decode(data, Heartbeat)
-        if hb.peer_id != sender:
-            raise BadSignature(f"heartbeat from {sender} claims to be {hb.peer_id}")
-        verified = verify_record(hb.record, now=wall_now)
-        if verified.kind != "member" or verified.name != hb.peer_id:
-            raise BadSignature(f"heartbeat from {sender} carries a record for {verified.name}")
+    def set_self(self, signed_bytes: bytes, *, now: float, wall_now: float | None = None) -> None:
+        """This node's own signed member record (call again whenever it is re-signed)."""
+        verified = verify_record(signed_bytes, now=wall_now)
         record = verified.payload
-        assert isinstance(record, MemberRecord)
-        return self._observe(hb, record, verified.record, now)
+        if verified.kind != "member" or verified.name != self.self_peer_id or not isinstance(record, MemberRecord):
+            raise VerificationError("set_self: not this node's member record")
+        previous = self._self
+        self._self = Member(record, verified.record, signed_bytes, now)
+        self._refute_pending = False
+        if self.announce and (previous is None or previous.signed_bytes != signed_bytes):
+            self._enqueue(Gossip("alive", self.self_peer_id, boot_ms(record), verified.record.seq, signed_bytes))
 
-    def tick(self, now: float) -> list[MembershipEvent]:
-        """Drop members silent past the timeout."""
-        events: list[MembershipEvent] = []
-        for peer_id, m in list(self._members.items()):
-            silent = now - m.last_seen
-            if silent > self.timeout:
-                del self._members[peer_id]
-                events.append(MemberLeft(peer_id, silent))
+    def set_interest(self, run_ids: set[str] | frozenset[str]) -> None:
+        """The runs this node works in: members listing one are tracked exactly, never evicted."""
+        self._interest = frozenset(run_ids)
+
+    def add_seed(self, peer_id: str, addrs: tuple[str, ...]) -> None:
+        """A peer to sync with while the view is empty (a bootstrap server): a lost join is retried."""
+        self._seeds[peer_id] = addrs
+
+    def join(self, now: float) -> SwimPacket:
+        """A ``sync`` to send to a bootstrap server (or any known peer) to enter the swarm.
+
+        Nodes that start together each find the bootstrap knowing only those that
+        came before them, so the next syncs (with random members) come soon and
+        then slow down: 2, 4, 8 ... s up to ``sync_every_s``.
+        """
+        self._sync_gap = min(2.0, self.config.sync_every_s)
+        self._next_sync_at = now + self._sync_gap
+        return self._sync_packet()
+
+    # -- inputs: the network ------------------------------------------------------
+
+    def respond(self, sender: str, packet: SwimPacket, now: float) -> tuple[SwimPacket | None, Send | None, list[MembershipEvent]]:
+        """Handle a request that arrived on an inbound stream from ``sender``.
+
+        Returns the reply to write (None for a ``ping_req``: first carry out the
+        returned :class:`Send` to its target, then write :meth:`relay_result`),
+        and the membership events the packet's gossip caused. Raises only
+        PcpError subclasses (bad input); nothing changes before checks pass.
+        """
+        if packet.kind not in ("ping", "ping_req", "sync"):
+            raise MalformedMessage(f"swim: {packet.kind!r} is not a request")
+        if packet.kind == "ping" and packet.target != self.self_peer_id:
+            raise MalformedMessage(f"swim: ping for {packet.target[-8:]} sent to {self.self_peer_id[-8:]}")
+        self.stats.received += 1
+        events = self._absorb(sender, packet.updates, now)
+        self._heard_from(sender, now)
+        if packet.kind == "ping":
+            updates = self._piggyback()
+            me = self._self
+            if me is not None and self.announce and me.incarnation > (packet.known_boot, packet.known_seq):
+                mine = Gossip("alive", self.self_peer_id, *me.incarnation, me.signed_bytes)
+                updates = (mine, *[u for u in updates if u.peer_id != self.self_peer_id])
+            return self._count(SwimPacket("ack", packet.probe, self.self_peer_id, updates=updates)), None, events
+        if packet.kind == "sync":
+            return self._count(self._sync_packet()), None, events
+        # ping_req: ping the target on the requester's behalf
+        target = self._members.get(packet.target)
+        if target is None or packet.target in (self.self_peer_id, sender):
+            return self._count(SwimPacket("nack", packet.probe, packet.target)), None, events
+        return None, self._ping(target, packet.probe, self.config.ping_timeout_s), events
+
+    def relay_result(self, requester: str, request: SwimPacket, acked: bool) -> SwimPacket:
+        """The reply to a ``ping_req`` once its ping to the target has ended."""
+        kind = "ack" if acked else "nack"
+        return self._count(SwimPacket(kind, request.probe, request.target, updates=self._piggyback()))
+
+    def receive(self, sender: str, packet: SwimPacket, now: float) -> list[MembershipEvent]:
+        """Handle the reply to a :class:`Send` this node made to ``sender``."""
+        if packet.kind not in ("ack", "nack", "sync"):
+            raise MalformedMessage(f"swim: {packet.kind!r} is not a reply")
+        self.stats.received += 1
+        events = self._absorb(sender, packet.updates, now)
+        self._heard_from(sender, now)
+        probe = self._probe
+        if packet.kind == "ack" and probe is not None and packet.probe == probe.id and packet.target == probe.target:
+            # Direct (sender is the target) or relayed by a helper we asked.
+            target = self._members.get(probe.target)
+            if target is not None:
+                target.last_seen = now
+                if target.suspect_since is not None and sender == probe.target:
+                    target.suspect_since = None
+                    target.suspecters.clear()
+                    self.stats.refuted += 1
+            self._probe = None
         return events
 
-    def observe_self(self, record: MemberRecord, signed: SignedRecord, boot: int, seq: int, now: float) -> None:
-        """Keep this node's own entry fresh (it does not hear its own gossip)."""
-        self._members[self.self_peer_id] = Member(record, signed, boot, seq, now)
+    # -- the clock -------------------------------------------------------------------
 
-    # -- outputs --------------------------------------------------------------
+    def tick(self, now: float) -> tuple[list[Effect], list[MembershipEvent]]:
+        """Advance timers: start probes, escalate them, expire suspicions, schedule syncs."""
+        effects: list[Effect] = []
+        events: list[MembershipEvent] = []
+        cfg = self.config
+        if self._refute_pending:
+            self._refute_pending = False  # asked once; set_self answers it
+            self.stats.refutations += 1
+            effects.append(Refute())
+        probe = self._probe
+        if probe is not None:
+            age = now - probe.started
+            if probe.target not in self._members:
+                self._probe = None
+            elif age >= cfg.probe_timeout_s:
+                self._suspect(probe.target, now, self.self_peer_id)
+                self._probe = None
+                # Tell the suspect at once (Lifeguard's buddy system): a live node
+                # behind a lossy path answers, which clears it here, and refutes.
+                self._probe_ids += 1
+                effects.append(self._ping(self._members[probe.target], self._probe_ids, cfg.ping_timeout_s))
+            elif age >= cfg.ping_timeout_s and not probe.indirect_sent:
+                probe.indirect_sent = True
+                helpers = [p for p in self._members if p != probe.target]
+                for helper in self.rng.sample(helpers, min(cfg.indirect_k, len(helpers))):
+                    req = SwimPacket("ping_req", probe.id, probe.target, updates=self._piggyback())
+                    effects.append(Send(helper, self._members[helper].record.addrs, self._count(req),
+                                        cfg.probe_timeout_s - age))
+        if self._probe is None and now >= self._next_probe_at and self._members:
+            target = self._next_target()
+            if target is not None:
+                self._probe_ids += 1
+                self._probe = _Probe(self._probe_ids, target, now)
+                effects.append(self._ping(self._members[target], self._probe_ids, cfg.ping_timeout_s))
+            self._next_probe_at = now + cfg.period_s
+        for peer_id, m in list(self._members.items()):
+            if m.suspect_since is not None and now - m.suspect_since >= self._suspicion_timeout(m):
+                self._remove(peer_id, now, "dead", events)
+                self.stats.confirmed += 1
+                self._enqueue(Gossip("dead", peer_id, *m.incarnation))
+        if self._next_sync_at is not None and now >= self._next_sync_at and (self._members or self._tombstones or self._seeds):
+            self._sync_gap = min(self._sync_gap * 2, cfg.sync_every_s)
+            self._next_sync_at = now + self._sync_gap
+            effects.append(self._sync_effect())
+        self._expire_tombstones(now)
+        return effects, events
+
+    # -- outputs ---------------------------------------------------------------------
 
     def live(self) -> list[Member]:
-        return sorted(self._members.values(), key=lambda m: m.record.peer_id)
+        """Members in view (this node included), suspects too: they are alive until confirmed dead."""
+        members = list(self._members.values())
+        if self._self is not None:
+            members.append(self._self)
+        return sorted(members, key=lambda m: m.record.peer_id)
 
     def get(self, peer_id: str) -> Member | None:
+        if peer_id == self.self_peer_id:
+            return self._self
         return self._members.get(peer_id)
 
+    def suspected(self) -> list[str]:
+        return sorted(p for p, m in self._members.items() if m.suspect_since is not None)
+
     def __contains__(self, peer_id: str) -> bool:
-        return peer_id in self._members
+        return self.get(peer_id) is not None
 
     def __len__(self) -> int:
-        return len(self._members)
+        return len(self._members) + (self._self is not None)
 
-    # -- internals ------------------------------------------------------------
+    # -- internals: gossip -------------------------------------------------------------
 
-    def _observe(self, hb: Heartbeat, record: MemberRecord, signed: SignedRecord, now: float) -> list[MembershipEvent]:
-        current = self._members.get(hb.peer_id)
+    def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float) -> list[MembershipEvent]:
+        """Apply piggybacked changes, each on its own.
+
+        A bad update (forged, expired, malformed) is refused alone and kept in
+        :attr:`errors` for the pump to count: the packet's other updates and its
+        ack still count, so one relayed bad record cannot make a live peer suspect.
+        """
+        events: list[MembershipEvent] = []
+        for g in updates:
+            try:
+                if g.kind == "alive":
+                    self._apply_alive(g, self._verify_alive(g), now, events)
+                elif g.kind in ("suspect", "dead"):
+                    self._apply_claim(g, now)
+                else:
+                    raise MalformedMessage(f"swim: gossip kind {g.kind!r:.20}")
+            except PcpError as exc:
+                self.errors.append(exc)
+        return events
+
+    def take_errors(self) -> list[PcpError]:
+        """Bad updates refused since the last call (the pump counts them as rejected input)."""
+        out, self.errors = self.errors, []
+        return out
+
+    def _verify_alive(self, g: Gossip) -> Member:
+        verified = self._verify(g.record)
+        record = verified.payload
+        if verified.kind != "member" or verified.name != g.peer_id or not isinstance(record, MemberRecord):
+            raise BadSignature(f"swim: alive for {g.peer_id[-8:]} carries another record")
+        if (boot_ms(record), verified.record.seq) != (g.boot, g.seq):
+            raise BadSignature(f"swim: alive for {g.peer_id[-8:]} claims another incarnation than its record")
+        if record.role == "client":
+            raise VerificationError(f"swim: {g.peer_id[-8:]} is a short-lived client, not a member")
+        return Member(record, verified.record, g.record, 0.0)
+
+    def _apply_alive(self, g: Gossip, fresh: Member, now: float, events: list[MembershipEvent]) -> None:
+        if g.peer_id == self.self_peer_id:
+            return
+        inc = (g.boot, g.seq)
+        tomb = self._tombstones.get(g.peer_id)
+        if tomb is not None and inc <= tomb[0]:
+            self.stats.stale += 1
+            return
+        current = self._members.get(g.peer_id)
         if current is None:
-            self._members[hb.peer_id] = Member(record, signed, hb.boot, hb.seq, now)
-            return [MemberJoined(hb.peer_id)]
-        if (hb.boot, hb.seq) == (current.boot, current.seq):
-            return []  # the same heartbeat again by another gossip path: not a replay
-        if (hb.boot, hb.seq) < (current.boot, current.seq):
-            raise StaleMessage(
-                f"heartbeat ({hb.boot}, {hb.seq}) from {hb.peer_id} not newer than ({current.boot}, {current.seq})"
-            )
-        changed = record != current.record
-        current.record, current.signed = record, signed
-        current.boot, current.seq, current.last_seen = hb.boot, hb.seq, now
-        return [MemberUpdated(hb.peer_id)] if changed else []
+            if not self._make_room(g.peer_id, fresh.record, now, events):
+                return
+            fresh.last_seen = now
+            self._members[g.peer_id] = fresh
+            self._order.insert(self.rng.randrange(len(self._order) + 1), g.peer_id)
+            self._tombstones.pop(g.peer_id, None)
+            events.append(MemberJoined(g.peer_id))
+            self._enqueue(g)
+            return
+        if inc <= current.incarnation:
+            self.stats.stale += 1
+            return
+        changed = fresh.record != current.record
+        if current.suspect_since is not None:
+            self.stats.refuted += 1
+        current.record, current.signed, current.signed_bytes = fresh.record, fresh.signed, fresh.signed_bytes
+        current.suspect_since = None
+        current.suspecters.clear()
+        current.last_seen = now
+        self._enqueue(g)
+        if changed:
+            events.append(MemberUpdated(g.peer_id))
+
+    def _apply_claim(self, g: Gossip, now: float) -> None:
+        inc = (g.boot, g.seq)
+        if g.peer_id == self.self_peer_id:
+            if self._self is not None and self.announce and inc >= self._self.incarnation:
+                self._refute_pending = True
+            return
+        current = self._members.get(g.peer_id)
+        if current is None or inc < current.incarnation:
+            self.stats.stale += 1
+            return
+        self._suspect(g.peer_id, now, g.origin or "?")
+
+    def _suspect(self, peer_id: str, now: float, origin: str) -> None:
+        """Start suspecting, or count one more independent suspecter (which shortens the wait)."""
+        m = self._members.get(peer_id)
+        if m is None or origin in m.suspecters:
+            return
+        if m.suspect_since is None:
+            m.suspect_since = now
+            self.stats.suspicions += 1
+        m.suspecters.add(origin)
+        if len(m.suspecters) <= self.config.confirmations:
+            self._enqueue(Gossip("suspect", peer_id, *m.incarnation, origin=origin))
+
+    def _enqueue(self, g: Gossip) -> None:
+        """Queue a change for piggybacking; a newer change about a peer replaces an older one."""
+        self._queue[g.peer_id] = _Outgoing(g, self._retransmits())
+
+    def _retransmits(self) -> int:
+        return self.config.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
+
+    def _piggyback(self) -> tuple[Gossip, ...]:
+        if not self._queue:
+            return ()
+        chosen = sorted(self._queue.items(), key=lambda kv: -kv[1].left)[: self.config.max_piggyback]
+        out = []
+        size = 0
+        for peer_id, item in chosen:
+            size += len(item.gossip.record) + 128
+            if size > MAX_PACKET // 2:
+                break
+            out.append(item.gossip)
+            item.left -= 1
+            if item.left <= 0:
+                del self._queue[peer_id]
+        return tuple(out)
+
+    def _sync_effect(self) -> Send:
+        """A sync with a random member or, half the time, with a member declared dead.
+
+        The second kind is how a partition heals (serf's reconnect): the packet
+        tells the "dead" member so, it refutes with a higher incarnation, and
+        the next exchange brings it back.
+        """
+        if not self._members and not self._tombstones:
+            peer = self.rng.choice(sorted(self._seeds))
+            return Send(peer, self._seeds[peer], self._count(self._sync_packet()), self.config.probe_timeout_s)
+        if self._tombstones and (not self._members or self.rng.random() < 0.5):
+            peer = self.rng.choice(list(self._tombstones))
+            inc, _, ghost = self._tombstones[peer]
+            packet = self._sync_packet()
+            packet = SwimPacket("sync", updates=(Gossip("dead", peer, *inc), *packet.updates))
+            return Send(peer, ghost.record.addrs, self._count(packet), self.config.probe_timeout_s)
+        peer = self.rng.choice(sorted(self._members))
+        return Send(peer, self._members[peer].record.addrs, self._count(self._sync_packet()),
+                    self.config.probe_timeout_s)
+
+    def _sync_packet(self) -> SwimPacket:
+        """A random sample of the view's signed records (this node's own first), bounded by size."""
+        records: list[Gossip] = []
+        if self._self is not None and self.announce:
+            records.append(Gossip("alive", self.self_peer_id, *self._self.incarnation, self._self.signed_bytes))
+        peers = [p for p, m in self._members.items() if m.suspect_since is None]
+        self.rng.shuffle(peers)
+        size = sum(len(g.record) for g in records)
+        for p in peers:
+            m = self._members[p]
+            if size + len(m.signed_bytes) > self.config.sync_bytes:
+                break
+            size += len(m.signed_bytes) + 64
+            records.append(Gossip("alive", p, *m.incarnation, m.signed_bytes))
+        return SwimPacket("sync", updates=tuple(records))
+
+    # -- internals: view -------------------------------------------------------------------
+
+    def _ping(self, target: Member, probe: int, timeout_s: float) -> Send:
+        b, s = target.incarnation
+        about = self._queue.get(target.record.peer_id)
+        updates = self._piggyback()
+        if about is not None and about.gossip not in updates:  # what we say about it goes to it first
+            updates = (about.gossip, *updates[: self.config.max_piggyback - 1])
+        packet = SwimPacket("ping", probe, target.record.peer_id, b, s, updates)
+        return Send(target.record.peer_id, target.record.addrs, self._count(packet), timeout_s)
+
+    def _count(self, packet: SwimPacket) -> SwimPacket:
+        self.stats.sent += 1
+        return packet
+
+    def _heard_from(self, sender: str, now: float) -> None:
+        m = self._members.get(sender)
+        if m is not None:
+            m.last_seen = now
+            if m.suspect_since is not None:
+                m.suspecters.clear()
+                m.suspect_since = None  # it talked to us: alive (the suspect gossip already out is refuted by its own)
+                self.stats.refuted += 1
+
+    def _next_target(self) -> str | None:
+        # Round-robin over a shuffled order; a pass that ends reshuffles (SWIM's bound on time to first probe).
+        self._order = [p for p in self._order if p in self._members]
+        if not self._order:
+            self._order = list(self._members)
+            self.rng.shuffle(self._order)
+        target = self._order.pop(0) if self._order else None
+        if not self._order:
+            self._order = list(self._members)
+            self.rng.shuffle(self._order)
+        return target
+
+    def _protected(self, record: MemberRecord) -> bool:
+        return bool(self._interest and (self._interest & (set(record.runs) | set(record.leads))))
+
+    def _make_room(self, peer_id: str, record: MemberRecord, now: float, events: list[MembershipEvent]) -> bool:
+        """Whether a newcomer enters the view; a full view swaps a random unprotected member half the time."""
+        if len(self._members) < self.config.max_view:
+            return True
+        protected = self._protected(record)
+        if not protected and self.rng.random() < 0.5:
+            return False
+        candidates = [p for p, m in self._members.items() if not self._protected(m.record)]
+        if not candidates:
+            return protected  # a view of run-mates only: run-mates still enter (bounded by the run's roster)
+        victim = self.rng.choice(candidates)
+        self._remove(victim, now, "evicted", events)
+        self.stats.evicted += 1
+        return True
+
+    def _remove(self, peer_id: str, now: float, reason: str, events: list[MembershipEvent]) -> None:
+        m = self._members.pop(peer_id)
+        if reason == "dead":
+            self._tombstones[peer_id] = (m.incarnation, now + self.config.tombstone_s, m)
+            self._tombstones.move_to_end(peer_id)
+            while len(self._tombstones) > self.config.max_tombstones:
+                self._tombstones.popitem(last=False)
+        if self._probe is not None and self._probe.target == peer_id:
+            self._probe = None
+        events.append(MemberLeft(peer_id, now - m.last_seen, reason))
+
+    def _expire_tombstones(self, now: float) -> None:
+        while self._tombstones:
+            peer_id, (_, until, _) = next(iter(self._tombstones.items()))
+            if until > now:
+                break
+            self._tombstones.popitem(last=False)
+
+    def _suspicion_timeout(self, m: Member) -> float:
+        """Lifeguard: from ``max_suspicion_s`` with one suspecter down to ``suspicion_s`` with
+        ``confirmations`` of them. A dead node is probed, and suspected, by many nodes
+        within a few periods; a live one behind one lossy path by one, and then its
+        refutation has the time it needs to come back."""
+        cfg = self.config
+        c = min(len(m.suspecters), cfg.confirmations)
+        frac = math.log(c) / math.log(cfg.confirmations) if cfg.confirmations > 1 and c > 0 else 1.0
+        return max(cfg.suspicion_s, cfg.max_suspicion_s - (cfg.max_suspicion_s - cfg.suspicion_s) * frac)
+
+
+__all__ = [
+    "SWIM_PROTOCOL", "MemberRecord", "Gossip", "SwimPacket", "SwimConfig", "Membership", "Member",
+    "MemberJoined", "MemberUpdated", "MemberLeft", "MembershipEvent", "Send", "Refute", "Effect",
+]

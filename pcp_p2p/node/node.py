@@ -13,10 +13,11 @@ Tasks a node runs, each a thin pump around sans-IO logic:
   table (see shared/notes/py-libp2p.md);
 - *discovery*: keep connections to the peers the DHT and membership know, so
   gossipsub has a mesh and not just a star around the bootstrap server;
-- *heartbeat*: publish a signed member record to the DHT and a heartbeat over
-  gossipsub every second;
-- *membership*: feed received heartbeats and clock ticks to
-  :class:`~pcp_p2p.node.membership.Membership`;
+- *record*: keep this node's signed member record current (re-signed when it
+  changes or half its lifetime has passed) and published in the DHT;
+- *swim*: carry :class:`~pcp_p2p.node.membership.Membership`'s SWIM packets
+  over ``/pcp/swim/1.0.0`` streams and feed it clock ticks and replies; answer
+  other nodes' probes (budgeted per peer and in total);
 - *status*: answer ``/pcp/status/1.0.0``.
 
 Every network operation has a deadline (``op_timeout``).
@@ -41,6 +42,7 @@ from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub.gossipsub import PROTOCOL_ID, PROTOCOL_ID_V11, GossipSub
@@ -59,15 +61,20 @@ from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node.capabilities import Capabilities, probe
 from pcp_p2p.node.identity import Identity, load_or_create_identity
+from pcp_p2p.node.budget import Budget, Limits
 from pcp_p2p.node.membership import (
-    DEFAULT_INTERVAL_S,
-    DEFAULT_TIMEOUT_S,
-    HEARTBEAT_TOPIC,
-    Heartbeat,
+    DEFAULT_PERIOD_S,
+    MAX_PACKET,
+    SWIM_PROTOCOL,
     MemberJoined,
     MemberLeft,
     MemberRecord,
     Membership,
+    MembershipEvent,
+    Refute,
+    Send,
+    SwimConfig,
+    SwimPacket,
 )
 from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
 from pcp_p2p.node.status import (
@@ -87,6 +94,7 @@ log = logging.getLogger("pcp.node")
 # worker: a member that trains; bootstrap: a DHT server that only introduces
 # peers; client: a short-lived node run by a command (pcp run create), not a member.
 ROLES = ("worker", "bootstrap", "client")
+KAD_K = 20  # Kademlia's bucket size in py-libp2p: a refresh queries about this many peers
 
 
 @dataclass
@@ -98,8 +106,11 @@ class NodeConfig:
     client_mode: bool = False
     swarm_key: Path | None = None
     backend: str = "auto"
-    heartbeat_interval: float = DEFAULT_INTERVAL_S
-    member_timeout: float = DEFAULT_TIMEOUT_S
+    swim: SwimConfig = field(default_factory=SwimConfig)
+    # Inbound /pcp/swim streams: a probe is one small packet each way.
+    swim_streams_per_peer: int = 4
+    swim_streams_total: int = 64
+    min_peers: int = 8  # connections the discovery loop keeps open (probes dial the rest on demand)
     op_timeout: float = 10.0
     record_ttl: float = 600.0
     benchmark_s: float = 0.25
@@ -224,9 +235,14 @@ class Node:
         self.started_at = time.time()
         self._boot = int(self.started_at * 1000)
         self._started_mono = trio.current_time()
-        self._seq = 0
         self._record_seq = 0
-        self.membership = Membership(self.peer_id, timeout=config.member_timeout)
+        self.membership = Membership(self.peer_id, config=config.swim, announce=config.role == "worker")
+        self.swim_budget = Budget(
+            Limits(streams_per_peer=config.swim_streams_per_peer, streams_total=config.swim_streams_total,
+                   bytes_per_peer=config.swim_streams_per_peer * MAX_PACKET,
+                   bytes_total=config.swim_streams_total * MAX_PACKET),
+            name="swim",
+        )
         self.runs: set[str] = set()  # runs this node takes part in (advertised in its member record)
         self.leads: set[str] = set()  # runs this node is the shepherd of (advertised likewise)
         self.state = "idle"
@@ -234,7 +250,7 @@ class Node:
         self.record_validator = PcpRecordValidator()  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
-        # Rejected inputs by reason ("heartbeat:StaleMessage", ...): for status and metrics.
+        # Rejected inputs by reason ("swim:BadSignature", ...): for status and metrics.
         self.rejected: Counter[str] = Counter()
         self._changed = trio.Event()
         self._signed_record: SignedRecord | None = None
@@ -275,7 +291,7 @@ class Node:
                 out.append(s)
         return list(dict.fromkeys(out))
 
-    # -- member record and heartbeats -------------------------------------------
+    # -- member record -------------------------------------------
 
     def member_record(self) -> MemberRecord:
         return MemberRecord(
@@ -289,12 +305,14 @@ class Node:
             state=self.state,
         )
 
-    def _signed_member_record(self) -> SignedRecord:
-        """The current signed record, re-signed when half its lifetime has passed."""
+    def _signed_member_record(self, *, refute: bool = False) -> SignedRecord:
+        """The current signed record, re-signed when it changes, when half its
+        lifetime has passed, or (``refute``) to answer a suspicion with a higher seq."""
         now = time.time()
         record = self.member_record()
         if (
-            self._signed_record is None
+            refute
+            or self._signed_record is None
             or now - self._record_signed_at > self.config.record_ttl / 2
             or self._record != record
         ):
@@ -306,27 +324,19 @@ class Node:
             self._record_bytes = encode(self._signed_record)
             self._record = record
             self._record_signed_at = now
+            self.membership.set_self(self._record_bytes, now=trio.current_time(), wall_now=now)
+            self.membership.set_interest(self.runs | self.leads)
         return self._signed_record
 
-    async def _heartbeat_loop(self) -> None:
+    async def _record_loop(self) -> None:
+        """Keep the member record current (runs, state and addresses change) and in the DHT."""
         published_seq = -1
         while True:
             signed = self._signed_member_record()
-            self._seq += 1
-            hb = Heartbeat(peer_id=self.peer_id, boot=self._boot, seq=self._seq, record=self._record_bytes)
-            self.membership.observe_self(self.member_record(), signed, self._boot, self._seq, trio.current_time())
-            if self.config.role == "worker":
-                with trio.move_on_after(self.config.op_timeout):
-                    try:
-                        await self.pubsub.publish(HEARTBEAT_TOPIC, encode(hb))
-                    except trio.Cancelled:
-                        raise
-                    except Exception as exc:
-                        self.log_once("self", exc, "heartbeat publish failed")
-                if signed.seq != published_seq and self.bootstrapped.is_set():
-                    published_seq = signed.seq
-                    self.nursery.start_soon(self._put_member_record, signed)
-            await trio.sleep(self.config.heartbeat_interval)
+            if self.config.role == "worker" and signed.seq != published_seq and self.bootstrapped.is_set():
+                published_seq = signed.seq
+                self.nursery.start_soon(self._put_member_record, signed)
+            await trio.sleep(DEFAULT_PERIOD_S)
 
     async def _put_member_record(self, signed: SignedRecord) -> None:
         try:
@@ -362,39 +372,96 @@ class Node:
             return None
         return verify_record(value, key=key).payload
 
-    async def _membership_loop(self) -> None:
-        sub = await self.pubsub.subscribe(HEARTBEAT_TOPIC)
-        while True:
-            msg = await sub.get()
-            try:
-                sender = ID(msg.from_id).to_base58()
-            except Exception:
-                continue
-            if sender == self.peer_id:
-                continue
-            try:
-                events = self.membership.receive_heartbeat(msg.data, sender=sender, now=trio.current_time())
-            except PcpError as exc:
-                self._reject(sender, exc, "heartbeat")
-                continue
-            if events:
-                self._notify()
-            for ev in events:
-                if isinstance(ev, MemberJoined):
-                    member = self.membership.get(ev.peer_id)
-                    log.info("member joined: %s", ev.peer_id)
-                    if member is not None:
-                        self.nursery.start_soon(self._ensure_connected, ev.peer_id, member.record.addrs)
+    # -- SWIM ------------------------------------------------------------------------
 
-    async def _tick_loop(self) -> None:
+    def _on_membership(self, events: list[MembershipEvent], sender: str = "?") -> None:
+        for exc in self.membership.take_errors():
+            self._reject(sender, exc, "swim")
+        if not events:
+            return
+        self._notify()
+        for ev in events:
+            if isinstance(ev, MemberJoined):
+                log.info("member joined: %s", ev.peer_id)
+            elif isinstance(ev, MemberLeft):
+                log.info("member left: %s (%s, silent %.1f s)", ev.peer_id, ev.reason, ev.silent_s)
+
+    async def _swim_loop(self) -> None:
+        """Tick the SWIM machine and carry out what it asks (probes, indirect probes, syncs)."""
         while True:
-            events = self.membership.tick(trio.current_time())
-            if events:
-                self._notify()
-            for ev in events:
-                if isinstance(ev, MemberLeft):
-                    log.info("member left: %s (silent %.1f s)", ev.peer_id, ev.silent_s)
-            await trio.sleep(min(0.25, self.config.member_timeout / 4))
+            effects, events = self.membership.tick(trio.current_time())
+            self._on_membership(events)
+            for effect in effects:
+                if isinstance(effect, Refute):
+                    self._signed_member_record(refute=True)
+                elif isinstance(effect, Send):
+                    self.nursery.start_soon(self._swim_exchange, effect)
+            await trio.sleep(0.1)
+
+    async def _swim_exchange(self, send: Send) -> bool:
+        """One request and its reply; the reply goes to the machine. Failures are silence (SWIM's timeouts)."""
+        pid = ID.from_base58(send.peer)
+        with trio.move_on_after(send.timeout_s):
+            try:
+                if pid not in self.host.get_network().connections:
+                    maddrs = transport_addrs(send.addrs)
+                    if not maddrs:
+                        return False
+                    await self.host.connect(PeerInfo(pid, maddrs))
+                stream = await self.host.new_stream(pid, [TProtocol(SWIM_PROTOCOL)])
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                log.debug("swim: cannot reach %s: %s", send.peer, exc)
+                return False
+            try:
+                await write_frame(stream, encode(send.packet), timeout=send.timeout_s)
+                reply = decode(await read_frame(stream, max_size=MAX_PACKET, timeout=send.timeout_s), SwimPacket)
+                self._on_membership(self.membership.receive(send.peer, reply, trio.current_time()), send.peer)
+                return reply.kind != "nack"
+            except PcpError as exc:
+                if not isinstance(exc, (PeerGone, PeerTimeout)):
+                    self._reject(send.peer, exc, "swim")
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                log.debug("swim: exchange with %s failed: %s", send.peer, exc)
+            finally:
+                await reset_quietly(stream)
+        return False
+
+    async def _handle_swim(self, stream: INetStream) -> None:
+        try:
+            peer = stream.muxed_conn.peer_id.to_base58()
+        except Exception:
+            await reset_quietly(stream)
+            return
+        try:
+            with self.swim_budget.open(peer) as reservation:
+                reservation.reserve(MAX_PACKET)
+                timeout = self.config.swim.probe_timeout_s
+                packet = decode(await read_frame(stream, max_size=MAX_PACKET, timeout=timeout), SwimPacket)
+                reply, relay, events = self.membership.respond(peer, packet, trio.current_time())
+                self._on_membership(events, peer)
+                if relay is not None:
+                    acked = await self._swim_exchange(relay)
+                    reply = self.membership.relay_result(peer, packet, acked)
+                if reply is not None:
+                    await write_frame(stream, encode(reply), timeout=timeout)
+                await stream.close()
+        except PcpError as exc:
+            self._reject(peer, exc, "swim")
+            await reset_quietly(stream)
+        except Exception as exc:  # a libp2p stream error mid-reply: the peer's problem
+            log.debug("swim: stream from %s failed: %s", peer, exc)
+            await reset_quietly(stream)
+
+    async def _join(self, info: PeerInfo) -> None:
+        """Sync with one bootstrap server: its sample of signed records is how a joiner learns the swarm."""
+        addrs = tuple(f"{a}/p2p/{info.peer_id.to_base58()}" for a in info.addrs)
+        self.membership.add_seed(info.peer_id.to_base58(), addrs)
+        packet = self.membership.join(trio.current_time())
+        await self._swim_exchange(Send(info.peer_id.to_base58(), addrs, packet, self.config.op_timeout))
 
     # -- bootstrap and discovery --------------------------------------------------
 
@@ -423,6 +490,8 @@ class Node:
                 for info in infos:
                     n.start_soon(one, info)
             if any(answered):
+                for info in infos:
+                    self.nursery.start_soon(self._join, info)
                 break
             log.warning("no bootstrap server answered (%d tried); retrying in %.0f s", len(infos), delay)
             await trio.sleep(delay)
@@ -440,28 +509,29 @@ class Node:
             except Exception as exc:
                 log.debug("routing table refresh failed: %s", exc)
 
-    async def _ensure_connected(self, peer_id: str, addrs: tuple[str, ...]) -> None:
-        pid = ID.from_base58(peer_id)
-        if pid in self.host.get_network().connections or peer_id == self.peer_id:
-            return
-        if len(self.host.get_network().connections) >= self.config.max_connections:
-            return
-        maddrs = transport_addrs(addrs)
-        if maddrs:
-            await self._dial(PeerInfo(pid, maddrs))
-
     async def _discovery_loop(self) -> None:
+        """Fill the routing table, then leave it to py-libp2p's own 10-minute refresh.
+
+        A refresh queries up to k = 20 peers: refreshing every few seconds, as the
+        first design did, made an idle node's cost grow with the swarm up to k. So
+        this loop refreshes (at 2, 6, 14, 30 ... s, at most every 5 minutes) only
+        while the table holds fewer peers than the membership view suggests it
+        could, and tops connections up to ``min_peers`` (probes dial the rest).
+        """
         await self.bootstrapped.wait()
         period = 2.0
         while True:
             await trio.sleep(period)
-            await self._refresh()
+            if self.dht.get_routing_table_size() < min(KAD_K, len(self.membership)):
+                await self._refresh()
             for pid in self.dht.routing_table.get_peer_ids():
+                if len(self.host.get_network().connections) >= self.config.min_peers:
+                    break
                 if pid not in self.host.get_network().connections:
                     addrs = self.host.get_peerstore().addrs(pid)
                     if addrs:
                         await self._dial(PeerInfo(pid, addrs))
-            period = min(period * 1.5, 30.0)
+            period = min(period * 2, 300.0)
 
     # -- status -------------------------------------------------------------------
 
@@ -483,6 +553,9 @@ class Node:
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
             "rejected": dict(self.rejected),
+            "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
+            "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
+                           "suspected": len(self.membership.suspected())},
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
         }
         extra = {"storage": self.blobs.store.usage(),
@@ -544,7 +617,11 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     caps = config.capabilities or await trio.to_thread.run_sync(
         lambda: probe(config.backend, benchmark_s=config.benchmark_s)
     )
-    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen)
+    # py-libp2p's auto-connector dials every peer it has heard of every 30 s until
+    # it holds 100 connections: in a swarm that makes connections, and their
+    # upkeep, grow with N. Probes dial on demand; keep only min_peers warm.
+    connections = ConnectionConfig(min_connections=config.min_peers, low_watermark=config.min_peers)
+    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections)
     record_validator = PcpRecordValidator()
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
     dht = KadDHT(
@@ -560,9 +637,6 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         degree_low=4,
         degree_high=12,
         heartbeat_interval=1,
-        # The default (10 msg/s per peer per topic, own publishes included)
-        # silently drops heartbeats forwarded by a well-connected peer.
-        spam_protection_enabled=False,
     )
     pubsub = Pubsub(host, gossipsub, strict_signing=True)
     store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
@@ -578,9 +652,10 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
-                nursery.start_soon(node._membership_loop)
-                nursery.start_soon(node._heartbeat_loop)
-                nursery.start_soon(node._tick_loop)
+                host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
+                node._signed_member_record()
+                nursery.start_soon(node._record_loop)
+                nursery.start_soon(node._swim_loop)
                 nursery.start_soon(node._bootstrap_loop)
                 nursery.start_soon(node._discovery_loop)
                 log.info("node %s (%s) listening on %s", node.peer_id, config.role, " ".join(node.addrs()))
