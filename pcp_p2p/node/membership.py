@@ -101,7 +101,7 @@ class MemberRecord(Message):
 register_kind("member", MemberRecord)
 
 GOSSIP_KINDS = ("alive", "suspect", "dead")
-PACKET_KINDS = ("ping", "ack", "ping_req", "nack", "sync")
+PACKET_KINDS = ("ping", "ack", "ping_req", "nack", "sync", "gossip")
 
 
 @wire_struct
@@ -146,6 +146,12 @@ class SwimConfig:
     confirmations: int = 3
     max_view: int = 256
     max_piggyback: int = 8
+    max_queue: int = 512  # changes waiting to be piggybacked
+    # While changes wait to be spread, also push them to a few random members this
+    # often (memberlist's gossip): spread in O(log N) half-seconds, not probe periods.
+    # Nothing is sent when there is nothing new, so an idle swarm pays nothing for it.
+    gossip_interval_s: float = 0.5
+    gossip_fanout: int = 2
     retransmit_mult: int = 3
     sync_every_s: float = 30.0
     sync_bytes: int = 40 * 1024  # records per sync packet, by size
@@ -220,6 +226,7 @@ class _Probe:
 class _Outgoing:
     gossip: Gossip
     left: int
+    known: bool = True  # about a member of this node's view
 
 
 @dataclass
@@ -272,8 +279,10 @@ class Membership:
         self._next_probe_at = 0.0
         self._next_sync_at: float | None = None
         self._sync_gap = self.config.sync_every_s
+        self._next_gossip_at = 0.0
         self._probe_ids = 0
-        self._queue: dict[str, _Outgoing] = {}
+        self._queue: dict[tuple[str, str, str], _Outgoing] = {}
+        self._seen: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
         # dead members: (incarnation, kept until, their last record: for reconnect attempts)
         self._tombstones: OrderedDict[str, tuple[tuple[int, int], float, Member]] = OrderedDict()
         self._interest: frozenset[str] = frozenset()
@@ -324,8 +333,8 @@ class Membership:
         and the membership events the packet's gossip caused. Raises only
         PcpError subclasses (bad input); nothing changes before checks pass.
         """
-        if packet.kind not in ("ping", "ping_req", "sync"):
-            raise MalformedMessage(f"swim: {packet.kind!r} is not a request")
+        if packet.kind not in ("ping", "ping_req", "sync", "gossip"):
+            raise MalformedMessage(f"swim: {packet.kind!r:.20} is not a request")
         if packet.kind == "ping" and packet.target != self.self_peer_id:
             raise MalformedMessage(f"swim: ping for {packet.target[-8:]} sent to {self.self_peer_id[-8:]}")
         self.stats.received += 1
@@ -340,8 +349,17 @@ class Membership:
             return self._count(SwimPacket("ack", packet.probe, self.self_peer_id, updates=updates)), None, events
         if packet.kind == "sync":
             return self._count(self._sync_packet()), None, events
-        # ping_req: ping the target on the requester's behalf
+        if packet.kind == "gossip":  # push-pull: what we have new goes back
+            return self._count(SwimPacket("ack", updates=self._piggyback())), None, events
+        # ping_req: ping the target on the requester's behalf. In a partial view the
+        # helper may not hold the target: the request carries its record first.
         target = self._members.get(packet.target)
+        if target is None:
+            offered = [g for g in packet.updates if g.kind == "alive" and g.peer_id == packet.target]
+            try:
+                target = self._verify_alive(offered[0]) if offered else None
+            except PcpError:
+                target = None
         if target is None or packet.target in (self.self_peer_id, sender):
             return self._count(SwimPacket("nack", packet.probe, packet.target)), None, events
         return None, self._ping(target, packet.probe, self.config.ping_timeout_s), events
@@ -397,8 +415,11 @@ class Membership:
             elif age >= cfg.ping_timeout_s and not probe.indirect_sent:
                 probe.indirect_sent = True
                 helpers = [p for p in self._members if p != probe.target]
+                t = self._members[probe.target]
+                card = Gossip("alive", probe.target, *t.incarnation, t.signed_bytes)
                 for helper in self.rng.sample(helpers, min(cfg.indirect_k, len(helpers))):
-                    req = SwimPacket("ping_req", probe.id, probe.target, updates=self._piggyback())
+                    updates = (card, *self._piggyback()[: cfg.max_piggyback - 1])
+                    req = SwimPacket("ping_req", probe.id, probe.target, updates=updates)
                     effects.append(Send(helper, self._members[helper].record.addrs, self._count(req),
                                         cfg.probe_timeout_s - age))
         if self._probe is None and now >= self._next_probe_at and self._members:
@@ -413,6 +434,14 @@ class Membership:
                 self._remove(peer_id, now, "dead", events)
                 self.stats.confirmed += 1
                 self._enqueue(Gossip("dead", peer_id, *m.incarnation))
+        if self._queue and self._members and now >= self._next_gossip_at:
+            self._next_gossip_at = now + cfg.gossip_interval_s
+            peers = sorted(self._members)
+            for peer in self.rng.sample(peers, min(cfg.gossip_fanout, len(peers))):
+                packet = SwimPacket("gossip", updates=self._piggyback())
+                if packet.updates:
+                    effects.append(Send(peer, self._members[peer].record.addrs, self._count(packet),
+                                        cfg.ping_timeout_s))
         if self._next_sync_at is not None and now >= self._next_sync_at and (self._members or self._tombstones or self._seeds):
             self._sync_gap = min(self._sync_gap * 2, cfg.sync_every_s)
             self._next_sync_at = now + self._sync_gap
@@ -492,6 +521,7 @@ class Membership:
         current = self._members.get(g.peer_id)
         if current is None:
             if not self._make_room(g.peer_id, fresh.record, now, events):
+                self._relay_unknown(g)  # not in our view, but others may hold it: pass it on once
                 return
             fresh.last_seen = now
             self._members[g.peer_id] = fresh
@@ -521,12 +551,21 @@ class Membership:
                 self._refute_pending = True
             return
         current = self._members.get(g.peer_id)
-        if current is None or inc < current.incarnation:
+        if current is None:
+            self._relay_unknown(g)
+            return
+        if inc < current.incarnation:
             self.stats.stale += 1
+            return
+        if g.kind == "dead":
+            # Someone's suspicion ran out: as strong as `confirmations` suspecters (the
+            # shortest wait), still only a claim: this node decides, the subject may refute.
+            for i in range(self.config.confirmations):
+                self._suspect(g.peer_id, now, f"dead#{i}", relay=False)
             return
         self._suspect(g.peer_id, now, g.origin or "?")
 
-    def _suspect(self, peer_id: str, now: float, origin: str) -> None:
+    def _suspect(self, peer_id: str, now: float, origin: str, *, relay: bool = True) -> None:
         """Start suspecting, or count one more independent suspecter (which shortens the wait)."""
         m = self._members.get(peer_id)
         if m is None or origin in m.suspecters:
@@ -535,12 +574,35 @@ class Membership:
             m.suspect_since = now
             self.stats.suspicions += 1
         m.suspecters.add(origin)
-        if len(m.suspecters) <= self.config.confirmations:
+        if relay and len(m.suspecters) <= self.config.confirmations:
             self._enqueue(Gossip("suspect", peer_id, *m.incarnation, origin=origin))
 
-    def _enqueue(self, g: Gossip) -> None:
-        """Queue a change for piggybacking; a newer change about a peer replaces an older one."""
-        self._queue[g.peer_id] = _Outgoing(g, self._retransmits())
+    def _relay_unknown(self, g: Gossip) -> None:
+        """Gossip about a peer outside this node's (partial) view: relayed once, like any other.
+
+        Epidemic spread needs every node to pass changes on, not only the few
+        that hold the subject; ``_seen`` keeps a copy from being queued twice
+        (without it, each new copy would restart its retransmissions for ever).
+        """
+        key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
+        if key in self._seen:
+            return
+        self._seen[key] = None
+        while len(self._seen) > 8 * self.config.max_queue:
+            self._seen.popitem(last=False)
+        self._enqueue(g, known=False)
+
+    def _enqueue(self, g: Gossip, *, known: bool = True) -> None:
+        """Queue a change for piggybacking. A newer alive about a peer replaces all it says;
+        suspicions from different origins travel side by side (they are confirmations)."""
+        if g.kind == "alive":
+            for key in [k for k in self._queue if k[0] == g.peer_id]:
+                del self._queue[key]
+        self._queue[(g.peer_id, g.kind, g.origin)] = _Outgoing(g, self._retransmits(), known)
+        if len(self._queue) > self.config.max_queue:
+            # Bounded: what is about peers we do not hold goes first, then what was sent most.
+            victim = min(self._queue, key=lambda k: (self._queue[k].known, self._queue[k].left))
+            del self._queue[victim]
 
     def _retransmits(self) -> int:
         return self.config.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
@@ -551,14 +613,14 @@ class Membership:
         chosen = sorted(self._queue.items(), key=lambda kv: -kv[1].left)[: self.config.max_piggyback]
         out = []
         size = 0
-        for peer_id, item in chosen:
+        for key, item in chosen:
             size += len(item.gossip.record) + 128
             if size > MAX_PACKET // 2:
                 break
             out.append(item.gossip)
             item.left -= 1
             if item.left <= 0:
-                del self._queue[peer_id]
+                del self._queue[key]
         return tuple(out)
 
     def _sync_effect(self) -> Send:
@@ -601,10 +663,10 @@ class Membership:
 
     def _ping(self, target: Member, probe: int, timeout_s: float) -> Send:
         b, s = target.incarnation
-        about = self._queue.get(target.record.peer_id)
+        about = [o.gossip for k, o in self._queue.items() if k[0] == target.record.peer_id and k[1] != "alive"]
         updates = self._piggyback()
-        if about is not None and about.gossip not in updates:  # what we say about it goes to it first
-            updates = (about.gossip, *updates[: self.config.max_piggyback - 1])
+        if about and about[0] not in updates:  # what we say about it goes to it first (a chance to refute)
+            updates = (about[0], *updates[: self.config.max_piggyback - 1])
         packet = SwimPacket("ping", probe, target.record.peer_id, b, s, updates)
         return Send(target.record.peer_id, target.record.addrs, self._count(packet), timeout_s)
 
