@@ -238,3 +238,14 @@ def test_a_bootstrap_from_a_config_file_logs_into_its_data_dir(tmp_path: Path, l
     peer_id = node.addr.rsplit("/", 1)[1]
     assert f"node {peer_id} (bootstrap) listening on" in text and "left the swarm" in text
     assert "listening on" in stderr  # stderr keeps getting everything too
+
+
+def test_a_namespace_from_another_parser_still_lets_flags_win(tmp_path: Path) -> None:
+    """apply_config on a namespace no ConfigFileParser made: options off their defaults count as given."""
+    (tmp_path / "c.toml").write_text('log_level = "debug"\nmetrics_port = 9100\n')
+    args = argparse.Namespace(config=tmp_path / "c.toml", log_level="warning", metrics_port=None)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--metrics-port", type=int)
+    apply_config(parser, args)
+    assert (args.log_level, args.metrics_port) == ("warning", 9100)

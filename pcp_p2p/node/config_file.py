@@ -77,8 +77,8 @@ def add_config_parser(subparsers: argparse._SubParsersAction, name: str, **kwarg
     assert isinstance(parser, ConfigFileParser)
     parser.add_argument("--config", type=Path, metavar="FILE",
                         help="read options from this TOML file: keys are the long flags with '_' for '-' "
-                        "(data_dir = \"...\", bootstrap = [\"...\"], client_mode = true); flags given here "
-                        "override the file's keys; an unknown key is an error")
+                        "(data_dir = \"...\", bootstrap = [\"...\"], client_mode = true; relative paths are "
+                        "relative to the file); flags given here override the file's keys; an unknown key is an error")
     return parser
 
 
@@ -123,7 +123,9 @@ def apply_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         return
     table = load_toml(path)
     options = file_options(parser)
-    given = getattr(args, GIVEN, frozenset())
+    given = getattr(args, GIVEN, None)
+    if given is None:  # not parsed by a ConfigFileParser: an option off its default was given
+        given = {dest for dest, action in options.items() if getattr(args, dest, action.default) != action.default}
     values: dict[str, Any] = {}
     for key, value in table.items():
         action = options.get(key)
