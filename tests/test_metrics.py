@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -245,3 +246,36 @@ def test_healthz_over_http(health: Callable[[], Mapping[str, Any]] | None, code:
         assert parse(get(f"http://127.0.0.1:{server.port}/metrics"))[("pcp_status_up", ())] == 1
     finally:
         server.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_bootstrap_never_answers_is_503_starting(tmp_path: Path) -> None:
+    from pcp_p2p.node.identity import Identity
+    from test_cli_errors import Node
+
+    port = free_port()
+    dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"
+    node = Node("node", "join", "--bootstrap", dead, "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(tmp_path),
+                "--metrics-port", str(port))  # returns once the node listens, the exporter already up
+    try:
+        code, body = get_health(port)
+        assert (code, body["status"], body["bootstrapped"]) == (503, "starting", False)
+        assert node.addr.endswith(body["peer_id"]) and body["runs"] == []
+    finally:
+        node.stop()
+
+
+def test_the_grafana_dashboard_asks_only_for_metrics_a_node_exports() -> None:
+    from pcp_p2p.node.metrics import PHASE_CODES
+
+    dash = json.loads((Path(__file__).parent.parent / "examples" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in dash["templating"]["list"] if v["type"] == "query"]
+    asked = {name for e in exprs for name in re.findall(r"\bpcp_[a-z_]+", e)}
+    obj = snapshot("run")
+    obj["run"]["is_shepherd"] = True  # reported by RunRuntime.status; the recorded fixture predates it
+    exported = names(scrape(lambda: obj))
+    assert asked and asked <= exported, f"not exported: {sorted(asked - exported)}"
+    phases = next(p for p in dash["panels"] if "pcp_run_phase" in p["targets"][0]["expr"])
+    mapped = {int(k) for m in phases["fieldConfig"]["defaults"]["mappings"] for k in m["options"]}
+    assert mapped == {0, *PHASE_CODES.values()}
