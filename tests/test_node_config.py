@@ -249,3 +249,25 @@ def test_a_namespace_from_another_parser_still_lets_flags_win(tmp_path: Path) ->
     parser.add_argument("--metrics-port", type=int)
     apply_config(parser, args)
     assert (args.log_level, args.metrics_port) == ("warning", 9100)
+
+
+def test_every_kind_of_option_from_a_file(tmp_path: Path) -> None:
+    """The kinds of argparse option a command might add later, each from its TOML value."""
+    root = argparse.ArgumentParser(prog="t")
+    cmd = add_config_parser(root.add_subparsers(), "cmd")
+    cmd.add_argument("--quiet", action="store_false", dest="chatty")
+    cmd.add_argument("--colour", action=argparse.BooleanOptionalAction, default=True)
+    cmd.add_argument("-v", "--verbose", action="count", default=0)
+    cmd.add_argument("--sizes", nargs="+", type=int)
+    cmd.add_argument("--ratio", type=float, default=1.0)
+    (tmp_path / "c.toml").write_text("chatty = true\ncolour = false\nverbose = 2\nsizes = [1, 2]\nratio = 3\n")
+    args = root.parse_args(["cmd", "--config", str(tmp_path / "c.toml")])
+    apply_config(cmd, args)
+    # a key holds the value stored under its name: chatty = true is chatty, whatever flag stores it
+    assert (args.chatty, args.colour, args.verbose, args.sizes, args.ratio) == (True, False, 2, [1, 2], 3.0)
+    (tmp_path / "c.toml").write_text("chatty = false\n")
+    apply_config(cmd, args)
+    assert args.chatty is False
+    (tmp_path / "c.toml").write_text("verbose = -1\n")
+    with pytest.raises(ConfigError, match="verbose must be a count"):
+        apply_config(cmd, args)

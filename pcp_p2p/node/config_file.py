@@ -17,7 +17,8 @@ command, where the CLI's error path is):
   the file and fills every option the command line did not name.
 
 Values are TOML's own types: strings for paths and addresses, integers,
-booleans for on/off flags (``client_mode = true``), arrays (or one string) for
+booleans for on/off flags (``client_mode = true``: a key holds the value stored
+under its name), arrays (or one string) for
 repeatable flags. Relative paths are relative to the file's directory, so a
 file means the same whatever directory the service starts in.
 """
@@ -142,13 +143,21 @@ def apply_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 def _value(action: argparse.Action, value: Any, path: Path, key: str) -> Any:
     """``value`` from the file as ``action`` would have stored it from the command line."""
     where = f"{path}: {key}"
-    if action.nargs == 0:  # store_true / store_false / store_const
+    if isinstance(action, (argparse._StoreConstAction, argparse.BooleanOptionalAction)):  # on/off flags
         if not isinstance(value, bool):
             raise ConfigError(f"{where} must be true or false, not {value!r}")
-        return action.const if value else action.default
-    if isinstance(action, argparse._AppendAction):
-        items = [value] if not isinstance(value, list) else value
+        if isinstance(action, argparse.BooleanOptionalAction) or isinstance(action.const, bool):
+            return value  # store_true / store_false: the key is the value stored under its name
+        return action.const if value else action.default  # store_const: "key = true" is the flag given
+    if isinstance(action, argparse._CountAction):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{where} must be a count (0, 1, 2, ...), not {value!r}")
+        return value
+    if isinstance(action, argparse._AppendAction) or action.nargs in ("*", "+") or isinstance(action.nargs, int):
+        items = [value] if not isinstance(value, list) else value  # one string is a list of one
         return [_one(action, item, path, where) for item in items]
+    if action.nargs not in (None, "?"):
+        raise ConfigError(f"{where} cannot be set from a file")
     if isinstance(value, (list, dict)):
         raise ConfigError(f"{where} takes one value, not {value!r}")
     return _one(action, value, path, where)
