@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
 from collections import Counter, OrderedDict
+from pathlib import Path
 
 _configured = False
 
@@ -61,6 +63,46 @@ def configure(level: int | str = logging.INFO, *, json_lines: bool = False, libp
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(libp2p_level)
     _configured = True
+
+
+# A node's log file (DATA_DIR/logs/pcp.log unless --log-file): rotated at
+# LOG_FILE_MAX_BYTES into LOG_FILE_BACKUPS older files (pcp.log.1 ... .N),
+# so it never takes more than (1 + N) x that size.
+LOG_FILE_NAME = Path("logs") / "pcp.log"
+LOG_FILE_MAX_BYTES = 10 * 1024 * 1024
+LOG_FILE_BACKUPS = 5
+MIN_LOG_FILE_BYTES = 1024
+
+
+def log_to_file(
+    path: Path,
+    *,
+    max_bytes: int = LOG_FILE_MAX_BYTES,
+    backups: int = LOG_FILE_BACKUPS,
+    json_lines: bool = False,
+) -> logging.Handler:
+    """Also write the process's log to ``path``, rotated by size (replaces an earlier file handler).
+
+    The file gets the same records as stderr, with full dates (a file outlives
+    the day it was started). Raises ConfigError for sizes that would not bound
+    it; OSError if the file cannot be opened (the CLI names the path).
+    """
+    from pcp_p2p.errors import ConfigError
+
+    if max_bytes < MIN_LOG_FILE_BYTES:
+        raise ConfigError(f"log file size limit too small: {max_bytes} bytes (at least {MIN_LOG_FILE_BYTES})")
+    if backups < 1:
+        raise ConfigError(f"log file backups must be at least 1, not {backups}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8")
+    handler.setFormatter(JsonFormatter() if json_lines else
+                         logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, logging.handlers.RotatingFileHandler)]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    return handler
 
 
 class LogOnce:

@@ -97,15 +97,6 @@ def test_bootstrap_prints_its_full_multiaddr_and_stops_on_sigterm(tmp_path: Path
             proc.kill()
 
 
-def test_example_bootstrap_config_is_valid() -> None:
-    import tomllib
-
-    from pcp_p2p.node.commands import BOOTSTRAP_CONFIG_KEYS
-
-    cfg = tomllib.loads((Path(__file__).parent.parent / "bootstrap" / "pcp-bootstrap.toml").read_text())
-    assert set(cfg) <= BOOTSTRAP_CONFIG_KEYS and cfg["listen"]
-
-
 def test_bootstrap_config_with_unknown_key_is_refused(tmp_path: Path) -> None:
     (tmp_path / "c.toml").write_text('listen = ["/ip4/127.0.0.1/tcp/0"]\nlisten_port = 3\n')
     res = run("bootstrap", "--config", str(tmp_path / "c.toml"), "--data-dir", str(tmp_path))

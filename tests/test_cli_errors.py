@@ -130,7 +130,7 @@ CASES: dict[str, Case] = {
         f"cannot serve metrics on 127.0.0.1:{port}: address already in use"),
     "node join: data dir not writable": _unreadable_blob_dir,
     "node join: data dir is a file": lambda tmp, boot, port: (
-        (tmp / "f").write_text(""), ["node", "join", "--data-dir", str(tmp / "f" / "sub")])[1:] + ("identity.key",),
+        (tmp / "f").write_text(""), ["node", "join", "--data-dir", str(tmp / "f" / "sub")])[1:] + ("f/sub/logs: not a directory",),
     "run create: bad run spec": _bad_spec,
     "status: dead node": lambda tmp, boot, port: (
         ["status", "--json", "--connect", f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}", "--timeout", "5"], ""),

@@ -8,7 +8,7 @@ import json
 import logging
 import signal
 import sys
-import tomllib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,21 +18,23 @@ import trio
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError
 from pcp_p2p.node.capabilities import BACKENDS
+from pcp_p2p.node.config_file import add_config_parser, with_config
 from pcp_p2p.node.identity import default_data_dir
 
-ADDR_FILE = "node.addr"
-BOOTSTRAP_CONFIG_KEYS = frozenset({"listen", "data_dir", "swarm_key", "addr_file", "bootstrap"})  # every running node writes its full multiaddr here, in its data dir
+ADDR_FILE = "node.addr"  # every running node writes its full multiaddr here, in its data dir
 log = logging.getLogger("pcp.cli")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     node = sub.add_parser("node", help="run a PCP node")
     node_sub = node.add_subparsers(dest="node_command", metavar="ACTION", required=True)
-    join = node_sub.add_parser(
+    join = add_config_parser(
+        node_sub,
         "join",
         help="join a swarm and stay up until interrupted",
         description="Join a PCP swarm through one or more bootstrap servers and stay up until "
-        "Ctrl+C or SIGTERM. The node keeps its identity in --data-dir.",
+        "Ctrl+C or SIGTERM. The node keeps its identity in --data-dir. Every option may also come "
+        "from a TOML --config file (see examples/node.toml); flags given on the command line override it.",
     )
     join.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="full multiaddr of a bootstrap server (.../p2p/<peer id>); repeatable, any one answering is enough")
@@ -48,22 +50,22 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     join.add_argument("--trust-any", action="store_true",
                       help="train for ANY run owner: anyone who can reach this node can make it download and run "
                       "their compiled code. For local demos only")
-    join.set_defaults(func=_cmd_join)
+    join.set_defaults(func=with_config(join, _cmd_join))
 
-    boot = sub.add_parser(
+    boot = add_config_parser(
+        sub,
         "bootstrap",
         help="run a long-lived bootstrap server (a DHT server with a stable identity)",
         description="Run a bootstrap server: a DHT server node with a stable identity that new nodes "
-        "dial first. Prints its full multiaddr. Options may also come from a TOML --config file "
-        "(keys: listen, data_dir, swarm_key, addr_file); flags override it.",
+        "dial first. Prints its full multiaddr. Every option may also come from a TOML --config file "
+        "(see bootstrap/pcp-bootstrap.toml); flags given on the command line override it.",
     )
-    boot.add_argument("--config", type=Path, metavar="FILE", help="TOML config file (see bootstrap/pcp-bootstrap.toml)")
     boot.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                       help="address to listen on (default /ip4/0.0.0.0/tcp/4001); repeatable")
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="other bootstrap servers to peer with; repeatable")
     _common_node_args(boot)
-    boot.set_defaults(func=_cmd_bootstrap)
+    boot.set_defaults(func=with_config(boot, _cmd_bootstrap))
 
     status = sub.add_parser(
         "status",
@@ -106,8 +108,15 @@ def _common_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swarm-key", type=Path, metavar="FILE", help="join a private swarm with this pre-shared key")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="one JSON object per log line")
+    p.add_argument("--log-file", type=Path, metavar="PATH",
+                   help=f"also log to this file, rotated by size (default <data-dir>/{logs.LOG_FILE_NAME})")
+    p.add_argument("--no-log-file", action="store_true", help="log to stderr only")
+    p.add_argument("--log-file-max-bytes", type=int, default=logs.LOG_FILE_MAX_BYTES, metavar="N",
+                   help=f"rotate the log file when it reaches N bytes (default {logs.LOG_FILE_MAX_BYTES})")
+    p.add_argument("--log-file-backups", type=int, default=logs.LOG_FILE_BACKUPS, metavar="N",
+                   help=f"rotated log files kept, pcp.log.1 ... .N (default {logs.LOG_FILE_BACKUPS})")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                   help="serve Prometheus metrics on http://HOST:PORT/metrics (default: off)")
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics and health on /healthz (default: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
                    help="address the metrics exporter binds (default 127.0.0.1; 0.0.0.0 exposes it)")
 
@@ -132,39 +141,24 @@ def _cmd_join(args: argparse.Namespace) -> int:
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from pcp_p2p.node.node import NodeConfig
 
-    cfg: dict[str, Any] = {}
-    if args.config:
-        try:
-            cfg = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read {args.config}: {exc}") from exc
-        unknown = set(cfg) - BOOTSTRAP_CONFIG_KEYS
-        if unknown:
-            raise ConfigError(f"{args.config}: unknown keys {', '.join(sorted(unknown))}")
-    listen = args.listen or _as_list(cfg.get("listen")) or ["/ip4/0.0.0.0/tcp/4001"]
-    data_dir = args.data_dir or (Path(cfg["data_dir"]) if "data_dir" in cfg else default_data_dir() / "bootstrap")
-    swarm_key = args.swarm_key or (Path(cfg["swarm_key"]) if "swarm_key" in cfg else None)
-    if args.addr_file is None and "addr_file" in cfg:
-        args.addr_file = Path(cfg["addr_file"])
     config = NodeConfig(
-        data_dir=data_dir,
-        listen=tuple(listen),
-        bootstrap=tuple(args.bootstrap or _as_list(cfg.get("bootstrap"))),
+        data_dir=args.data_dir or default_data_dir() / "bootstrap",
+        listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),
+        bootstrap=tuple(args.bootstrap),
         role="bootstrap",
-        swarm_key=swarm_key,
+        swarm_key=args.swarm_key,
         benchmark_s=0.0,
     )
     return _serve(config, args, print_addr=True)
 
 
-def _as_list(value: Any) -> list[str]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value
-    raise ConfigError(f"expected a string or a list of strings, got {value!r}")
+def _configure_logs(args: argparse.Namespace, data_dir: Path) -> None:
+    """stderr, and unless ``--no-log-file`` the rotated log file (in the data dir by default)."""
+    logs.configure(args.log_level.upper(), json_lines=args.log_json)
+    if not args.no_log_file:
+        path = args.log_file or data_dir / logs.LOG_FILE_NAME
+        logs.log_to_file(path, max_bytes=args.log_file_max_bytes, backups=args.log_file_backups,
+                         json_lines=args.log_json)
 
 
 def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, training: bool = False) -> int:
@@ -176,7 +170,7 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, t
     from pcp_p2p.node.node import check_can_bind, open_node
     from pcp_p2p.shutdown import Interrupted, run_until_signal
 
-    logs.configure(args.log_level.upper(), json_lines=args.log_json)
+    _configure_logs(args, config.data_dir)
     if getattr(args, "metrics_port", None) is not None:  # refused before the node starts, not after
         check_can_bind(args.metrics_host, args.metrics_port, f"serve metrics on {args.metrics_host}:{args.metrics_port}")
     trust = None
@@ -242,11 +236,28 @@ async def _metrics(node: Any, args: argparse.Namespace) -> AsyncIterator[None]:
         args.metrics_port,
         lambda: trio.from_thread.run_sync(lambda: to_json(node.status()), trio_token=token),
         host=args.metrics_host,
+        health_fn=lambda: trio.from_thread.run_sync(lambda: node_health(node, time.time()), trio_token=token),
     )
     try:
         yield
     finally:
         server.close()
+
+
+def node_health(node: Any, now: float) -> dict[str, Any]:
+    """What ``GET /healthz`` reports (see :func:`pcp_p2p.node.metrics.health_reply`).
+
+    Built from the node's own fields rather than its full status: a probe every
+    few seconds must stay cheap and must not depend on the training sections.
+    """
+    return {
+        "peer_id": node.peer_id,
+        "role": node.config.role,
+        "uptime_s": round(max(0.0, now - node.started_at), 1),
+        "bootstrapped": node.bootstrapped.is_set(),
+        "connected_peers": len(node.host.get_network().connections),
+        "runs": sorted(node.runs),
+    }
 
 
 def _write_addr(path: Path, addr: str) -> None:

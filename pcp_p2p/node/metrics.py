@@ -14,21 +14,34 @@ so a node passes a function that hops into its trio thread
 ``pcp_p2p.node.commands._serve``). A ``status_fn`` that raises gives
 ``pcp_status_up 0`` instead of a failed scrape.
 
+The same server answers ``GET /healthz`` (:func:`health_reply`): 200 and a
+small JSON object when the node is up and bootstrapped, 503 otherwise, for
+load balancers, container health checks and service managers that want a
+yes/no rather than a scrape.
+
+Run metrics carry a ``run_id`` label, and the run's phase is a value
+(``pcp_run_phase``, codes in :data:`PHASE_CODES`) rather than a label, so a
+run has the same few series from its first round to its last.
+
 Metric names are listed in ``docs/tui.md``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import socket
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
+from socketserver import ThreadingMixIn
 from typing import Any
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -40,6 +53,36 @@ PREFIX = "pcp"
 # network.rejected keys are "<what>:<ErrorClass>"; these <what>s are submitted updates.
 SUBMISSION_KINDS = frozenset({"submission", "submit", "update", "delta", "pseudo_gradient"})
 StatusFn = Callable[[], Mapping[str, Any]]
+HealthFn = Callable[[], Mapping[str, Any]]
+HEALTH_PATH = "/healthz"
+
+# pcp_run_phase's values, by the first word of the run's phase ("idle: no allowed
+# target" is idle, "stopped: <why>" stopped). 0 is any phase not listed here.
+# Append new codes; never renumber (dashboards and alerts compare these numbers).
+PHASE_CODES: dict[str, int] = {
+    "starting": 1,
+    "joining": 2,
+    "electing": 3,
+    "compiling": 4,
+    "waiting": 5,  # waiting for quorum
+    "idle": 6,
+    "fetching": 7,
+    "training": 8,
+    "submitted": 9,
+    "finished": 10,
+    "stopped": 11,
+    "failed": 12,
+    "error": 12,
+}
+SHEPHERD_LOST = "(shepherd lost)"
+
+
+def phase_code(phase: Any) -> int:
+    """``pcp_run_phase``'s value for a status ``run.phase`` string (0: unknown)."""
+    if not isinstance(phase, str) or not phase.strip():
+        return 0
+    word = phase.strip().split()[0].rstrip(":,;").lower()
+    return PHASE_CODES.get(word, 0)
 
 
 def _num(value: Any) -> float | None:
@@ -179,13 +222,35 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
         yield sub
 
 
+def _run_gauge(name: str, doc: str, run_id: str, value: float) -> GaugeMetricFamily:
+    fam = _gauge(name, doc, labels=("run_id",))
+    fam.add_metric([run_id], value)
+    return fam
+
+
 def _run(run: Mapping[str, Any]) -> Iterator[Metric]:
     if not run:
         return
-    info = _gauge("run_info", "constant 1, labelled with the current run, phase and shepherd",
-                  labels=("run_id", "phase", "shepherd"))
-    info.add_metric([str(run.get("run_id") or ""), str(run.get("phase") or ""), str(run.get("shepherd") or "")], 1.0)
+    run_id = str(run.get("run_id") or "")
+    info = _gauge("run_info", "constant 1, labelled with the run this node takes part in",
+                  labels=("run_id", "name", "owner"))
+    info.add_metric([run_id, str(run.get("name") or ""), str(run.get("owner") or "")], 1.0)
     yield info
+    phase = run.get("phase")
+    yield _run_gauge("run_phase", "the run's phase as a number (docs/tui.md: 1 starting, 2 joining, 3 electing, "
+                     "4 compiling, 5 waiting for quorum, 6 idle, 7 fetching, 8 training, 9 submitted, 10 finished, "
+                     "11 stopped, 12 failed; 0 other)", run_id, float(phase_code(phase)))
+    lost = isinstance(phase, str) and phase.rstrip().endswith(SHEPHERD_LOST)
+    yield _run_gauge("run_shepherd_lost", "1 while this node has lost sight of the run's shepherd", run_id,
+                     1.0 if lost else 0.0)
+    if run.get("shepherd"):  # an identity, not a state: changes only on a failover or rotation
+        shepherd = _gauge("run_shepherd_info", "constant 1, labelled with the run's current shepherd",
+                          labels=("run_id", "shepherd"))
+        shepherd.add_metric([run_id, str(run["shepherd"])], 1.0)
+        yield shepherd
+    if isinstance(run.get("is_shepherd"), bool):
+        yield _run_gauge("run_is_shepherd", "1 if this node is the run's shepherd", run_id,
+                         1.0 if run["is_shepherd"] else 0.0)
     for key, name, doc in (
         ("round", "run_round", "current outer round"),
         ("loss", "run_loss", "training loss of the last committed round"),
@@ -197,11 +262,13 @@ def _run(run: Mapping[str, Any]) -> Iterator[Metric]:
         ("deadline_s", "run_deadline_seconds", "seconds left until the round deadline"),
     ):
         if (v := _num(run.get(key))) is not None:
-            yield _gauge(name, doc, v)
+            yield _run_gauge(name, doc, run_id, v)
     history = run.get("history")
     if isinstance(history, list) and history:
         tokens = sum(_num(h.get("tokens")) or 0.0 for h in history if isinstance(h, Mapping))
-        yield CounterMetricFamily(f"{PREFIX}_run_tokens", "tokens processed in committed rounds", value=tokens)
+        fam = CounterMetricFamily(f"{PREFIX}_run_tokens", "tokens processed in committed rounds", labels=["run_id"])
+        fam.add_metric([run_id], tokens)
+        yield fam
 
 
 def _shepherd(obj: Mapping[str, Any]) -> Iterator[Metric]:
@@ -261,8 +328,60 @@ def build_registry(status_fn: StatusFn) -> CollectorRegistry:
     return registry
 
 
-def serve_metrics(port: int, status_fn: StatusFn, host: str = "127.0.0.1") -> MetricsServer:
-    """Start the Prometheus HTTP exporter on ``host:port`` (port 0: any free one; see ``.port``).
+def health_reply(health_fn: HealthFn | None) -> tuple[int, dict[str, Any]]:
+    """``GET /healthz``'s status code and JSON body.
+
+    200 with ``status: "ok"`` when ``health_fn`` answers and says
+    ``bootstrapped: true``; 503 with ``status: "starting"`` before that, and
+    with ``status: "down"`` (and the error) when it cannot answer at all (the
+    node is stopping). ``health_fn`` gives the node's fields (see
+    ``pcp_p2p.node.commands.node_health``): peer id, uptime, bootstrapped,
+    connected peers, runs.
+    """
+    if health_fn is None:
+        return 404, {"status": "unknown", "error": "this server has no health check"}
+    try:
+        obj = health_fn()
+        if not isinstance(obj, Mapping):
+            raise TypeError(f"health_fn returned {type(obj).__name__}, not a mapping")
+    except Exception as exc:  # a probe must get an answer, never a dropped connection
+        return 503, {"status": "down", "error": " ".join(str(exc).split()) or type(exc).__name__}
+    ok = obj.get("bootstrapped") is True
+    return (200 if ok else 503), {"status": "ok" if ok else "starting", **obj}
+
+
+def _app(registry: CollectorRegistry, health_fn: HealthFn | None) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: ``/healthz`` here, every other path the Prometheus exposition."""
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != HEALTH_PATH:
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+        code, body = health_reply(health_fn)
+        data = json.dumps(body).encode() + b"\n"
+        start_response(f"{code} {HTTPStatus(code).phrase}", [
+            ("Content-Type", "application/json"), ("Content-Length", str(len(data))), ("Cache-Control", "no-store"),
+        ])
+        return [data] if environ.get("REQUEST_METHOD") != "HEAD" else []
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- a scrape every few seconds is not news
+        pass
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """One thread per request, so a slow scrape cannot hold up a health probe."""
+
+    daemon_threads = True
+
+
+def serve_metrics(port: int, status_fn: StatusFn, host: str = "127.0.0.1",
+                  health_fn: HealthFn | None = None) -> MetricsServer:
+    """Start the Prometheus HTTP exporter on ``host:port`` (port 0: any free one; see ``.port``),
+    with ``GET /healthz`` answered from ``health_fn`` (404 without one).
 
     ``host`` is 127.0.0.1 by default: metrics name peers and runs, so exposing
     them beyond the machine (``0.0.0.0``) is a decision the operator makes.
@@ -272,8 +391,12 @@ def serve_metrics(port: int, status_fn: StatusFn, host: str = "127.0.0.1") -> Me
         raise ConfigError(f"metrics port out of range: {port}")
     registry = build_registry(status_fn)
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, _app(registry, health_fn), server_class, handler_class=_QuietHandler)
     except OSError as exc:
-        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
-    log.info("metrics on http://%s:%d/metrics", host, int(server.server_address[1]))
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}".rstrip()) from exc
+    thread = threading.Thread(target=server.serve_forever, name="pcp-metrics", daemon=True)
+    thread.start()
+    log.info("metrics on http://%s:%d/metrics, health on %s", host, int(server.server_address[1]), HEALTH_PATH)
     return MetricsServer(server, thread, registry)
