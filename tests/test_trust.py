@@ -253,3 +253,68 @@ async def test_a_late_trusting_node_finds_an_existing_run_when_its_trust_file_ch
     # What b advertises to the swarm: it takes part in the run.
     await boot.wait_until(lambda: all(
         (m := boot.membership.get(n.peer_id)) is not None and run_id in m.record.runs for n in (a, b)), timeout=30)
+
+
+# --- the CLI, end to end (processes) --------------------------------------------------------
+
+
+def test_a_bad_trust_flag_or_missing_trust_file_is_one_error_line(tmp_path: Path) -> None:
+    from pcp_p2p.node.local_swarm import pcp_command
+
+    for extra, says in ((["--trust", "12D3KooWnope"], "is not a peer id"),
+                        (["--trust-file", str(tmp_path / "missing")], "cannot read --trust-file")):
+        res = subprocess.run([*pcp_command(), "node", "join", "--data-dir", str(tmp_path / "n"),
+                              "--listen", "/ip4/127.0.0.1/tcp/0", *extra],
+                             capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        errors = [line for line in res.stderr.splitlines() if line.startswith("pcp: error: ")]
+        assert res.returncode == 1 and len(errors) == 1 and says in errors[0], res.stderr[-2000:]
+        assert "Traceback" not in res.stderr
+
+
+@pytest.mark.slow
+async def test_pcp_node_join_trust_file_reload_and_run_create_report(tmp_path: Path) -> None:
+    """``pcp node join --trust-file``: the run is refused with its reason and a quorum warning,
+    then the file is edited and the node takes the run up, no restart.
+
+    (Finding a run by owner is the in-process test above: in a swarm of processes on this
+    shared machine, a node started after ``run create`` currently times out on DHT gets
+    while the departed client lingers in routing tables, issue #19 item 6.)"""
+    from pcp_p2p.node.local_swarm import local_swarm, pcp_command
+    from pcp_p2p.node.status import to_json
+
+    trust_file = tmp_path / "trust"
+    trust_file.write_text("# owners\nnot-a-peer-id\n")
+    (tmp_path / "run.toml").write_text(spec_text())
+
+    async def run_of(swarm, proc) -> str | None:  # type: ignore[no-untyped-def]
+        try:
+            return (to_json(await swarm.status(proc)).get("run") or {}).get("run_id")
+        except Exception:
+            return None
+
+    async def wait_until_in_run(swarm, proc, run_id: str) -> None:  # type: ignore[no-untyped-def]
+        with trio.fail_after(60):  # polled: no cross-process event says "took the run up"
+            while await run_of(swarm, proc) != run_id:
+                await trio.sleep(0.5)
+
+    async with local_swarm(tmp_path) as swarm:
+        boot = await swarm.start_bootstrap()
+        worker = await swarm.add_worker(["--trust-file", str(trust_file)])
+        created = await trio.to_thread.run_sync(lambda: subprocess.run(
+            [*pcp_command(), "run", "create", str(tmp_path / "run.toml"), "--bootstrap", boot.addr,
+             "--data-dir", str(tmp_path / "owner"), "--wait", "15"],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL))
+        assert created.returncode == 0, created.stderr[-3000:]
+        run_id = created.stdout.split()[1]
+        owner_id = created.stdout.splitlines()[1].split()[1]
+        assert "handed to 0 node(s); 1 refused:" in created.stderr, created.stderr
+        assert f"  {worker.peer_id}: not trusted (start it with --trust {owner_id}" in created.stderr
+        assert "pcp: warning: the run needs 2 workers per round (round.min_quorum) but 0 node(s)" in created.stderr
+
+        tmp = tmp_path / "trust.new"
+        tmp.write_text(f"# owners\nnot-a-peer-id\n{owner_id}\n")
+        tmp.replace(trust_file)
+        await wait_until_in_run(swarm, worker, run_id)
+
+    log = (tmp_path / f"{worker.name}.log").read_text()
+    assert log.count("line 2: 'not-a-peer-id' is not a peer id (skipped)") == 2  # once per version of the file

@@ -69,6 +69,7 @@ class TrainingService:
         self.trust_file = trust_file
         self.flag_owners = flag_owners  # --trust: kept whatever the file says
         self._owner_looked: dict[str, float] = {}  # owner -> trio time of its last owner-runs lookup
+        self._owner_listed: dict[str, list[str]] = {}  # trusted owner -> the live runs its list names
 
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
@@ -140,6 +141,11 @@ class TrainingService:
                 for run_id in self.book.unknown(member.record.runs):
                     await self._look_up(run_id)
             await self._look_up_owners()
+            # Listed runs are looked up each pass until found, like advertised ones:
+            # a DHT miss on the run record must not wait for the next owner lookup.
+            for owner, run_ids in list(self._owner_listed.items()):
+                for run_id in self.book.unknown(run_ids):
+                    await self._look_up(run_id)
             await trio.sleep(DISCOVERY_PERIOD_S)
 
     async def _trust_file_loop(self) -> None:
@@ -167,9 +173,10 @@ class TrainingService:
             self._start(run)
         for owner in added | removed:
             self._owner_looked.pop(owner, None)  # an added owner is looked up on the next pass
+            self._owner_listed.pop(owner, None)
 
     async def _look_up_owners(self) -> None:
-        """Read the ``owner-runs`` record of trusted owners not looked up lately; take up their runs."""
+        """Read the ``owner-runs`` record of trusted owners not looked up lately; note the runs it lists."""
         now = trio.current_time()
         due = [o for o in sorted(self.book.trust.owners)
                if o not in self._owner_looked or now - self._owner_looked[o] >= OWNER_LOOKUP_PERIOD_S]
@@ -184,9 +191,9 @@ class TrainingService:
                 self._owner_looked[owner] = now - OWNER_LOOKUP_PERIOD_S + OWNER_RETRY_S
                 continue
             # The validator checked the record is this owner's; each run is then
-            # fetched as its own owner-signed record and checked against trust.
-            for run_id in self.book.unknown(listed.live(time.time())):
-                await self._look_up(run_id)
+            # fetched as its own owner-signed record and checked against trust
+            # (by the discovery loop, until found).
+            self._owner_listed[owner] = listed.live(time.time())
 
     async def _look_up(self, run_id: str) -> None:
         try:
