@@ -111,6 +111,25 @@ def test_a_run_refused_for_want_of_trust_is_taken_up_when_its_owner_is_trusted()
     assert book.offer(run) is None and not book.untrusted  # known now; nothing held
 
 
+def test_a_run_this_machine_cannot_run_is_refused_with_that_reason() -> None:
+    from pcp_p2p.compile.targets import TARGETS
+    from pcp_p2p.diloco.runs import NoAllowedTarget
+    from pcp_p2p.diloco.service import fits_this_machine
+    from pcp_p2p.node.cpu import best_cpu_target
+    from pcp_p2p.node.messaging import refusal_of
+
+    other = next(t for t in TARGETS if t != best_cpu_target().name)
+    spec = parse_spec(spec_text() + f'[targets]\nallowed = ["{other}"]\n')
+    run = sign_spec(spec, OWNER)
+    book = RunBook(TrustPolicy(frozenset({OWNER.peer_id})), fits=fits_this_machine)
+    with pytest.raises(NoAllowedTarget) as caught:
+        book.offer(run)
+    answer = refusal_of(caught.value)  # what the owner's `run create` is told
+    assert answer.reason == "no_target" and best_cpu_target().name in answer.detail and other in answer.detail
+    assert run_id_of(run) not in book.runs and not book.untrusted  # not held: more trust would not help
+    assert book.offer(sign_spec(parse_spec(spec_text()), OWNER)) is not None  # the default targets fit
+
+
 def test_the_held_untrusted_specs_are_bounded() -> None:
     book = RunBook(TrustPolicy())
     runs = [signed(STRANGER, f"flood{i}") for i in range(MAX_HELD_UNTRUSTED + 5)]
