@@ -42,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="sign a run spec (TOML) and publish it to the swarm",
         description="Sign SPEC.toml with this machine's key (which makes you the run's owner), store "
         "it in the swarm's DHT and send it to every node that is up. Nodes train for it only if they "
-        "trust you: give them your peer id (printed here) for `pcp node join --trust`.",
+        "trust you: give them your peer id (printed here) for `pcp node join --trust` or their --trust-file "
+        "(nodes that trust you later still find the run: it is listed under your id). Prints which nodes took "
+        "the run, which refused it and why, and warns when fewer took it than its round.min_quorum.",
     )
     create.add_argument("spec", type=Path, metavar="SPEC.toml")
     _client_flags(create)
