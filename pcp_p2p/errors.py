@@ -24,6 +24,11 @@ from __future__ import annotations
 class PcpError(Exception):
     """Root of every error PCP raises deliberately."""
 
+    refusal_reason: str = "refused"
+    """The code a direct-message handler's refusal carries back to the sender
+    (:mod:`pcp_p2p.node.messaging`); subclasses that mean something to the
+    sender name it (``not_trusted``, ``no_target``)."""
+
 
 # --- the peer's fault -------------------------------------------------------
 
@@ -98,6 +103,21 @@ class OverBudget(RemoteError):
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class Refused(RemoteError):
+    """A peer read our message and declined it, and said why.
+
+    ``reason`` is a short code (``not_trusted``, ``no_target``, ``refused``…)
+    the receiver chose from its own closed set; the message is the peer's
+    bounded, printable explanation. What a sender shows a person (``pcp run
+    create``'s "2 refused: …") rather than a bare reset stream.
+    """
+
+    def __init__(self, message: str, reason: str = "refused", detail: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.detail = detail or message
 
 
 class RejectedUpdate(RemoteError):

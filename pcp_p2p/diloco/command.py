@@ -15,13 +15,14 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pcp_p2p import logs
-from pcp_p2p.errors import ConfigError, PcpError
+from pcp_p2p.errors import ConfigError, PcpError, Refused
 from pcp_p2p.node.identity import default_data_dir, load_or_create_identity
 from pcp_p2p.shutdown import run_until_signal
 
@@ -41,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="sign a run spec (TOML) and publish it to the swarm",
         description="Sign SPEC.toml with this machine's key (which makes you the run's owner), store "
         "it in the swarm's DHT and send it to every node that is up. Nodes train for it only if they "
-        "trust you: give them your peer id (printed here) for `pcp node join --trust`.",
+        "trust you: give them your peer id (printed here) for `pcp node join --trust` or their --trust-file "
+        "(nodes that trust you later still find the run: it is listed under your id). Prints which nodes took "
+        "the run, which refused it and why, and warns when fewer took it than its round.min_quorum.",
     )
     create.add_argument("spec", type=Path, metavar="SPEC.toml")
     _client_flags(create)
@@ -84,14 +87,42 @@ def _cmd_create(args: argparse.Namespace) -> int:
     identity = load_or_create_identity(data_dir)
     signed = sign_spec(load_spec(args.spec), identity)
     run_id = run_id_of(signed)
-    reached = run_until_signal(_publish, args, data_dir, identity, signed)
+    handoff = run_until_signal(_publish, args, data_dir, identity, signed)
+    quorum = signed.spec.round.min_quorum
+    short = len(handoff.accepted) < quorum
+    warning = (f"the run needs {quorum} workers per round (round.min_quorum) but {len(handoff.accepted)} "
+               "node(s) accepted it: its first round waits until enough nodes that trust you join") if short else None
     if args.json:
-        print(json.dumps({"run_id": run_id, "owner": identity.peer_id, "nodes_reached": reached}))
+        print(json.dumps({
+            "run_id": run_id, "owner": identity.peer_id, "nodes_reached": len(handoff.accepted),
+            "refused": [{"peer": p, "reason": e.reason, "detail": e.detail} for p, e in handoff.refused],
+            "unreachable": [{"peer": p, "error": str(e)} for p, e in handoff.unreachable],
+            "min_quorum": quorum, "warnings": [warning] if warning else [],
+        }))
     else:
         print(f"run {run_id}")
         print(f"owner {identity.peer_id}  (nodes need --trust {identity.peer_id})")
-        print(f"handed to {reached} node(s); nodes joining later find it in the DHT", file=sys.stderr)
+        print(_handoff_summary(handoff, identity.peer_id), file=sys.stderr)
+    if warning:
+        print(f"pcp: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _handoff_summary(handoff: HandOff, owner: str) -> str:
+    """``handed to N node(s)`` and, one line each, who refused and why (or could not be reached)."""
+    from pcp_p2p.node.messaging import printable
+
+    head = f"handed to {len(handoff.accepted)} node(s)"
+    if not handoff.refused and not handoff.unreachable:
+        return head + "; nodes joining later find it in the DHT"
+    parts = [f"{len(handoff.refused)} refused"] if handoff.refused else []
+    parts += [f"{len(handoff.unreachable)} unreachable"] if handoff.unreachable else []
+    lines = [f"{head}; {', '.join(parts)}:"]
+    for peer, exc in handoff.refused:
+        lines.append(f"  {peer}: {printable(explain_refusal(exc.reason, exc.detail, owner), 400)}")
+    for peer, err in handoff.unreachable:
+        lines.append(f"  {peer}: unreachable ({printable(str(err), 200)})")
+    return "\n".join(lines)
 
 
 @asynccontextmanager
@@ -127,8 +158,31 @@ async def _client(args: argparse.Namespace, data_dir: Path, identity: Identity) 
         raise failure
 
 
+@dataclass
+class HandOff:
+    """What the live workers answered a hand-off: took it, declined it (with a reason), or could not be reached."""
+
+    accepted: list[str] = field(default_factory=list)
+    refused: list[tuple[str, Refused]] = field(default_factory=list)
+    unreachable: list[tuple[str, PcpError]] = field(default_factory=list)
+
+
+def explain_refusal(reason: str, detail: str, owner: str) -> str:
+    """One line for the owner: what a worker's refusal means and what to do about it."""
+    if reason == "not_trusted":
+        return f"not trusted (start it with --trust {owner}, or add {owner} to its --trust-file)"
+    if reason == "no_target":
+        return f"cannot run the run's compile targets: {detail}"
+    return detail
+
+
 async def _hand_to_workers(node: Node, msg: Any, wait_s: float) -> int:
-    """Send ``msg`` to every live worker; how many took it.
+    """Send ``msg`` to every live worker; how many took it."""
+    return len((await _hand_out(node, msg, wait_s)).accepted)
+
+
+async def _hand_out(node: Node, msg: Any, wait_s: float) -> HandOff:
+    """Send ``msg`` to every live worker; who took it, who refused it and why.
 
     Members announce themselves within a heartbeat or two: wait (on membership
     events, up to ``wait_s``) until the view has stopped growing for a second.
@@ -144,28 +198,37 @@ async def _hand_to_workers(node: Node, msg: Any, wait_s: float) -> int:
             except trio.TooSlowError:
                 if seen:
                     break
-    reached = 0
+    out = HandOff()
     for m in node.membership.live():
         if m.record.role != "worker":
             continue
         try:
             await node.messenger.send(m.record.peer_id, msg)
-            reached += 1
+            out.accepted.append(m.record.peer_id)
+        except Refused as exc:
+            out.refused.append((m.record.peer_id, exc))
         except PcpError as exc:
             log.warning("could not hand the %s to %s: %s", msg.TAG, m.record.peer_id, exc)
-    return reached
+            out.unreachable.append((m.record.peer_id, exc))
+    return out
 
 
-async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> int:  # type: ignore[no-untyped-def]
+async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> HandOff:  # type: ignore[no-untyped-def]
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
+    from pcp_p2p.diloco.owner_runs import publish_owned_run
     from pcp_p2p.diloco.spec import run_id_of
 
     async with _client(args, data_dir, identity) as node:
         run_id = run_id_of(signed)
         record = sign_record(identity, "run", run_id, signed, ttl_s=MAX_TTL_S)
         await node.put_record(record)
-        return await _hand_to_workers(node, signed, args.wait)
+        try:  # how nodes that trust this owner later find the run (docs/security.md)
+            await publish_owned_run(node, identity, data_dir, run_id, now=time.time())
+        except PcpError as exc:
+            log.warning("could not list the run under its owner (nodes that trust you later may not find "
+                        "it until you create another run): %s", exc)
+        return await _hand_out(node, signed, args.wait)
 
 
 # --- pcp run admit ---------------------------------------------------------------

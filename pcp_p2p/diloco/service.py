@@ -6,20 +6,33 @@ the runs its peers advertise in their member records (a node that starts
 after a run was created learns of it within a heartbeat and fetches the spec
 from the DHT). Round messages go to the runtime of the run they name; a
 message for a run this node does not take part in is refused.
+
+Trust can change while the node runs (``--trust-file``, see
+:mod:`pcp_p2p.diloco.trust_file`): every :data:`~pcp_p2p.diloco.trust_file.POLL_S`
+the file is looked at; new owners take effect for specs handed over
+afterwards, for the specs this node refused for want of trust (held by the
+:class:`RunBook`), and for the runs each trusted owner lists in its
+``owner-runs`` record (:mod:`pcp_p2p.diloco.owner_runs`), looked up when an
+owner becomes trusted and every :data:`OWNER_LOOKUP_PERIOD_S` after. A
+hand-off this node declines is answered with the reason (not trusted, no
+target this machine can run), which ``pcp run create`` prints.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import trio
 
 from pcp_p2p.diloco.election import Lease
 from pcp_p2p.diloco.messages import ROUND_MESSAGES
-from pcp_p2p.diloco.runs import KnownRun, RunBook, TrustPolicy
+from pcp_p2p.diloco.owner_runs import OWNER_RUNS_KIND, OwnerRuns
+from pcp_p2p.diloco.runs import KnownRun, NoAllowedTarget, RunBook, TrustPolicy
 from pcp_p2p.diloco.runtime import RunRuntime
-from pcp_p2p.diloco.spec import SignedRunSpec
+from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec
+from pcp_p2p.diloco.trust_file import POLL_S, TrustFile
 from pcp_p2p.errors import PcpError, VerificationError
 from pcp_p2p.node.node import Node
 from pcp_p2p.dht.records import VerifiedRecord
@@ -30,13 +43,33 @@ from pcp_p2p.wire import Message
 log = logging.getLogger("pcp.training")
 
 DISCOVERY_PERIOD_S = 2.0
+OWNER_LOOKUP_PERIOD_S = 60.0
+"""How often each trusted owner's ``owner-runs`` record is read again (a DHT miss
+at the first look, or a run created while no node trusting it was up)."""
+OWNER_RETRY_S = 10.0  # after a miss (no record yet, or the DHT not ready at start)
+OWNER_LOOKUPS_PER_PASS = 4  # a long trust file is looked up a few owners per discovery pass
+
+
+def fits_this_machine(spec: RunSpec) -> None:
+    """Raise :class:`NoAllowedTarget` unless the run allows this machine's best CPU target."""
+    from pcp_p2p.node.cpu import best_cpu_target
+
+    best = best_cpu_target().name
+    if best not in spec.targets:
+        raise NoAllowedTarget(f"this machine's best target {best} is not among the run's targets.allowed "
+                              f"({', '.join(spec.targets)})")
 
 
 class TrainingService:
-    def __init__(self, node: Node, trust: TrustPolicy) -> None:
+    def __init__(self, node: Node, trust: TrustPolicy, *, trust_file: TrustFile | None = None,
+                 flag_owners: frozenset[str] = frozenset()) -> None:
         self.node = node
-        self.book = RunBook(trust)
+        self.book = RunBook(trust, fits=fits_this_machine)
         self.runtimes: dict[str, RunRuntime] = {}
+        self.trust_file = trust_file
+        self.flag_owners = flag_owners  # --trust: kept whatever the file says
+        self._owner_looked: dict[str, float] = {}  # owner -> trio time of its last owner-runs lookup
+        self._owner_listed: dict[str, list[str]] = {}  # trusted owner -> the live runs its list names
 
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
@@ -49,6 +82,8 @@ class TrainingService:
         for key in ("term", "lease_expires_s", "shepherd_history"):
             self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
         self.node.nursery.start_soon(self._discovery_loop)
+        if self.trust_file is not None:
+            self.node.nursery.start_soon(self._trust_file_loop)
 
     async def _on_spec(self, sender: str, msg: Message) -> None:
         assert isinstance(msg, SignedRunSpec)
@@ -105,7 +140,60 @@ class TrainingService:
             for member in self.node.membership.live():
                 for run_id in self.book.unknown(member.record.runs):
                     await self._look_up(run_id)
+            await self._look_up_owners()
+            # Listed runs are looked up each pass until found, like advertised ones:
+            # a DHT miss on the run record must not wait for the next owner lookup.
+            for owner, run_ids in list(self._owner_listed.items()):
+                for run_id in self.book.unknown(run_ids):
+                    await self._look_up(run_id)
             await trio.sleep(DISCOVERY_PERIOD_S)
+
+    async def _trust_file_loop(self) -> None:
+        assert self.trust_file is not None
+        while True:
+            await trio.sleep(POLL_S)
+            owners = self.trust_file.poll()
+            if owners is not None:
+                self.set_trusted(self.flag_owners | owners)
+
+    def set_trusted(self, owners: frozenset[str]) -> None:
+        """Trust exactly ``owners`` (and any owner, with --trust-any) from now on.
+
+        Held specs of newly trusted owners start at once; their ``owner-runs``
+        records are read on the next discovery pass. Removing an owner stops
+        nothing already running: it only refuses that owner's runs from now on.
+        """
+        old = self.book.trust
+        added, removed = owners - old.owners, old.owners - owners
+        if not added and not removed:
+            return
+        log.info("trust changed: %d owner(s) added, %d removed (%d trusted)", len(added), len(removed), len(owners))
+        for run in self.book.retrust(TrustPolicy(owners, any_owner=old.any_owner)):
+            log.info("run %s: its owner is trusted now; taking it up", run.run_id)
+            self._start(run)
+        for owner in added | removed:
+            self._owner_looked.pop(owner, None)  # an added owner is looked up on the next pass
+            self._owner_listed.pop(owner, None)
+
+    async def _look_up_owners(self) -> None:
+        """Read the ``owner-runs`` record of trusted owners not looked up lately; note the runs it lists."""
+        now = trio.current_time()
+        due = [o for o in sorted(self.book.trust.owners)
+               if o not in self._owner_looked or now - self._owner_looked[o] >= OWNER_LOOKUP_PERIOD_S]
+        for owner in due[:OWNER_LOOKUPS_PER_PASS]:
+            self._owner_looked[owner] = now
+            try:
+                listed = await self.node.get_record(OWNER_RUNS_KIND, owner)
+            except PcpError as exc:
+                self.node.log_once(owner, exc, "owner-runs lookup")
+                listed = None
+            if not isinstance(listed, OwnerRuns):
+                self._owner_looked[owner] = now - OWNER_LOOKUP_PERIOD_S + OWNER_RETRY_S
+                continue
+            # The validator checked the record is this owner's; each run is then
+            # fetched as its own owner-signed record and checked against trust
+            # (by the discovery loop, until found).
+            self._owner_listed[owner] = listed.live(time.time())
 
     async def _look_up(self, run_id: str) -> None:
         try:
@@ -129,7 +217,8 @@ class TrainingService:
         return list(self.runtimes.values())[-1].artifacts
 
 
-def install_training(node: Node, trust: TrustPolicy) -> TrainingService:
-    service = TrainingService(node, trust)
+def install_training(node: Node, trust: TrustPolicy, *, trust_file: TrustFile | None = None,
+                     flag_owners: frozenset[str] = frozenset()) -> TrainingService:
+    service = TrainingService(node, trust, trust_file=trust_file, flag_owners=flag_owners)
     service.install()
     return service

@@ -46,7 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     join.add_argument("--client-mode", action="store_true",
                       help="DHT client mode, for nodes that cannot accept incoming connections")
     join.add_argument("--trust", action="append", default=[], metavar="OWNER_PEER_ID",
-                      help="train for runs created by this owner (peer id printed by `pcp run create`); repeatable")
+                      help="train for runs created by this owner (peer id printed by `pcp run create` and "
+                      "`pcp id`); repeatable, adds to --trust-file")
+    join.add_argument("--trust-file", type=Path, default=None, metavar="FILE",
+                      help="train for the owners listed in FILE (one peer id per line, # comments); the node "
+                      "re-reads it within 2 s of a change, no restart: new owners apply to their existing runs too")
     join.add_argument("--trust-any", action="store_true",
                       help="train for ANY run owner: anyone who can reach this node can make it download and run "
                       "their compiled code. For local demos only")
@@ -174,15 +178,22 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, t
     if getattr(args, "metrics_port", None) is not None:  # refused before the node starts, not after
         check_can_bind(args.metrics_host, args.metrics_port, f"serve metrics on {args.metrics_host}:{args.metrics_port}")
     trust = None
+    trust_file = None
+    flag_owners: frozenset[str] = frozenset()
     if training:
         from pcp_p2p.diloco.runs import TrustPolicy
+        from pcp_p2p.diloco.trust_file import TrustFile, check_owner
 
-        trust = TrustPolicy(frozenset(args.trust), any_owner=args.trust_any)
+        flag_owners = frozenset(check_owner(p) for p in args.trust)
+        trust_file = TrustFile(args.trust_file) if getattr(args, "trust_file", None) else None
+        file_owners = trust_file.load() if trust_file is not None else frozenset()
+        trust = TrustPolicy(flag_owners | file_owners, any_owner=args.trust_any)
         if args.trust_any:
             log.warning("--trust-any: this node will download and run compiled code from ANY run owner "
                         "who can reach it. Use it only in a swarm you control.")
-        elif not args.trust:
-            log.info("no --trust given: this node keeps the swarm company but trains for nobody")
+        elif not trust.owners:
+            log.info("no owner trusted (--trust, --trust-file): this node keeps the swarm company but "
+                     "trains for nobody%s", " until the trust file lists one" if trust_file else "")
     addr_file = config.data_dir / ADDR_FILE
     wrote: list[Path] = []  # remove only our own node.addr: a refused second node must not delete the first's
 
@@ -195,7 +206,7 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, t
             if trust is not None:
                 from pcp_p2p.diloco.service import install_training
 
-                install_training(node, trust)
+                install_training(node, trust, trust_file=trust_file, flag_owners=flag_owners)
             addrs = node.addrs()
             _write_addr(addr_file, addrs[0])
             wrote.append(addr_file)

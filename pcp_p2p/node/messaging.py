@@ -11,6 +11,11 @@ receiver's codec" rather than "handed to a queue".
 Handlers register the message types they take; a frame of any other type, or
 malformed, or above the largest registered type's limit, is refused (the
 stream is reset, the rejection counted and logged once) and the node goes on.
+A message that decoded but that its handler declined (raised a
+:class:`~pcp_p2p.errors.PcpError`) is answered instead of reset: a NAK byte
+and one small :class:`Refusal` frame (a reason code and a bounded line), which
+the sender raises as :class:`~pcp_p2p.errors.Refused` — so ``pcp run create``
+can say "not trusted" rather than "stream closed".
 
 Every inbound stream spends from a :class:`~pcp_p2p.node.budget.Budget`: a
 stream slot on arrival, and the frame's declared length (read first) before
@@ -24,6 +29,7 @@ a large frame and trickles it holds its reservation for a bounded time.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -33,19 +39,53 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
-from pcp_p2p.errors import PcpError, PeerGone, PeerTimeout, ProtocolError
+from pcp_p2p.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
 from pcp_p2p.node.budget import Budget, Limits, Pace, Reservation
-from pcp_p2p.wire import Message, decode, encode
-from pcp_p2p.wire.framing import read_body, read_exact, read_length, reset_quietly, write_frame
+from pcp_p2p.wire import Message, decode, encode, wire_message
+from pcp_p2p.wire.framing import read_body, read_exact, read_frame, read_length, reset_quietly, write_frame
 
 if TYPE_CHECKING:
     from pcp_p2p.node.node import Node
 
 MSG_PROTOCOL = TProtocol("/pcp/msg/1.0.0")
 _ACK = b"\x06"
+_NAK = b"\x15"  # followed by one Refusal frame
+MAX_REFUSAL_DETAIL = 240
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,31}")
 log = logging.getLogger("pcp.msg")
 
 Handler = Callable[[str, Message], Awaitable[None]]
+
+
+@wire_message("msg.refusal", max_size=1024)
+class Refusal(Message):
+    """Why a decoded message was declined: a code (``[a-z][a-z0-9_]{0,31}``) and one printable line.
+
+    Both are bounded and checked on arrival, and the line is stripped of
+    control characters on both sides: a sender prints it on an owner's
+    terminal, and the peer that wrote it is a stranger.
+    """
+
+    reason: str
+    detail: str
+
+    def __post_init__(self) -> None:
+        if not _REASON.fullmatch(self.reason):
+            raise ValueError("a refusal reason is a short lower-case code")
+        if len(self.detail) > MAX_REFUSAL_DETAIL or not self.detail.isprintable():
+            raise ValueError("a refusal's detail is one printable line")
+
+
+def printable(text: str, limit: int = MAX_REFUSAL_DETAIL) -> str:
+    """``text`` as one printable line of at most ``limit`` characters (control characters dropped)."""
+    line = "".join(c if c.isprintable() else " " for c in text)
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def refusal_of(exc: PcpError) -> Refusal:
+    """The answer for a handler's error: its ``refusal_reason`` (if well-formed) and its text."""
+    reason = exc.refusal_reason if _REASON.fullmatch(exc.refusal_reason) else "refused"
+    return Refusal(reason=reason, detail=printable(str(exc) or type(exc).__name__))
 
 
 class Messenger:
@@ -93,6 +133,8 @@ class Messenger:
             try:
                 await write_frame(stream, data, timeout=timeout)
                 ack = await read_exact(stream, 1)
+                if ack == _NAK:
+                    raise await self._read_refusal(stream, peer_id, msg, timeout)
                 if ack != _ACK:
                     raise ProtocolError(f"{peer_id} refused {msg.TAG}")
                 log.debug("sent %s to %s", msg.TAG, peer_id)
@@ -105,6 +147,16 @@ class Messenger:
             return
         assert scope.cancelled_caught
         raise PeerTimeout(f"sending {msg.TAG} to {peer_id} took longer than {timeout:.0f} s")
+
+    @staticmethod
+    async def _read_refusal(stream: INetStream, peer_id: str, msg: Message, timeout: float) -> Refused:
+        """The :class:`Refused` a NAK announces (a ProtocolError if its frame is bad)."""
+        try:
+            refusal = decode(await read_frame(stream, max_size=Refusal.MAX_SIZE, timeout=timeout), Refusal)
+        except ProtocolError as exc:
+            raise MalformedMessage(f"{peer_id} refused {msg.TAG} with a bad refusal: {exc}") from exc
+        detail = printable(refusal.detail)
+        return Refused(f"{peer_id} refused {msg.TAG}: {detail}", reason=refusal.reason, detail=detail)
 
     async def _ensure_route(self, peer_id: str, pid: ID) -> None:
         """Dial ``peer_id`` with the addresses its member record gives, if not connected."""
@@ -134,7 +186,12 @@ class Messenger:
             with self.budget.open(sender) as reservation:
                 msg = await self._read(stream, reservation)
                 log.debug("received %s from %s", msg.TAG, sender)
-                await self._handlers[type(msg)](sender, msg)
+                try:
+                    await self._handlers[type(msg)](sender, msg)
+                except PcpError as exc:
+                    self.node._reject(sender, exc, "message")
+                    await self._refuse(stream, exc)
+                    return
                 await stream.write(_ACK)
                 await stream.close()
         except PcpError as exc:
@@ -144,6 +201,18 @@ class Messenger:
             raise
         except Exception as exc:  # a libp2p stream error: the peer's problem, not ours
             self.node._reject(sender, exc, "message")
+            await reset_quietly(stream)
+
+    async def _refuse(self, stream: INetStream, exc: PcpError) -> None:
+        """Answer a declined message with NAK and its :class:`Refusal`; reset if even that fails."""
+        try:
+            with trio.fail_after(self.node.config.op_timeout):
+                await stream.write(_NAK)
+                await write_frame(stream, encode(refusal_of(exc)), timeout=self.node.config.op_timeout)
+                await stream.close()
+        except trio.Cancelled:
+            raise
+        except Exception:  # the sender left, or stalls: nothing more to tell it
             await reset_quietly(stream)
 
     async def _read(self, stream: INetStream, reservation: Reservation) -> Message:
