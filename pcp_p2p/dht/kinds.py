@@ -16,6 +16,7 @@ KIND_MODULES = (
     "pcp_p2p.diloco.commits",  # commit
     "pcp_p2p.diloco.election",  # lease
     "pcp_p2p.diloco.admission",  # allowlist
+    "pcp_p2p.diloco.lifecycle",  # stop
 )
 
 
