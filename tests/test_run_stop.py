@@ -122,3 +122,47 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
     status = await pcp("run", "status", "--run", run_id, *client, "--data-dir", str(tmp_path / "viewer"))
     assert status.returncode == 0, status.stderr
     assert json.loads(status.stdout)["phase"] == "stopped" and json.loads(status.stdout)["stop_reason"] == "enough"
+    # `watch` prints the state once and ends by itself with the run.
+    watch = await pcp("run", "watch", "--run", run_id, "--bootstrap", boot.addrs()[0], "--wait", "0",
+                      "--data-dir", str(tmp_path / "viewer"))
+    assert watch.returncode == 0, watch.stderr
+    assert len(watch.stdout.splitlines()) == 1 and " stopped · round 1/12 (0 committed)" in watch.stdout
+
+
+# --- the owner's commands' errors: one line each, exit 1 ----------------------------------------
+
+from test_cli_errors import DEAD_PEER, Node, assert_one_error_line, bootstrap  # noqa: E402,F401  (fixture)
+from test_cli_errors import pcp as pcp_sync  # noqa: E402
+
+UNKNOWN_RUN = "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+DEAD_BOOTSTRAP = f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}"
+
+
+def _create(tmp: Path, dataset: str) -> list[str]:
+    (tmp / "run.toml").write_text(f'name = "x"\n[data]\ndataset = "{dataset}"\n')
+    # An unreachable bootstrap: the spec is refused before the network is touched.
+    return ["run", "create", str(tmp / "run.toml"), "--bootstrap", DEAD_BOOTSTRAP, "--data-dir", str(tmp)]
+
+
+CLI_CASES = {
+    "run status: unknown run": (lambda tmp, boot: ["run", "status", "--run", UNKNOWN_RUN, "--bootstrap", boot,
+                                                   "--data-dir", str(tmp), "--wait", "0"], "not found in the swarm"),
+    "run stop: unknown run": (lambda tmp, boot: ["run", "stop", "--run", UNKNOWN_RUN, "--bootstrap", boot,
+                                                 "--data-dir", str(tmp), "--wait", "0"], "not found in the swarm"),
+    "run watch: bad --every": (lambda tmp, boot: ["run", "watch", "--run", UNKNOWN_RUN, "--every", "0",
+                                                  "--bootstrap", boot], "--every must be"),
+    "run stop: --reason too long": (lambda tmp, boot: ["run", "stop", "--run", UNKNOWN_RUN, "--reason", "x" * 201,
+                                                       "--bootstrap", boot], "--reason is at most 200"),
+    "run create: dataset file missing": (lambda tmp, boot: _create(tmp, str(tmp / "nope.txt")),
+                                         "run spec: data.dataset: dataset"),
+    "run create: dataset folder without .txt": (lambda tmp, boot: _create(tmp, str(tmp)),
+                                                "run spec: data.dataset: dataset folder"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_owner_commands_fail_in_one_line(case: str, bootstrap: Node, tmp_path: Path) -> None:
+    argv, expected = CLI_CASES[case]
+    line = assert_one_error_line(pcp_sync(*argv(tmp_path, bootstrap.addr)))
+    assert expected in line, line
+    assert not (tmp_path / "owned-runs").exists()
