@@ -848,6 +848,7 @@ class RunRuntime:
                               self.run_id[:16], eff.term, attempt + 1, exc)
                     # Shown as the run's phase here and, through the member record, on every worker.
                     self._setup_error = " ".join(str(exc).split())[:160] or type(exc).__name__
+                    self.node.state = f"{SETUP_FAILED}: {self._setup_error}"
                     if not still_mine:
                         break
                     await trio.sleep(2.0 * (attempt + 1))
