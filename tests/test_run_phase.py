@@ -9,10 +9,12 @@ its quorum says so.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
+import trio
 
 from conftest import TEST_CAPS
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
@@ -20,9 +22,23 @@ from pcp_p2p.diloco.runs import TrustPolicy
 from pcp_p2p.diloco.service import install_training
 from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
 from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.node import NodeConfig, open_node
+from pcp_p2p.node.node import Node, NodeConfig, open_node
 
 pytestmark = pytest.mark.timeout(180)
+
+LOOK_EVERY_S = 0.5
+
+
+async def until(node: Node, predicate: Callable[[], bool], timeout: float) -> None:
+    """Wait until ``predicate`` holds: on the node's membership events, and every LOOK_EVERY_S too.
+
+    A runtime's own state (its phase, the runs a node lists) changes without any
+    event a test can wait on, so a membership event alone may come too early.
+    """
+    with trio.fail_after(timeout):
+        while not predicate():
+            with trio.move_on_after(LOOK_EVERY_S):
+                await node.wait_until(predicate, timeout + LOOK_EVERY_S)
 
 
 async def test_a_dataset_the_shepherd_cannot_read_shows_as_the_runs_phase_everywhere(tmp_path: Path) -> None:
@@ -52,8 +68,8 @@ async def test_a_dataset_the_shepherd_cannot_read_shows_as_the_runs_phase_everyw
             await boot.messenger.send(n.peer_id, signed)
 
         worker_rt = services[work.peer_id].runtimes[run_id]
-        # The worker learns it from the shepherd's member record (an event: a membership update).
-        await work.wait_until(lambda: worker_rt.status()["phase"].startswith("set-up failed:"), timeout=90)
+        # The worker learns it from the shepherd's member record, once it follows that shepherd.
+        await until(work, lambda: worker_rt.status()["phase"].startswith("set-up failed:"), timeout=90)
         shown = worker_rt.status()["phase"]
         assert "not-here.txt" in shown and worker_rt.status()["shepherd"] == lead.peer_id, shown
         lead_phase = services[lead.peer_id].runtimes[run_id].status()["phase"]
@@ -71,5 +87,5 @@ async def test_a_run_short_of_its_quorum_says_so(swarm3) -> None:
         await boot.messenger.send(n.peer_id, signed)
     rt = services[a.peer_id].runtimes[run_id]
     # Both nodes take part (their member records list the run): 2 of the 3 the quorum needs.
-    await a.wait_until(lambda: rt.status()["phase"] == "waiting for quorum (2/3)", timeout=30)
+    await until(a, lambda: rt.status()["phase"] == "waiting for quorum (2/3)", timeout=30)
     assert rt.status()["members"] == 2

@@ -23,7 +23,13 @@ from pcp_p2p.diloco.spec import SignedRunSpec, parse_spec, run_id_of, sign_spec
 from pcp_p2p.errors import PcpError
 from pcp_p2p.node.identity import Identity, load_or_create_identity
 from pcp_p2p.node.local_swarm import pcp_command
-from pcp_p2p.node.node import Node
+from pcp_p2p.node.node import Node, NodeConfig, open_node
+
+from conftest import TEST_CAPS
+from test_cli_errors import DEAD_PEER, assert_one_error_line, bootstrap  # noqa: F401  (bootstrap: a fixture)
+from test_cli_errors import Node as PcpProcess
+from test_cli_errors import pcp as pcp_sync
+from test_run_phase import until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -94,7 +100,7 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
             await rt.finished.wait()
         assert rt.phase == "stopped" and rt.status()["phase"] == "stopped" and rt.pins.finished
         assert (rt.work_dir / STOP_FILE).exists()
-        await n.wait_until(lambda n=n: run_id not in n.runs, timeout=20)  # no longer advertised
+        await until(n, lambda n=n: run_id not in n.runs, timeout=20)  # no longer advertised
         assert not services[n.peer_id].runtimes[kept_id].finished.is_set()  # the other run goes on
 
     # A replay of the stop is refused as stale.
@@ -104,10 +110,6 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
         await boot.messenger.send(a.peer_id, order)
 
     # A node that was not there when the stop went out finds it in the DHT when it takes the run up.
-    from pcp_p2p.node.node import NodeConfig, open_node
-
-    from conftest import TEST_CAPS
-
     late_cfg = NodeConfig(tmp_path / "late", listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS,
                           op_timeout=2.0, bootstrap=(boot.addrs()[0],))
     async with open_node(late_cfg) as late:
@@ -130,9 +132,6 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
 
 
 # --- the owner's commands' errors: one line each, exit 1 ----------------------------------------
-
-from test_cli_errors import DEAD_PEER, Node, assert_one_error_line, bootstrap  # noqa: E402,F401  (fixture)
-from test_cli_errors import pcp as pcp_sync  # noqa: E402
 
 UNKNOWN_RUN = "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 DEAD_BOOTSTRAP = f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}"
@@ -161,7 +160,7 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
-def test_owner_commands_fail_in_one_line(case: str, bootstrap: Node, tmp_path: Path) -> None:
+def test_owner_commands_fail_in_one_line(case: str, bootstrap: PcpProcess, tmp_path: Path) -> None:
     argv, expected = CLI_CASES[case]
     line = assert_one_error_line(pcp_sync(*argv(tmp_path, bootstrap.addr)))
     assert expected in line, line
