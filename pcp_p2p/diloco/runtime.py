@@ -93,12 +93,12 @@ from pcp_p2p.diloco.election import (
     StepDown,
 )
 from pcp_p2p.diloco.lifecycle import (
-    STOP_FILE,
-    STOP_KIND,
-    STOP_LOOKUP_EVERY_S,
     COMPILING,
     ENDED,
     SETUP_FAILED,
+    STOP_FILE,
+    STOP_KIND,
+    STOP_LOOKUP_EVERY_S,
     STOPPED,
     PhaseInputs,
     StopLatch,
@@ -330,7 +330,8 @@ class RunRuntime:
 
     async def _members_loop(self) -> None:
         """Feed the election the run's live members once a second, and look up the owner's
-        allowlist amendments every ``ALLOWLIST_EVERY_S``."""
+        allowlist amendments every ``ALLOWLIST_EVERY_S`` and its stop order (one this node
+        missed while it was down) every ``STOP_LOOKUP_EVERY_S``, the first time at once."""
         last_lookup = last_stop_lookup = -max(ALLOWLIST_EVERY_S, STOP_LOOKUP_EVERY_S)
         while True:
             self._send.send_nowait(("members", None))
@@ -1293,6 +1294,8 @@ class RunRuntime:
         for quorum and set-up failures rather than the idle worker's ``idle``."""
         w = self.worker
         sm = self.shepherd
+        if w is None and self._target is None and self.election is not None:
+            return self.phase  # this machine runs none of the run's targets: that is what it shows
         member = self.node.membership.get(self.shepherd_peer) if self.shepherd_peer else None
         started = w is not None and (w.current is not None or w.last_commit is not None)
         if sm is not None and sm.phase is ShepherdPhase.WAITING and len(sm.roster) < self.spec.round.min_quorum:
