@@ -131,6 +131,8 @@ def test_run_status_counts_rounds_from_one_and_says_why_it_ended() -> None:
                                  "val loss 2.5000")
     assert describe_run(**base, committed=12, stopped=None, reported=None)["phase"] == "finished"
     assert describe_run(**base, committed=12, stopped=None, reported=None)["round"] == 12
+    late_stop = sign_stop(OWNER, RUN, now=NOW)
+    assert describe_run(**base, committed=12, stopped=late_stop, reported=None)["phase"] == "finished"
     stopped = describe_run(**base, committed=5, stopped=sign_stop(OWNER, RUN, now=NOW, reason="r"),
                            reported={"phase": "training"})
     assert (stopped["phase"], stopped["stop_reason"]) == ("stopped", "r")
@@ -194,6 +196,15 @@ async def test_a_stopped_run_releases_its_pins_and_stays_stopped_after_a_restart
     assert rt.finished.is_set() and rt.phase == "stopped" and rt.shepherd is None and inner.is_set()
     assert rt.blobs.store.unpinned == ["artifact"] and rt.pins.finished  # the dataset is kept, as on run end
     assert RUN not in rt.node.leads and (tmp_path / STOP_FILE).exists()
+
+    with pytest.raises(StaleMessage):  # a replay
+        rt.stop(sign_stop(OWNER, RUN, now=NOW), NOW)
+    done = stopped_runtime(tmp_path / "done")
+    (tmp_path / "done").mkdir()
+    done.finished.set()  # finished by itself: a later stop changes nothing
+    with pytest.raises(StaleMessage):
+        done.stop(sign_stop(OWNER, RUN, now=NOW), NOW)
+    assert done.phase == "training" and not done.pins.finished
 
     again = stopped_runtime(tmp_path)  # the node restarted: the kept order ends the run at once
     assert again._stopped_before() and again.finished.is_set() and again.phase == "stopped"

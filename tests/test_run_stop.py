@@ -9,6 +9,7 @@ what is tested is the run's life on every node, not its rounds.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 from pathlib import Path
 
@@ -129,6 +130,24 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
                       "--data-dir", str(tmp_path / "viewer"))
     assert watch.returncode == 0, watch.stderr
     assert len(watch.stdout.splitlines()) == 1 and " stopped · round 1/12 (0 committed)" in watch.stdout
+    # On a run that goes on, `watch` keeps watching until Ctrl+C: exit 130, no traceback.
+    watching = subprocess.Popen([*pcp_command(), "run", "watch", "--run", kept_id, "--bootstrap", boot.addrs()[0],
+                                 "--wait", "0", "--data-dir", str(tmp_path / "viewer")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        assert watching.stdout is not None
+        first = await trio.to_thread.run_sync(watching.stdout.readline)
+        assert "round 1/12" in first and "members 2/2" in first, first
+        watching.send_signal(signal.SIGINT)
+        code = await trio.to_thread.run_sync(lambda: watching.wait(timeout=30))
+        assert code == 130 and "Traceback" not in watching.stderr.read()  # type: ignore[union-attr]
+    finally:
+        if watching.poll() is None:
+            watching.kill()
+            watching.wait(timeout=10)
+        for f in (watching.stdout, watching.stderr):
+            if f is not None:
+                f.close()
 
 
 # --- the owner's commands' errors: one line each, exit 1 ----------------------------------------

@@ -227,10 +227,10 @@ def describe_run(
     member's :func:`summary_of` for the run (its phase), if one answered.
     Rounds are 1-based: with 2 of 12 rounds committed the run is in round 3/12.
     """
-    if stopped is not None:
+    if committed >= rounds:
+        phase = FINISHED  # a stop that came after the last commit changed nothing
+    elif stopped is not None:
         phase = STOPPED
-    elif committed >= rounds:
-        phase = FINISHED
     elif reported is not None and reported.get("phase"):
         phase = str(reported["phase"])
     elif not members:

@@ -363,6 +363,9 @@ class RunRuntime:
         the run's pins are released as on a normal end, and the order is kept in
         the run's folder so a restarted node does not take the run up again.
         """
+        self.stop_latch.check(order, now)
+        if self.finished.is_set():
+            raise StaleMessage("the run has already finished here")
         self.stop_latch.apply(order, now)
         log.warning("run %s stopped by its owner%s", self.run_id[:16], f": {order.reason}" if order.reason else "")
         try:
