@@ -53,7 +53,7 @@ def register_actions(run_sub: argparse._SubParsersAction) -> None:  # type: igno
         "Anyone may ask; no key is needed beyond a throwaway one.",
     )
     status.add_argument("--run", required=True, metavar="RUN_ID", help="the run id `pcp run create` printed")
-    _client_flags(status)
+    _reader_flags(status)
     status.set_defaults(func=_cmd_status)
 
     watch = run_sub.add_parser(
@@ -61,12 +61,12 @@ def register_actions(run_sub: argparse._SubParsersAction) -> None:  # type: igno
         help="follow a run: a line per change until it ends (Ctrl+C to leave)",
         description="Like `pcp run status`, asked again every --every seconds; prints one line each time "
         "the phase, round, shepherd, members or val loss change, and exits 0 once the run has finished "
-        "or been stopped (Ctrl+C leaves earlier, exit 130).",
+        "or been stopped (Ctrl+C leaves earlier, exit 130). With --json, one JSON object per change.",
     )
     watch.add_argument("--run", required=True, metavar="RUN_ID", help="the run id `pcp run create` printed")
     watch.add_argument("--every", type=float, default=WATCH_EVERY_S, metavar="S",
                        help=f"seconds between looks (default {WATCH_EVERY_S:g})")
-    _client_flags(watch)
+    _reader_flags(watch)
     watch.set_defaults(func=_cmd_watch)
 
     stop = run_sub.add_parser(
@@ -82,6 +82,16 @@ def register_actions(run_sub: argparse._SubParsersAction) -> None:  # type: igno
     stop.add_argument("--reason", default="", help="a short note kept with the stop order")
     _client_flags(stop)
     stop.set_defaults(func=_cmd_stop)
+
+
+def _reader_flags(p: argparse.ArgumentParser) -> None:
+    """The owner commands' flags, told for a command that only reads."""
+    _client_flags(p)
+    for action in p._actions:
+        if action.dest == "wait":
+            action.help = "seconds to wait for the swarm's members to show up (default 5)"
+        elif action.dest == "data_dir":
+            action.help = f"the key this short-lived client uses (any will do; default {default_data_dir()})"
 
 
 # --- status and watch -------------------------------------------------------------------
@@ -124,6 +134,9 @@ async def _ask_member(node: Node, peers: list[str], run_id: str, swarm_key: str 
                 continue
             runs = reply.extra.get("runs")
             summary = runs.get(run_id) if isinstance(runs, dict) else None
+            latest = reply.extra.get("run")  # a node without `runs` (older): its latest run only
+            if not isinstance(summary, dict) and isinstance(latest, dict) and latest.get("run_id") == run_id:
+                summary = latest
             if isinstance(summary, dict):
                 return summary
             break  # it answered, without the run: ask the next member
