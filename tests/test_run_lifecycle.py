@@ -210,3 +210,15 @@ async def test_a_stopped_run_releases_its_pins_and_stays_stopped_after_a_restart
     assert again._stopped_before() and again.finished.is_set() and again.phase == "stopped"
     (tmp_path / STOP_FILE).write_bytes(encode(sign_stop(STRANGER, RUN, now=NOW)))  # tampered: ignored
     assert not stopped_runtime(tmp_path)._stopped_before()
+
+
+def test_run_status_text_names_each_field_on_its_own_line() -> None:
+    from pcp_p2p.diloco.run_commands import render
+
+    view = describe_run(run_id=RUN, name="n", owner=OWNER.peer_id, rounds=12, quorum=2, committed=2, val_loss=2.43125,
+                        stopped=None, members=["a", "b", "c"], shepherd="12D3KooWshep", term=1,
+                        reported={"phase": "waiting for quorum (1/2)"})
+    lines = render(view).splitlines()
+    assert [line.split()[0] for line in lines] == ["run", "owner", "phase", "round", "shepherd", "members", "val"]
+    assert "waiting for quorum (1/2)" in lines[2] and "3/12  (2 committed)" in lines[3]
+    assert "(term 1)" in lines[4] and "3  (quorum 2)" in lines[5] and lines[6].endswith("2.4312")
