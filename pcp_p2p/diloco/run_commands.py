@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pcp.run")
 
 ASK_TIMEOUT_S = 5.0  # for one member's status reply
+ASK_AT_MOST = 3  # members asked for the phase before giving up (each may cost ASK_TIMEOUT_S per address)
 WATCH_EVERY_S = 2.0
 
 
@@ -119,7 +120,7 @@ async def _ask_member(node: Node, peers: list[str], run_id: str, swarm_key: str 
     """The run's summary as the first of ``peers`` that answers reports it (``runs`` in its status)."""
     from pcp_p2p.node.status import fetch_status
 
-    for peer in peers:
+    for peer in peers[:ASK_AT_MOST]:
         member = node.membership.get(peer)
         if member is None:
             continue
