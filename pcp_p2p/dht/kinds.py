@@ -17,6 +17,7 @@ KIND_MODULES = (
     "pcp_p2p.diloco.election",  # lease
     "pcp_p2p.diloco.admission",  # allowlist
     "pcp_p2p.diloco.owner_runs",  # owner-runs
+    "pcp_p2p.diloco.lifecycle",  # stop
 )
 
 

@@ -15,6 +15,8 @@ one of them never drags in the others' dependencies):
 - :mod:`.audit` — audits by deterministic replay: the draw, the inner-state chain,
   requests, reports and evidence for the ban ledger.
 - :mod:`.sim` — an in-memory swarm on trio with seeded fault injection.
+- :mod:`.lifecycle` — the owner's signed stop order, and the phase a run shows.
+- :mod:`.run_commands` — ``pcp run status | watch | stop``.
 
 The protocol is described in ``docs/diloco.md``.
 """

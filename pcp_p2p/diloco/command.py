@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,13 +29,14 @@ from pcp_p2p.shutdown import run_until_signal
 if TYPE_CHECKING:
     from pcp_p2p.diloco.admission import AllowlistUpdate
     from pcp_p2p.node.identity import Identity
+    from pcp_p2p.node.membership import MemberRecord
     from pcp_p2p.node.node import Node
 
 log = logging.getLogger("pcp.run")
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    run = sub.add_parser("run", help="create and inspect training runs")
+    run = sub.add_parser("run", help="create, inspect and stop training runs")
     run_sub = run.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     create = run_sub.add_parser(
         "create",
@@ -66,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _client_flags(admit)
     admit.set_defaults(func=_cmd_admit)
 
+    from pcp_p2p.diloco.run_commands import register_actions  # status, watch, stop
+
+    register_actions(run_sub)
+
 
 def _client_flags(p: argparse.ArgumentParser) -> None:
     """The flags every owner command needs to reach the swarm."""
@@ -80,12 +85,15 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
+    from pcp_p2p.diloco.data import check_dataset
     from pcp_p2p.diloco.spec import load_spec, run_id_of, sign_spec
 
     logs.configure(logging.WARNING)
+    spec = load_spec(args.spec)
+    check_dataset(spec.dataset)  # before anything is signed or published
     data_dir = args.data_dir or default_data_dir()
     identity = load_or_create_identity(data_dir)
-    signed = sign_spec(load_spec(args.spec), identity)
+    signed = sign_spec(spec, identity)
     run_id = run_id_of(signed)
     handoff = run_until_signal(_publish, args, data_dir, identity, signed)
     quorum = signed.spec.round.min_quorum
@@ -176,17 +184,9 @@ def explain_refusal(reason: str, detail: str, owner: str) -> str:
     return detail
 
 
-async def _hand_to_workers(node: Node, msg: Any, wait_s: float) -> int:
-    """Send ``msg`` to every live worker; how many took it."""
-    return len((await _hand_out(node, msg, wait_s)).accepted)
-
-
-async def _hand_out(node: Node, msg: Any, wait_s: float) -> HandOff:
-    """Send ``msg`` to every live worker; who took it, who refused it and why.
-
-    Members announce themselves within a heartbeat or two: wait (on membership
-    events, up to ``wait_s``) until the view has stopped growing for a second.
-    """
+async def _wait_for_workers(node: Node, wait_s: float) -> None:
+    """Members announce themselves within a probe period or two: wait (on membership
+    events, up to ``wait_s``) until the view has stopped growing for a second."""
     def workers() -> int:
         return sum(m.record.role == "worker" for m in node.membership.live())
 
@@ -198,9 +198,23 @@ async def _hand_out(node: Node, msg: Any, wait_s: float) -> HandOff:
             except trio.TooSlowError:
                 if seen:
                     break
+
+
+async def _hand_to_workers(
+    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+) -> int:
+    """Send ``msg`` to every live worker (for which ``only`` holds, if given); how many took it."""
+    return len((await _hand_out(node, msg, wait_s, only)).accepted)
+
+
+async def _hand_out(
+    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+) -> HandOff:
+    """Send ``msg`` to every live worker (for which ``only`` holds); who took it, who refused it and why."""
+    await _wait_for_workers(node, wait_s)
     out = HandOff()
     for m in node.membership.live():
-        if m.record.role != "worker":
+        if m.record.role != "worker" or (only is not None and not only(m.record)):
             continue
         try:
             await node.messenger.send(m.record.peer_id, msg)

@@ -93,6 +93,21 @@ def load_corpus(dataset: str) -> str:
     return text
 
 
+def check_dataset(dataset: str) -> None:
+    """Raise a :class:`ConfigError` naming the spec key unless ``dataset`` resolves and reads here.
+
+    ``pcp run create`` calls it before anything is published: a run whose
+    dataset no node can read used to be accepted, after which its elected
+    shepherd failed to set it up again and again. The shepherd reads the same
+    name or path on its own machine, so a path should be one the nodes that
+    may lead also hold (or the default, which every node has).
+    """
+    try:
+        load_corpus(dataset)
+    except ConfigError as exc:
+        raise ConfigError(f"run spec: data.dataset: {exc}") from exc
+
+
 @dataclass(frozen=True)
 class CharDataset:
     """A tokenised corpus split 90/10 into training and validation tokens."""

@@ -92,11 +92,26 @@ from pcp_p2p.diloco.election import (
     PublishLease,
     StepDown,
 )
+from pcp_p2p.diloco.lifecycle import (
+    COMPILING,
+    ENDED,
+    SETUP_FAILED,
+    STOP_FILE,
+    STOP_KIND,
+    STOP_LOOKUP_EVERY_S,
+    STOPPED,
+    PhaseInputs,
+    StopLatch,
+    StopOrder,
+    run_phase,
+    stop_name,
+)
 from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.runs import KnownRun
+from pcp_p2p.diloco.shepherd import Phase as ShepherdPhase
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import unpack_tensors
@@ -125,6 +140,7 @@ log = logging.getLogger("pcp.run")
 FETCH_ATTEMPTS = 6
 COMMIT_PUT_ATTEMPTS = 4  # DHT puts of a commit record (2, 4, 8 s apart)
 FINISH_GRACE_S = 30.0
+STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
 KEEP_CHECKPOINTS = 2
 PINS_FILE = "pins.json"
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
@@ -207,6 +223,8 @@ class RunRuntime:
         self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
         self._exports = 0  # inner-state exports in progress (as the audited worker)
         self.finished = trio.Event()
+        self.stop_latch = StopLatch(self.run_id, run.owner)  # the owner's stop order, once accepted
+        self._setup_error: str | None = None  # why this node, elected shepherd, could not set the run up
 
     # -- inputs from the network -------------------------------------------------------
 
@@ -221,6 +239,9 @@ class RunRuntime:
         :meth:`_replicate_then_commit`).
         """
         if getattr(msg, "run_id", None) != self.run_id:
+            return
+        if isinstance(msg, StopOrder):
+            self.stop(msg, time.time())  # refused (the messenger says why) unless the owner signed it
             return
         if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
             verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
@@ -249,6 +270,8 @@ class RunRuntime:
     async def run_forever(self) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            if self._stopped_before():
+                return
             await self._start()
             while not self.finished.is_set():
                 wake = self._next_wakeup()
@@ -264,8 +287,9 @@ class RunRuntime:
                 if self.election is not None:
                     self._carry_out_election(self.election.tick(now))
             # Finished: let in-flight work (the final commit's sends, announcements)
-            # complete, but not forever.
-            nursery.cancel_scope.deadline = trio.current_time() + FINISH_GRACE_S
+            # complete, but not forever; a stopped run has nothing more to say.
+            grace = STOP_GRACE_S if self.stop_latch.stopped else FINISH_GRACE_S
+            nursery.cancel_scope.deadline = trio.current_time() + grace
 
     def _next_wakeup(self) -> float | None:
         wakes = [w for w in (
@@ -306,10 +330,15 @@ class RunRuntime:
 
     async def _members_loop(self) -> None:
         """Feed the election the run's live members once a second, and look up the owner's
-        allowlist amendments every ``ALLOWLIST_EVERY_S``."""
-        last_lookup = -ALLOWLIST_EVERY_S
+        allowlist amendments every ``ALLOWLIST_EVERY_S`` and its stop order (one this node
+        missed while it was down) every ``STOP_LOOKUP_EVERY_S``, the first time at once."""
+        last_lookup = last_stop_lookup = -max(ALLOWLIST_EVERY_S, STOP_LOOKUP_EVERY_S)
         while True:
             self._send.send_nowait(("members", None))
+            if time.monotonic() - last_stop_lookup >= STOP_LOOKUP_EVERY_S:  # a stop this node missed
+                last_stop_lookup = time.monotonic()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._lookup_stop)
             if self.spec.admission.mode == "allowlist" and time.monotonic() - last_lookup >= ALLOWLIST_EVERY_S:
                 last_lookup = time.monotonic()
                 assert self._nursery is not None
@@ -324,6 +353,62 @@ class RunRuntime:
             return
         if isinstance(update, AllowlistUpdate):
             self._send.send_nowait(("msg", self.run.owner, update))
+
+    # -- the owner's stop (see pcp_p2p.diloco.lifecycle) ---------------------------------
+
+    def stop(self, order: StopOrder, now: float) -> None:
+        """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds.
+
+        The worker's inner run is told to cancel, no machine gets another input,
+        the run's pins are released as on a normal end, and the order is kept in
+        the run's folder so a restarted node does not take the run up again.
+        """
+        self.stop_latch.check(order, now)
+        if self.finished.is_set():
+            raise StaleMessage("the run has already finished here")
+        self.stop_latch.apply(order, now)
+        log.warning("run %s stopped by its owner%s", self.run_id[:16], f": {order.reason}" if order.reason else "")
+        try:
+            tmp = self.work_dir / (STOP_FILE + ".tmp")
+            tmp.write_bytes(encode(order))
+            tmp.replace(self.work_dir / STOP_FILE)
+        except OSError as exc:  # the run still stops; a restart looks the order up in the DHT
+            self.node.log_once("self", LocalError(str(exc)), "keeping the stop order failed")
+        self._end_stopped()
+
+    def _end_stopped(self) -> None:
+        for cancel in self._cancel.values():
+            cancel.set()
+        self.shepherd = None
+        self.phase = STOPPED
+        w = self.worker
+        final = (w.theta_cid if w is not None else None) or ""
+        self._release_run_pins(final)
+        self.node.leads.discard(self.run_id)
+        self.finished.set()
+        self._send.send_nowait(("stopped", None))  # wakes the main loop, which then ends
+
+    def _stopped_before(self) -> bool:
+        """Whether this node accepted the owner's stop before it restarted (the order kept here)."""
+        try:
+            order = decode((self.work_dir / STOP_FILE).read_bytes(), StopOrder)
+            self.stop_latch.apply(order, time.time())
+        except FileNotFoundError:
+            return False
+        except (OSError, PcpError) as exc:
+            log.warning("run %s: ignoring the kept stop order: %s", self.run_id[:16], exc)
+            return False
+        self._end_stopped()
+        return True
+
+    async def _lookup_stop(self) -> None:
+        try:
+            order = await self.node.get_record(STOP_KIND, stop_name(self.run_id, self.run.owner))
+        except PcpError as exc:
+            log.debug("stop lookup failed: %s", exc)
+            return
+        if isinstance(order, StopOrder) and not self.stop_latch.stopped:
+            self._send.send_nowait(("msg", self.run.owner, order))
 
     def _candidates(self) -> list[Candidate]:
         now = time.time()
@@ -425,6 +510,14 @@ class RunRuntime:
             if isinstance(msg, Evidence):
                 self._on_evidence(sender, msg, now)
                 return
+            if isinstance(msg, StopOrder):  # looked up in the DHT (a direct one is checked in deliver)
+                try:
+                    self.stop(msg, now)
+                except StaleMessage:
+                    pass  # already stopped
+                except PcpError as exc:
+                    self._reject(sender, exc)
+                return
             if isinstance(msg, AllowlistUpdate):
                 try:
                     self.admission.apply(msg, now)  # owner-signed, or refused
@@ -482,7 +575,7 @@ class RunRuntime:
             for early in self._early:
                 self._dispatch(early)
             self._early.clear()
-        if self.worker is not None and self.phase != "finished":
+        if self.worker is not None and not self.finished.is_set():
             self.phase = self.worker.phase.value
             rec = self.worker.last_commit
             if rec is not None and rec.round + 1 >= self.spec.round.rounds and self.worker.theta_cid == rec.theta_cid:
@@ -745,21 +838,27 @@ class RunRuntime:
             return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
 
     async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
+        self.node.state = COMPILING  # what the workers show until the first round is announced
         try:
             for attempt in range(3):
                 try:
                     await self._become_shepherd(eff)
+                    self._setup_error = None
                     break
                 except PcpError as exc:
                     still_mine = self.election is not None and self.election.current_term == eff.term \
                         and self.election.holder == self.node.peer_id
                     log.error("run %s: could not take up term %d (attempt %d): %s",
                               self.run_id[:16], eff.term, attempt + 1, exc)
+                    # Shown as the run's phase here and, through the member record, on every worker.
+                    self._setup_error = " ".join(str(exc).split())[:160] or type(exc).__name__
+                    self.node.state = f"{SETUP_FAILED}: {self._setup_error}"
                     if not still_mine:
                         break
                     await trio.sleep(2.0 * (attempt + 1))
         finally:
             self._becoming = False
+            self.node.state = f"{SETUP_FAILED}: {self._setup_error}" if self._setup_error else "training"
             self._send.send_nowait(("shepherd_ready", None))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
@@ -1186,6 +1285,35 @@ class RunRuntime:
     def _utilisation(self, busy: float) -> float | None:
         return _utilisation_of(busy, self.stats.first_train_at, self.stats.last_commit_at)
 
+    def _members(self) -> int:
+        """Nodes taking part in the run: the shepherd's roster here, else the members that list the run."""
+        if self.shepherd is not None:
+            return len(self.shepherd.roster)
+        return sum(1 for m in self.node.membership.live()
+                   if m.record.role == "worker" and self.run_id in m.record.runs)
+
+    def _phase(self, shepherd_live: bool) -> str:
+        """The phase to show (:func:`~pcp_p2p.diloco.lifecycle.run_phase`): compiling, waiting
+        for quorum and set-up failures rather than the idle worker's ``idle``."""
+        w = self.worker
+        sm = self.shepherd
+        if w is None and self._target is None and self.election is not None:
+            return self.phase  # this machine runs none of the run's targets: that is what it shows
+        member = self.node.membership.get(self.shepherd_peer) if self.shepherd_peer else None
+        started = w is not None and (w.current is not None or w.last_commit is not None)
+        if sm is not None and sm.phase is ShepherdPhase.WAITING and len(sm.roster) < self.spec.round.min_quorum:
+            started = False  # leading, and the round waits for joins: the quorum is what is missing
+        phase = run_phase(PhaseInputs(
+            base=self.phase, ended=self.finished.is_set() or self.phase in ENDED,
+            setup_error=self._setup_error if self.shepherd is None else None,
+            compiling=self._becoming,
+            shepherd_state=member.record.state if member is not None else None,
+            started=started, members=self._members(), quorum=self.spec.round.min_quorum,
+        ))
+        if shepherd_live or self.shepherd_peer is None or phase in ENDED:
+            return phase
+        return f"{phase} (shepherd lost)"
+
     def status(self) -> dict[str, Any]:
         w = self.worker
         rec = w.last_commit if w is not None else None
@@ -1198,7 +1326,8 @@ class RunRuntime:
             "name": self.spec.name,
             "round": (rec.round + 1) if rec is not None else 0,
             "rounds": self.spec.round.rounds,
-            "phase": self.phase if shepherd_live or self.shepherd_peer is None else f"{self.phase} (shepherd lost)",
+            "phase": self._phase(shepherd_live),
+            "members": self._members(),
             "shepherd": self.shepherd_peer,
             **self._election_status(),
             "is_shepherd": self.shepherd is not None,

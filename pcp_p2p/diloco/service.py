@@ -38,6 +38,7 @@ from pcp_p2p.node.node import Node
 from pcp_p2p.dht.records import VerifiedRecord
 from pcp_p2p.diloco.admission import AllowlistUpdate
 from pcp_p2p.diloco.audit import AUDIT_MESSAGES
+from pcp_p2p.diloco.lifecycle import StopOrder, summary_of
 from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.training")
@@ -74,10 +75,12 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate, *AUDIT_MESSAGES),
+        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
                                      self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
+        # Every run's summary by run id, for `pcp run status` (the `run` section is the latest run only).
+        self.node.config.extra_status["runs"] = lambda: {rid: summary_of(r.status()) for rid, r in self.runtimes.items()}
         # Top-level election fields for `pcp status --json` (the dashboard's shepherd panel).
         for key in ("term", "lease_expires_s", "shepherd_history"):
             self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
