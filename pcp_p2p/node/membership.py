@@ -23,7 +23,7 @@ protocol period whatever the size of the swarm:
   record, so only it can refute, and a replayed older record changes nothing.
 - **Dissemination.** Changes (alive with a new record, suspect, dead) ride on the
   pings and acks a node sends anyway, at most ``max_piggyback`` per packet, each
-  retransmitted ``retransmit_mult * ceil(log2(N + 1))`` times: infection-style
+  retransmitted ``retransmit_mult * ceil(log10(N + 2))`` times: infection-style
   spread reaching all N in O(log N) periods at O(1) cost per node per period.
 - **Anti-entropy and joining.** A joiner ``sync``s with a bootstrap server (a
   push-pull exchange of a bounded sample of signed records), and every node syncs
@@ -152,7 +152,7 @@ class SwimConfig:
     # Nothing is sent when there is nothing new, so an idle swarm pays nothing for it.
     gossip_interval_s: float = 0.5
     gossip_fanout: int = 2
-    retransmit_mult: int = 3
+    retransmit_mult: int = 4
     sync_every_s: float = 30.0
     sync_bytes: int = 40 * 1024  # records per sync packet, by size
     tombstone_s: float = 300.0
@@ -605,7 +605,9 @@ class Membership:
             del self._queue[victim]
 
     def _retransmits(self) -> int:
-        return self.config.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
+        # memberlist's rule (mult * log10 N): enough for an epidemic to reach everyone
+        # whp; more only crowds the 8 piggyback slots when many changes are in flight.
+        return self.config.retransmit_mult * max(1, math.ceil(math.log10(len(self._members) + 2)))
 
     def _piggyback(self) -> tuple[Gossip, ...]:
         if not self._queue:
