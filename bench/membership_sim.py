@@ -56,11 +56,11 @@ def simulate(n: int, args: argparse.Namespace) -> dict:
         for v, at in kill_at.items():
             if v not in holders and net.now >= at:
                 net.kill(v)
-                holders[v] = {p for p in net.live_ids() if v in net.view(p)}
+                holders[v] = {p for p in net.live_ids() if v in net.nodes[p].machine}
         for v, hs in holders.items():
             if v in gone_at:
                 continue
-            hs -= {p for p in hs if not net.nodes[p].alive or v not in net.view(p)}
+            hs -= {p for p in hs if not net.nodes[p].alive or v not in net.nodes[p].machine}
             if not hs:
                 gone_at[v] = net.now - kill_at[v]
     elapsed = net.now - base_now

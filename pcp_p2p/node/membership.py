@@ -66,6 +66,7 @@ Transitions, per member::
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections import OrderedDict
@@ -275,6 +276,7 @@ class Membership:
         self._self: Member | None = None
         self._members: dict[str, Member] = {}
         self._order: list[str] = []  # probe round-robin
+        self._suspects: set[str] = set()  # members with suspect_since set (so tick does not scan the view)
         self._probe: _Probe | None = None
         self._next_probe_at = 0.0
         self._next_sync_at: float | None = None
@@ -282,6 +284,8 @@ class Membership:
         self._next_gossip_at = 0.0
         self._probe_ids = 0
         self._queue: dict[tuple[str, str, str], _Outgoing] = {}
+        self._queued_about: dict[str, set[tuple[str, str, str]]] = {}
+        self._spreading = True  # False while absorbing a sync: samples are not news
         self._seen: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
         # dead members: (incarnation, kept until, their last record: for reconnect attempts)
         self._tombstones: OrderedDict[str, tuple[tuple[int, int], float, Member]] = OrderedDict()
@@ -338,7 +342,7 @@ class Membership:
         if packet.kind == "ping" and packet.target != self.self_peer_id:
             raise MalformedMessage(f"swim: ping for {packet.target[-8:]} sent to {self.self_peer_id[-8:]}")
         self.stats.received += 1
-        events = self._absorb(sender, packet.updates, now)
+        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync")
         self._heard_from(sender, now)
         if packet.kind == "ping":
             updates = self._piggyback()
@@ -348,7 +352,11 @@ class Membership:
                 updates = (mine, *[u for u in updates if u.peer_id != self.self_peer_id])
             return self._count(SwimPacket("ack", packet.probe, self.self_peer_id, updates=updates)), None, events
         if packet.kind == "sync":
-            return self._count(self._sync_packet()), None, events
+            reply = self._sync_packet()
+            tomb = self._tombstones.get(sender)
+            if tomb is not None:  # a member we declared dead syncs with us: it should know, and refute
+                reply = SwimPacket("sync", updates=(Gossip("dead", sender, *tomb[0]), *reply.updates))
+            return self._count(reply), None, events
         if packet.kind == "gossip":  # push-pull: what we have new goes back
             return self._count(SwimPacket("ack", updates=self._piggyback())), None, events
         # ping_req: ping the target on the requester's behalf. In a partial view the
@@ -374,7 +382,7 @@ class Membership:
         if packet.kind not in ("ack", "nack", "sync"):
             raise MalformedMessage(f"swim: {packet.kind!r} is not a reply")
         self.stats.received += 1
-        events = self._absorb(sender, packet.updates, now)
+        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync")
         self._heard_from(sender, now)
         probe = self._probe
         if packet.kind == "ack" and probe is not None and packet.probe == probe.id and packet.target == probe.target:
@@ -383,9 +391,7 @@ class Membership:
             if target is not None:
                 target.last_seen = now
                 if target.suspect_since is not None and sender == probe.target:
-                    target.suspect_since = None
-                    target.suspecters.clear()
-                    self.stats.refuted += 1
+                    self._clear_suspicion(target)
             self._probe = None
         return events
 
@@ -429,7 +435,8 @@ class Membership:
                 self._probe = _Probe(self._probe_ids, target, now)
                 effects.append(self._ping(self._members[target], self._probe_ids, cfg.ping_timeout_s))
             self._next_probe_at = now + cfg.period_s
-        for peer_id, m in list(self._members.items()):
+        for peer_id in sorted(self._suspects):
+            m = self._members[peer_id]
             if m.suspect_since is not None and now - m.suspect_since >= self._suspicion_timeout(m):
                 self._remove(peer_id, now, "dead", events)
                 self.stats.confirmed += 1
@@ -464,7 +471,7 @@ class Membership:
         return self._members.get(peer_id)
 
     def suspected(self) -> list[str]:
-        return sorted(p for p, m in self._members.items() if m.suspect_since is not None)
+        return sorted(self._suspects)
 
     def __contains__(self, peer_id: str) -> bool:
         return self.get(peer_id) is not None
@@ -474,7 +481,7 @@ class Membership:
 
     # -- internals: gossip -------------------------------------------------------------
 
-    def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float) -> list[MembershipEvent]:
+    def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float, *, spread: bool = True) -> list[MembershipEvent]:
         """Apply piggybacked changes, each on its own.
 
         A bad update (forged, expired, malformed) is refused alone and kept in
@@ -483,15 +490,25 @@ class Membership:
         """
         events: list[MembershipEvent] = []
         for g in updates:
+            # Only news spreads: a sync's sample is learned, not passed on, and a copy
+            # seen before (an evicted member coming back into view, say) is not queued
+            # again; without this, old records circulate for ever in large swarms.
+            key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
+            self._spreading = spread and key not in self._seen
+            if self._spreading:
+                self._seen[key] = None
+                if len(self._seen) > 8 * self.config.max_queue:
+                    self._seen.popitem(last=False)
             try:
                 if g.kind == "alive":
-                    self._apply_alive(g, self._verify_alive(g), now, events)
+                    self._apply_alive(g, self._verify_alive(g), now, events, sender)
                 elif g.kind in ("suspect", "dead"):
                     self._apply_claim(g, now)
                 else:
                     raise MalformedMessage(f"swim: gossip kind {g.kind!r:.20}")
             except PcpError as exc:
                 self.errors.append(exc)
+        self._spreading = True
         return events
 
     def take_errors(self) -> list[PcpError]:
@@ -510,14 +527,21 @@ class Membership:
             raise VerificationError(f"swim: {g.peer_id[-8:]} is a short-lived client, not a member")
         return Member(record, verified.record, g.record, 0.0)
 
-    def _apply_alive(self, g: Gossip, fresh: Member, now: float, events: list[MembershipEvent]) -> None:
+    def _apply_alive(self, g: Gossip, fresh: Member, now: float, events: list[MembershipEvent], sender: str) -> None:
         if g.peer_id == self.self_peer_id:
             return
         inc = (g.boot, g.seq)
         tomb = self._tombstones.get(g.peer_id)
         if tomb is not None and inc <= tomb[0]:
-            self.stats.stale += 1
-            return
+            if sender != g.peer_id:
+                self.stats.stale += 1
+                return
+            # Proof of life: the "dead" member itself just talked to us over an
+            # authenticated stream (a healed partition). Take it back, and tell it
+            # it was declared dead so it refutes: its higher incarnation then
+            # passes everyone else's tombstone too.
+            del self._tombstones[g.peer_id]
+            self._enqueue(Gossip("dead", g.peer_id, *inc), force=True)
         current = self._members.get(g.peer_id)
         if current is None:
             if not self._make_room(g.peer_id, fresh.record, now, events):
@@ -535,10 +559,8 @@ class Membership:
             return
         changed = fresh.record != current.record
         if current.suspect_since is not None:
-            self.stats.refuted += 1
+            self._clear_suspicion(current)
         current.record, current.signed, current.signed_bytes = fresh.record, fresh.signed, fresh.signed_bytes
-        current.suspect_since = None
-        current.suspecters.clear()
         current.last_seen = now
         self._enqueue(g)
         if changed:
@@ -572,6 +594,7 @@ class Membership:
             return
         if m.suspect_since is None:
             m.suspect_since = now
+            self._suspects.add(peer_id)
             self.stats.suspicions += 1
         m.suspecters.add(origin)
         if relay and len(m.suspecters) <= self.config.confirmations:
@@ -581,28 +604,36 @@ class Membership:
         """Gossip about a peer outside this node's (partial) view: relayed once, like any other.
 
         Epidemic spread needs every node to pass changes on, not only the few
-        that hold the subject; ``_seen`` keeps a copy from being queued twice
-        (without it, each new copy would restart its retransmissions for ever).
+        that hold the subject (``_absorb`` lets through only copies not seen before).
         """
-        key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
-        if key in self._seen:
-            return
-        self._seen[key] = None
-        while len(self._seen) > 8 * self.config.max_queue:
-            self._seen.popitem(last=False)
         self._enqueue(g, known=False)
 
-    def _enqueue(self, g: Gossip, *, known: bool = True) -> None:
+    def _enqueue(self, g: Gossip, *, known: bool = True, force: bool = False) -> None:
         """Queue a change for piggybacking. A newer alive about a peer replaces all it says;
         suspicions from different origins travel side by side (they are confirmations)."""
+        if not self._spreading and not force:
+            return
+        keys = self._queued_about.setdefault(g.peer_id, set())
         if g.kind == "alive":
-            for key in [k for k in self._queue if k[0] == g.peer_id]:
-                del self._queue[key]
-        self._queue[(g.peer_id, g.kind, g.origin)] = _Outgoing(g, self._retransmits(), known)
+            for key in keys:
+                self._queue.pop(key, None)
+            keys.clear()
+        key = (g.peer_id, g.kind, g.origin)
+        self._queue.pop(key, None)  # re-queued at the end: the newest go first
+        self._queue[key] = _Outgoing(g, self._retransmits(), known)
+        keys.add(key)
         if len(self._queue) > self.config.max_queue:
-            # Bounded: what is about peers we do not hold goes first, then what was sent most.
-            victim = min(self._queue, key=lambda k: (self._queue[k].known, self._queue[k].left))
-            del self._queue[victim]
+            # Bounded: the oldest go (sent most); among the 32 oldest, one about a peer we do not hold first.
+            oldest = list(itertools.islice(self._queue, 32))
+            self._dequeue(next((k for k in oldest if not self._queue[k].known), oldest[0]))
+
+    def _dequeue(self, key: tuple[str, str, str]) -> None:
+        del self._queue[key]
+        keys = self._queued_about.get(key[0])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._queued_about[key[0]]
 
     def _retransmits(self) -> int:
         # memberlist's rule (mult * log10 N): enough for an epidemic to reach everyone
@@ -610,19 +641,18 @@ class Membership:
         return self.config.retransmit_mult * max(1, math.ceil(math.log10(len(self._members) + 2)))
 
     def _piggyback(self) -> tuple[Gossip, ...]:
-        if not self._queue:
-            return ()
-        chosen = sorted(self._queue.items(), key=lambda kv: -kv[1].left)[: self.config.max_piggyback]
+        """Up to ``max_piggyback`` queued changes, the newest (least sent) first."""
         out = []
         size = 0
-        for key, item in chosen:
+        for key in list(itertools.islice(reversed(self._queue), self.config.max_piggyback)):
+            item = self._queue[key]
             size += len(item.gossip.record) + 128
             if size > MAX_PACKET // 2:
                 break
             out.append(item.gossip)
             item.left -= 1
             if item.left <= 0:
-                del self._queue[key]
+                self._dequeue(key)
         return tuple(out)
 
     def _sync_effect(self) -> Send:
@@ -665,7 +695,7 @@ class Membership:
 
     def _ping(self, target: Member, probe: int, timeout_s: float) -> Send:
         b, s = target.incarnation
-        about = [o.gossip for k, o in self._queue.items() if k[0] == target.record.peer_id and k[1] != "alive"]
+        about = [self._queue[k].gossip for k in self._queued_about.get(target.record.peer_id, ()) if k[1] != "alive"]
         updates = self._piggyback()
         if about and about[0] not in updates:  # what we say about it goes to it first (a chance to refute)
             updates = (about[0], *updates[: self.config.max_piggyback - 1])
@@ -681,21 +711,36 @@ class Membership:
         if m is not None:
             m.last_seen = now
             if m.suspect_since is not None:
-                m.suspecters.clear()
-                m.suspect_since = None  # it talked to us: alive (the suspect gossip already out is refuted by its own)
-                self.stats.refuted += 1
+                self._clear_suspicion(m)  # it talked to us: alive (what we gossiped is refuted by its own)
 
     def _next_target(self) -> str | None:
         # Round-robin over a shuffled order; a pass that ends reshuffles (SWIM's bound on time to first probe).
-        self._order = [p for p in self._order if p in self._members]
-        if not self._order:
-            self._order = list(self._members)
-            self.rng.shuffle(self._order)
-        target = self._order.pop(0) if self._order else None
-        if not self._order:
-            self._order = list(self._members)
-            self.rng.shuffle(self._order)
-        return target
+        while True:
+            if not self._order:
+                self._order = list(self._members)
+                self.rng.shuffle(self._order)
+                if not self._order:
+                    return None
+            target = self._order.pop()
+            if target in self._members:  # members that left since the shuffle are skipped
+                return target
+
+    def _random_member(self) -> str:
+        # The probe order is a shuffled copy of the view: a uniform pick without building a list.
+        while True:
+            if self._order:
+                p = self._order[self.rng.randrange(len(self._order))]
+                if p in self._members:
+                    return p
+            else:
+                self._order = list(self._members)
+                self.rng.shuffle(self._order)
+
+    def _clear_suspicion(self, m: Member) -> None:
+        m.suspect_since = None
+        m.suspecters.clear()
+        self._suspects.discard(m.record.peer_id)
+        self.stats.refuted += 1
 
     def _protected(self, record: MemberRecord) -> bool:
         return bool(self._interest and (self._interest & (set(record.runs) | set(record.leads))))
@@ -707,16 +752,22 @@ class Membership:
         protected = self._protected(record)
         if not protected and self.rng.random() < 0.5:
             return False
-        candidates = [p for p, m in self._members.items() if not self._protected(m.record)]
-        if not candidates:
-            return protected  # a view of run-mates only: run-mates still enter (bounded by the run's roster)
-        victim = self.rng.choice(candidates)
+        victim = None
+        members = list(self._members) if len(self._members) < 64 else None
+        for _ in range(16):  # a random unprotected member, by sampling (no scan of a large view)
+            p = self.rng.choice(members) if members else self._random_member()
+            if not self._protected(self._members[p].record):
+                victim = p
+                break
+        if victim is None:
+            return protected  # (nearly) all run-mates: run-mates still enter (bounded by the run's roster)
         self._remove(victim, now, "evicted", events)
         self.stats.evicted += 1
         return True
 
     def _remove(self, peer_id: str, now: float, reason: str, events: list[MembershipEvent]) -> None:
         m = self._members.pop(peer_id)
+        self._suspects.discard(peer_id)
         if reason == "dead":
             self._tombstones[peer_id] = (m.incarnation, now + self.config.tombstone_s, m)
             self._tombstones.move_to_end(peer_id)
