@@ -54,6 +54,7 @@ from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.dht.kinds import register_all as register_all_kinds
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
+from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
@@ -121,6 +122,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"unknown role {self.role!r}")
+        if self.role == "client":
+            # A short-lived client asks the DHT but serves nothing: in client mode
+            # it never lands in the servers' routing tables (pcp_p2p/dht/table.py).
+            self.client_mode = True
         if not self.listen:
             raise ConfigError("a node needs at least one --listen address")
 
@@ -544,10 +549,14 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     caps = config.capabilities or await trio.to_thread.run_sync(
         lambda: probe(config.backend, benchmark_s=config.benchmark_s)
     )
-    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen)
+    local_ips = _local_ipv4s()
+    # Identify advertises dialable addresses, not the 0.0.0.0 a node listens on:
+    # peers keep only dialable ones in their routing tables (pcp_p2p/dht/table.py).
+    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen,
+                    addrs_factory=lambda addrs: expand_unspecified(addrs, local_ips))
     record_validator = PcpRecordValidator()
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
-    dht = KadDHT(
+    dht = PcpKadDHT(
         host,
         DHTMode.CLIENT if config.client_mode else DHTMode.SERVER,
         validator=validator,
