@@ -77,6 +77,7 @@ from pcp_p2p.node.status import (
     MemberStatus,
     StatusReply,
     StatusRequest,
+    split_rejected,
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
 from pcp_p2p.node.traffic import Traffic, count_host_traffic
@@ -488,6 +489,8 @@ class Node:
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
             "rejected": dict(self.rejected),
+            # the same counts split for people: "rejected 321" alarmed in a healthy swarm
+            **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
         }
         extra = {"storage": self.blobs.store.usage(),
