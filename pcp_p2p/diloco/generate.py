@@ -94,7 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     text = sample_text(spec.model, theta, tokenizer, args.prompt, args.tokens,
                        temperature=args.temperature, seed=args.seed)
     if args.json:
-        print(json.dumps({"run_id": args.run, "round": rec.round, "theta": rec.theta_cid, "text": text}))
+        print(json.dumps({"run_id": args.run, "round": rec.round + 1, "theta": rec.theta_cid, "text": text}))
     else:
         print(f"(round {rec.round + 1}, θ {rec.theta_cid})", file=sys.stderr)
         print(text)
