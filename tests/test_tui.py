@@ -505,3 +505,12 @@ def test_throughput_says_when_it_was_measured() -> None:
     assert throughput_text({"throughput_gflops": 0.0}, now=0.0) == "0 GFLOP/s (not measured)"
     assert throughput_text({"throughput_gflops": 3.7}, now=0.0) == "4 GFLOP/s"  # an older node: no stamp
     assert throughput_text(None, now=0.0) == "- GFLOP/s"
+
+
+def test_the_plain_text_status_splits_rejected_and_counts_rounds_from_one() -> None:
+    from pcp_p2p.node.commands import render_text
+
+    text = render_text(live_run_snapshot(round=3, rounds=12, phase="idle"))
+    assert "rejected 3 bad input, 12 stale or duplicate" in text
+    assert "round 4/12 (waiting)" in text
+    assert "GFLOP/s" in text and "(not measured)" not in text  # the fixture's figure has no stamp: shown bare

@@ -307,7 +307,7 @@ def render_text(obj: dict[str, Any]) -> str:
     """A plain-text status summary (the urwid TUI builds on the same JSON)."""
     import time
 
-    from pcp_p2p.node.status import throughput_text
+    from pcp_p2p.node.status import split_rejected, throughput_text
     from pcp_p2p.tui.fmt import phase_label, round_label
     caps = obj["capabilities"]
     lines = [
@@ -316,7 +316,8 @@ def render_text(obj: dict[str, Any]) -> str:
         f"hardware {caps['cpu_model']} x{caps['cpu_count']}, {throughput_text(caps, now=time.time())}, "
         f"backends {','.join(caps['backends']) or '-'}",
         f"network  {obj['network'].get('connected_peers', 0)} connected, "
-        f"{obj['network'].get('routing_table_size', 0)} in routing table",
+        f"{obj['network'].get('routing_table_size', 0)} in routing table, rejected "
+        "{} bad input, {} stale or duplicate".format(*split_rejected(obj["network"].get("rejected"))),
         f"members  {len(obj['members'])}",
     ]
     for m in obj["members"]:
