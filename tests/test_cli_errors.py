@@ -118,7 +118,8 @@ def _unreadable_blob_dir(tmp: Path, boot: Node, port: int) -> tuple[list[str], s
 
 CASES: dict[str, Case] = {
     "generate: unknown run id": lambda tmp, boot, port: (
-        ["generate", "--bootstrap", boot.addr, "--run", "no-such-run", "--data-dir", str(tmp)], "no run no-such-run"),
+        ["generate", "--bootstrap", boot.addr, "--run", "no-such-run", "--data-dir", str(tmp), "--timeout", "4"],
+        "no run no-such-run found in the swarm's DHT within 4 s"),
     "bootstrap: listen port in use": lambda tmp, boot, port: (
         ["bootstrap", "--listen", f"/ip4/127.0.0.1/tcp/{port}", "--data-dir", str(tmp)],
         f"cannot listen on /ip4/127.0.0.1/tcp/{port}: address already in use"),
@@ -234,8 +235,12 @@ def test_ctrl_c_in_a_client_command_is_130(tmp_path: Path, argv: list[str]) -> N
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         assert proc.stderr is not None
-        first = proc.stderr.readline()  # its node is up and retrying the dead bootstrap server
-        assert "no bootstrap server answered" in first, first
+        seen = ""
+        for _ in range(5):  # progress lines, then: its node is up and retrying the dead bootstrap server
+            seen += proc.stderr.readline()
+            if "no bootstrap server answered" in seen:
+                break
+        assert "no bootstrap server answered" in seen, seen
         proc.send_signal(signal.SIGINT)
         _, rest = proc.communicate(timeout=STOP_BOUND_S)
         assert proc.returncode == 130, rest
@@ -384,3 +389,16 @@ def test_main_returns_codes_and_prints_one_line(tmp_path: Path, capsys: pytest.C
     assert main(["status", "--data-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert err.count("pcp: error:") == 1 and "no running node" in err
+
+
+def test_generate_retries_its_lookups_within_the_stated_deadline(tmp_path: Path, bootstrap: Node) -> None:
+    assert "--timeout" in pcp("generate", "--help").stdout
+    started = time.monotonic()
+    res = pcp("generate", "--bootstrap", bootstrap.addr, "--run", "no-such-run", "--data-dir", str(tmp_path),
+              "--timeout", "5")
+    took = time.monotonic() - started
+    line = assert_one_error_line(res)
+    assert "no run no-such-run found in the swarm's DHT within 5 s" in line
+    progress = [ln for ln in res.stderr.splitlines() if ln.startswith("pcp: looking up run no-such-run")]
+    assert len(progress) >= 2 and "(attempt 2," in progress[1], res.stderr[-2000:]  # retried, and said so
+    assert took < 5 + 30  # the deadline bounds the lookups; the rest is start-up and shutdown

@@ -133,7 +133,7 @@ def test_val_jump_drops_the_most_suspect_submission_and_commits_without_it():
     effects = r.submit(0, {"w": -20 * HONEST["w"]}) + r.submit(1, HONEST) + r.submit(2, HONEST)
     (com,) = of(effects, Committed)
     (rej,) = of(effects, Rejected)
-    assert rej.peer == r.ids[0].peer_id and "dropped from round 0" in str(rej.error)
+    assert rej.peer == r.ids[0].peer_id and "dropped from round 1" in str(rej.error)  # 1-based, the first round
     assert r.ids[0].peer_id not in com.record.participants and len(com.record.participants) == 2
     assert com.record.val_loss <= quad(THETA0) * 1.1
     assert r.shepherd.val_loss == com.record.val_loss

@@ -379,3 +379,47 @@ def test_worker_accepts_the_commit_its_new_term_continues_from_and_no_other_old_
     assert isinstance(errors(w.on_commit(make_commit(a, 0, 1, "other"), 3.0))[0], StaleMessage)
     assert not errors(w.on_commit(make_commit(a, 0, 1, "t2", prev="t1"), 3.0))
     assert w.last_commit.theta_cid == "t2" and w.term == 1
+
+
+# --- how a term ended, as status shows it: rotation vs failover ------------------------------
+
+
+def _following_term0(now: float = 1.0):  # type: ignore[no-untyped-def]
+    h0 = order(0)[0]
+    watcher = started(next(i for i in IDS if i is not h0))
+    lease0 = make_lease(h0, 0, now)
+    assert watcher.on_lease(lease0, now) == [FollowShepherd(0, h0.peer_id)]
+    return h0, watcher
+
+
+def test_a_rotation_seen_as_the_next_lease_before_the_last_commit_is_labelled_rotation():
+    h0, watcher = _following_term0()
+    watcher.on_commit(make_commit(h0, 0, 0, "t1"), 2.0)
+    # The next holder's lease (it starts at round 2 = the end of term 0) overtakes h0's last commit.
+    h1 = next(i for i in IDS if i.peer_id == ranked(RUN, 1, [i.peer_id for i in IDS])[0])
+    lease1 = make_lease(h1, 1, 3.0, from_round=2, from_theta_cid="t2")
+    watcher.on_lease(lease1, 3.0)
+    hist = watcher.status(3.0)["shepherd_history"]
+    assert [(h["term"], h["ended"]) for h in hist] == [(0, "rotation"), (1, None)]
+
+
+def test_a_term_taken_for_failed_over_is_relabelled_once_its_last_commit_arrives():
+    h0, watcher = _following_term0()
+    watcher.on_commit(make_commit(h0, 0, 0, "t1"), 2.0)
+    watcher.tick(11.0 + CFG.grace_s)  # h0's last commit is late: the lease lapses first
+    assert watcher.status(12.0)["shepherd_history"][0]["ended"] == "failover"
+    watcher.on_commit(make_commit(h0, 0, 1, "t2", prev="t1"), 12.1)  # it served both its rounds after all
+    assert watcher.status(12.1)["shepherd_history"][0]["ended"] == "rotation"
+
+
+def test_a_holder_that_vanished_mid_term_is_a_failover_and_one_that_came_back_is_current():
+    h0, watcher = _following_term0()
+    watcher.tick(11.0 + CFG.grace_s)
+    assert watcher.status(12.0)["shepherd_history"][0]["ended"] == "failover"
+    # h0 renews before anyone claimed term 1: its term goes on
+    watcher.on_lease(make_lease(h0, 0, 1.0, issued=12.5, expiry=22.5), 12.5)
+    assert watcher.status(12.5)["shepherd_history"][0]["ended"] is None
+    # a term-1 lease that starts mid-term (round 1 < 2): h0 vanished, a failover
+    h1 = next(i for i in IDS if i is not h0)
+    watcher.on_lease(make_lease(h1, 1, 30.0, from_round=1), 30.0)
+    assert watcher.status(30.0)["shepherd_history"][0]["ended"] == "failover"

@@ -50,7 +50,7 @@ async def test_shepherd_killed_mid_round_is_replaced_and_terms_rotate(tmp_path: 
             swarm, live, lambda s: all(st.get("phase") == "finished" for st in s.values()), 300)
 
     history = next(iter(statuses.values()))["history"]
-    assert [h["round"] for h in history] == list(range(ROUNDS))  # no committed round lost
+    assert [h["round"] for h in history] == list(range(1, ROUNDS + 1))  # no committed round lost (1-based)
     assert {st["theta"] for st in statuses.values()} == {history[-1]["theta"]}
     terms = [h["term"] for h in history]
     assert terms == sorted(terms) and terms[-1] > term_before  # a new term took over

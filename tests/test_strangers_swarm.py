@@ -137,7 +137,7 @@ async def test_a_stranger_can_neither_seize_nor_stall_nor_fill_a_run(tmp_path: P
             )
 
     history = run_history(statuses)
-    assert [h["round"] for h in history] == list(range(ROUNDS))  # every round, honestly committed
+    assert [h["round"] for h in history] == list(range(1, ROUNDS + 1))  # every round, honestly committed
     assert {h["shepherd"] for h in history} <= set(members)  # led by members only
     assert all(h["val_loss"] > 0.5 for h in history)  # not the stranger's "0.01"
     assert {st["theta"] for st in statuses.values()} == {history[-1]["theta"]}  # one θ
@@ -247,7 +247,7 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
             nursery.cancel_scope.cancel()
 
     history = run_history(statuses)
-    assert [h["round"] for h in history] == list(range(POISON_ROUNDS))
+    assert [h["round"] for h in history] == list(range(1, POISON_ROUNDS + 1))
     assert {h["shepherd"] for h in history} <= set(members)
     assert history[-1]["val_loss"] < history[0]["val_loss"]  # the poison never landed
     assert poisoner.assigned, "the poisoner was never assigned a round: the test proved nothing"

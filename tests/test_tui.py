@@ -79,8 +79,8 @@ def test_full_snapshot_shows_every_panel_at_80x24() -> None:
     # artifacts: targets, CIDs, cache hits
     assert "cpu-x86_64-" in text and "bafkrei…4s52zy" in text and "hit" in text and "miss" in text
     # network: peers, bytes, rejected inputs
-    assert "peers 6" in text and "in 1.7 GiB" in text and "out 393.9 MiB" in text and "rejected 15" in text
-    assert "12 heartbeat:StaleMess" in text
+    assert "peers 6" in text and "in 1.7 GiB" in text and "out 393.9 MiB" in text
+    assert "bad input 3  stale/dup 12" in text  # 15 rejected: 3 refused as bad input, 12 stale heartbeats
     assert "live" in text.splitlines()[0]
 
 
@@ -93,7 +93,7 @@ def test_node_without_a_run_shows_no_run_instead_of_failing(name: str) -> None:
         assert fmt.short_id(m["peer_id"]) in text
     assert text.count("no run") == 3  # run, shepherd ("no shepherd (no run)"), training
     assert "no artifacts" in text
-    assert "in -  out -" in text and "rejected 0" in text
+    assert "in -  out -" in text and "bad input 0  stale/dup 0" in text
 
 
 def test_garbage_sections_do_not_crash_the_screen() -> None:
@@ -347,7 +347,9 @@ def test_chart_plots_both_series_with_the_data_range() -> None:
     assert lines[0].startswith(" 4.00+") and lines[-1].startswith(" 1.00+")
     plot = [line[6:] for line in lines]
     assert plot[0][0] == "@"  # both series at 4.0 in round 1
-    assert plot[3][3] == "*" and plot[2][3] == "o"  # loss 1.0 on the bottom row, val 1.5 above it
+    # 4 rounds stretched over 10 columns: rounds at columns 0, 3, 6, 9, linked by dots
+    assert plot[3][9] == "*" and plot[2][9] == "o"  # loss 1.0 on the bottom row, val 1.5 above it
+    assert "." in plot[1] and plot[3][:9].strip(" .") == ""
 
 
 def test_chart_labels_keep_a_narrow_range_apart() -> None:
@@ -362,7 +364,8 @@ def test_chart_squeezes_long_runs_and_handles_missing_values() -> None:
     assert all(len(line) == 30 for line in lines)
     assert "●" in lines[0] and "●" in lines[-1]
     assert "no data yet" in "".join(line_chart([[None, float("nan")]], width=30, height=3))
-    assert line_chart([[2.0, 2.0]], width=30, height=3)[1][6:8] == "●●"  # a flat line sits mid-chart
+    flat = line_chart([[2.0, 2.0]], width=30, height=3)[1]
+    assert flat[6] == "●" and flat[-1] == "●" and set(flat[7:-1]) == {"·"}  # a flat line sits mid-chart, full width
 
 
 def test_formatting() -> None:
@@ -413,3 +416,101 @@ def test_the_screenshot_in_the_docs_is_what_the_code_draws() -> None:
     view.apply_status(snapshot("run"), at=100.0)
     shot = "\n".join(line.rstrip() for line in screen(view).splitlines())
     assert f"```\n{shot}\n```" in docs
+
+
+# -- honest labels: phases, 1-based rounds, rejected split, stretched chart ----------------
+
+
+@pytest.mark.parametrize(("run", "shown"), [
+    ({"round": 0, "rounds": 12, "phase": "compiling"}, "-/12 compiling"),  # not "0/12 idle"
+    ({"round": 0, "rounds": 12, "phase": "waiting for quorum (1/3)"}, "-/12 waiting for quorum (1/3)"),
+    ({"round": 0, "rounds": 12, "phase": "idle"}, "1/12 waiting"),  # a worker waiting for round 1
+    ({"round": 0, "rounds": 12, "phase": "training"}, "1/12 training"),
+    ({"round": 3, "rounds": 12, "phase": "training"}, "4/12 training"),  # 3 committed, the 4th under way
+    ({"round": 3, "rounds": 12, "phase": "electing"}, "4/12 electing"),  # a new term, then round 4
+    ({"round": 12, "rounds": 12, "phase": "idle"}, "12/12 waiting"),  # never 13/12
+    ({"round": 12, "rounds": 12, "phase": "finished"}, "12/12 finished"),
+    ({"round": 5, "rounds": 12, "phase": "stopped"}, "5/12 stopped"),
+    ({"round": 3, "rounds": 12, "phase": "idle (shepherd lost)"}, "4/12 waiting (shepherd lost)"),
+    ({"round": 2}, "3 starting"),  # no phase reported, no total
+    ({"round": "x", "rounds": 4, "phase": "training"}, "-/4 training"),
+])
+def test_round_and_phase_labels_count_from_one_and_name_what_a_node_does(run: dict, shown: str) -> None:
+    assert f"{fmt.round_label(run)} {fmt.phase_label(run)}" == shown
+
+
+def test_a_phase_that_needs_attention_is_a_warning() -> None:
+    for phase in ("waiting for quorum (1/3)", "set-up failed: no dataset", "training (shepherd lost)", "stopped"):
+        assert fmt.phase_attr(phase) == "warn", phase
+    for phase in ("compiling", "training", "waiting", "finished"):
+        assert fmt.phase_attr(phase) == "ok", phase
+
+
+def test_the_run_panel_shows_compiling_before_the_first_round() -> None:
+    view = make_view()
+    view.apply_status(live_run_snapshot(round=0, phase="compiling", participants=0, history=[]))
+    assert "round  -/40 compiling" in screen(view)
+
+
+def test_rejected_inputs_are_split_into_bad_input_and_stale_or_duplicate() -> None:
+    from pcp_p2p.node.status import split_rejected
+
+    counts = {"heartbeat:StaleMessage": 300, "round:HeldBack": 15, "round:ExpiredRecord": 6,
+              "status:MalformedMessage": 2, "message:BadSignature": 1, "round:OverBudget": 1, "junk": "x"}
+    assert split_rejected(counts) == (4, 321)
+    assert split_rejected(None) == (0, 0) and split_rejected({"a:StaleMessage": float("inf")}) == (0, 0)
+    obj = snapshot("run")
+    obj["network"]["rejected"] = counts
+    content = panels.network(obj, panels.Ctx(), 25, 8)
+    flat = ["".join(p if isinstance(p, str) else p[1] for p in (line if isinstance(line, list) else [line]))
+            for line in content.fixed]
+    assert "bad input 4  stale/dup 321" in flat
+    # bad input first; the stale and duplicate rows are dimmed
+    assert "MalformedMessage" in "".join(map(str, content.rows[0]))
+    assert content.rows[-1][0] == "dim"
+
+
+def test_the_chart_stretches_a_few_rounds_over_the_width_with_round_ticks() -> None:
+    lines = line_chart([[3.0, 2.0, 1.0]], width=40, height=6, glyphs=ASCII, rounds=[1, 2, 3])
+    assert len(lines) == 6 and all(len(line) == 40 for line in lines)
+    plot = [line[6:] for line in lines[:4]]
+    assert plot[0][0] == "*" and plot[3][33] == "*"  # the first round at the left edge, the last at the right
+    assert plot[2][16] == "*"  # round 2 in the middle
+    assert "".join(plot).count("*") == 3 and set("".join(plot)) == {"*", ".", " "}  # linked by dots
+    axis, labels = lines[4], lines[5]
+    assert axis.startswith("round+") and axis[6] == "+" and axis[39] == "+"  # ticks under rounds 1 and 3
+    assert labels[6] == "1" and labels.rstrip().endswith("3") and "2" in labels
+
+
+def test_round_ticks_never_crowd_and_keep_the_first_and_last() -> None:
+    from pcp_p2p.tui.chart import round_ticks, x_positions
+
+    for n, w in ((5, 60), (30, 30), (1000, 70), (12, 20)):
+        rounds = list(range(1, n + 1))
+        ticks = round_ticks(x_positions(n, w), rounds, w)
+        labels = [label for _, label in ticks]
+        assert labels[0] == "1" and labels[-1] == str(n), (n, w, ticks)
+        spans = [(min(x, w - len(label)), min(x, w - len(label)) + len(label)) for x, label in ticks]
+        assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), (n, w, ticks)
+        assert all(0 <= s and e <= w for s, e in spans)
+
+
+def test_throughput_says_when_it_was_measured() -> None:
+    from pcp_p2p.node.status import throughput_text
+
+    assert throughput_text({"throughput_gflops": 208.0, "throughput_measured_at": 1000.0}, now=1030.0) \
+        == "208 GFLOP/s (measured 30 s ago)"
+    assert throughput_text({"throughput_gflops": 208.0, "throughput_measured_at": 1000.0}, now=1000.0 + 600) \
+        == "208 GFLOP/s (measured 10 min ago)"
+    assert throughput_text({"throughput_gflops": 0.0}, now=0.0) == "0 GFLOP/s (not measured)"
+    assert throughput_text({"throughput_gflops": 3.7}, now=0.0) == "4 GFLOP/s"  # an older node: no stamp
+    assert throughput_text(None, now=0.0) == "- GFLOP/s"
+
+
+def test_the_plain_text_status_splits_rejected_and_counts_rounds_from_one() -> None:
+    from pcp_p2p.node.commands import render_text
+
+    text = render_text(live_run_snapshot(round=3, rounds=12, phase="idle"))
+    assert "rejected 3 bad input, 12 stale or duplicate" in text
+    assert "round 4/12 (waiting)" in text
+    assert "GFLOP/s" in text and "(not measured)" not in text  # the fixture's figure has no stamp: shown bare

@@ -159,7 +159,7 @@ deadline_s = 10.0
 rounds = {TRAIN_ROUNDS}
 min_quorum = 2
 """
-# The run panel's second row: "round  1/3 training".
+# The run panel's second row: "round  1/3 training" (the round under way, from 1; "-/3" before the first).
 ROUND_RE = re.compile(r"round  (\d+)/" + str(TRAIN_ROUNDS) + r" ([a-z]+)")
 
 
@@ -201,7 +201,8 @@ async def test_tui_in_tmux_follows_a_training_run_round_by_round(tmp_path: Path)
 
             # A committed round: participants against quorum, both losses, the chart's round range.
             text = await tmux.wait_until(seen(lambda t: "quorum 2/2 ✓" in t and re.search(r"● loss \d\.\d{3}", t)
-                                              and re.search(r"○ val \d\.\d{3}", t) and "r0-" in t),
+                                              and re.search(r"○ val \d\.\d{3}", t) and "r1-" in t
+                                              and "round└┬" in t),  # the chart's x axis, ticked at rounds
                                          "a committed round with its losses", 120)
             # The shepherd panel names one of the two workers and its term; the swarm marks it.
             holder = re.search(r"holder …(\S{8})", text)
@@ -210,14 +211,19 @@ async def test_tui_in_tmux_follows_a_training_run_round_by_round(tmp_path: Path)
 
             # The run ends: the last round, finished, every round in the chart.
             text = await tmux.wait_until(seen(lambda t: f"round  {TRAIN_ROUNDS}/{TRAIN_ROUNDS} finished" in t
-                                              and f"r0-{TRAIN_ROUNDS - 1}" in t), "the run finished", 120)
+                                              and f"r1-{TRAIN_ROUNDS}" in t), "the run finished", 120)
             # (a) every member is still listed; a finished run has nothing due.
             assert all(x in text for x in suffixes) and "due    -" in text, text
 
             # While rounds ran, the deadline counted down somewhere along the way.
             assert any(re.search(r"due    \d+s", t) for t in screens)
-            rounds_seen = sorted({r for t in screens if (r := shown_round(t)) is not None})
+            in_order = [r for t in screens if (r := shown_round(t)) is not None]
+            rounds_seen = sorted(set(in_order))
             assert len(rounds_seen) >= 2 and rounds_seen[-1] == TRAIN_ROUNDS, rounds_seen
+            # Rounds count from 1 and only go forward; before the first round the screen says
+            # what the node does (compiling, waiting for quorum) rather than "0/3 idle".
+            assert rounds_seen[0] >= 1 and in_order == sorted(in_order), in_order
+            assert not any(f"round  0/{TRAIN_ROUNDS}" in t or re.search(r"round  \S+ idle", t) for t in screens)
             # (c) every screen fit the terminal and none showed a traceback.
             for t in screens:
                 lines = t.splitlines()

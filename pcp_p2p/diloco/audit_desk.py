@@ -153,7 +153,7 @@ class AuditDesk:
         except PcpError:
             return []  # the two reports do not make a proof (they disagree on what differs)
         self.banned.append(offender)
-        return [Banned(offender, data, f"audit: two replays contradict round {requests[0].round}")]
+        return [Banned(offender, data, f"audit: two replays contradict round {requests[0].round + 1}")]
 
     def status(self) -> dict[str, int]:
         return {"audited": self.audited, "matched": self.matched, "open": len(self.open),

@@ -283,7 +283,7 @@ class TermRecord:
     holder: str
     from_round: int
     rounds_served: int = 0
-    ended: str | None = None  # "rotation" | "failover" | None
+    ended: str | None = None  # "rotation" (planned hand-over) | "failover" (holder vanished) | None: see Election.ended_label
 
     def as_dict(self) -> dict[str, Any]:
         return {"term": self.term, "holder": self.holder, "rounds_served": self.rounds_served, "ended": self.ended}
@@ -426,10 +426,12 @@ class Election:
                 if self.role is Role.VACANT and not self.ended_by_rotation and lease.holder != self.peer_id:
                     self.role = Role.FOLLOWER  # it came back before we failed over
                     self.vacant_since = None
+                    if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
+                        self.history[-1].ended = None  # the term goes on: it did not end after all
             return []
         effects: list[ElectionEffect] = []
         if cur is not None:
-            effects += self._end_term(now, "deposed")
+            effects += self._end_term(now, "deposed", successor=lease)
         if cur is not None and cur.term < lease.term:
             self.prev_lease = cur
         self.lease = lease
@@ -719,15 +721,36 @@ class Election:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _end_term(self, now: float, reason: str) -> list[ElectionEffect]:
+    def ended_label(self, lease: Lease, reason: str, successor: Lease | None = None) -> str:
+        """How the term of ``lease`` ended, for people: ``rotation`` or ``failover``.
+
+        ``rotation`` is a planned hand-over: the term served its rounds
+        (``rotate_every``), or its claim grew too old (``aged``), or the next
+        term starts where this one was due to end. ``failover`` is a holder
+        that vanished or hung (its lease lapsed) before its term was done. A
+        follower that sees the next term's lease before its predecessor's last
+        commit learns it was a rotation from where the new lease starts.
+        """
+        if reason in ("rotation", "aged"):
+            return "rotation"
+        end = self.end_round(lease)
+        if successor is not None and end is not None and successor.from_round >= end:
+            return "rotation"
+        return "failover"
+
+    def _end_term(self, now: float, reason: str, successor: Lease | None = None) -> list[ElectionEffect]:
         """The current term is over for us: record why, go vacant (or follow the next)."""
         lease = self.lease
         effects: list[ElectionEffect] = []
+        rec = self.history[-1] if lease is not None and self.history and self.history[-1].term == lease.term else None
+        if rec is not None and lease is not None:
+            label = self.ended_label(lease, reason, successor)
+            # A term first taken for failed over (its last commit was late) and then
+            # shown to have served all its rounds is relabelled: it was a rotation.
+            if rec.ended is None or (rec.ended == "failover" and label == "rotation"):
+                rec.ended = label
         if lease is None or (self.role is Role.VACANT and reason != "deposed"):
             return effects
-        rec = self.history[-1] if self.history and self.history[-1].term == lease.term else None
-        if rec is not None and rec.ended is None:
-            rec.ended = "rotation" if reason == "rotation" else "failover"
         if self.role is Role.HOLDER:
             effects.append(StepDown(lease.term, reason))
         if reason == "rotation":

@@ -12,16 +12,20 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
 
 from pcp_p2p import logs
-from pcp_p2p.errors import ConfigError, InvalidInput, PcpError
+from pcp_p2p.errors import ConfigError, InvalidInput, PcpError, PeerTimeout
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
 
 log = logging.getLogger("pcp.generate")
+
+DEFAULT_TIMEOUT_S = 60.0
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 8.0  # back-off between DHT lookups that found nothing
 
 
 def sample_text(
@@ -70,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", type=Path, default=None, help=f"default {default_data_dir()}")
     p.add_argument("--swarm-key", type=Path, metavar="FILE")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                   help="overall deadline for finding the run, its latest commit and θ in the swarm; DHT "
+                   f"lookups are retried until then, with progress on stderr (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_generate)
 
@@ -77,6 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 def _cmd_generate(args: argparse.Namespace) -> int:
     if not 1 <= args.tokens <= 100_000:
         raise ConfigError("--tokens must be between 1 and 100000")
+    if not 0 < args.timeout <= 86_400:
+        raise ConfigError("--timeout must be between 0 and 86400 seconds")
     logs.configure(logging.WARNING)
     spec, rec, theta = run_until_signal(_fetch_latest, args)  # Ctrl+C: a clean stop, exit 130
     from pcp_p2p.diloco.data import CharDataset
@@ -85,11 +94,46 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     text = sample_text(spec.model, theta, tokenizer, args.prompt, args.tokens,
                        temperature=args.temperature, seed=args.seed)
     if args.json:
-        print(json.dumps({"run_id": args.run, "round": rec.round, "theta": rec.theta_cid, "text": text}))
+        print(json.dumps({"run_id": args.run, "round": rec.round + 1, "theta": rec.theta_cid, "text": text}))
     else:
         print(f"(round {rec.round + 1}, θ {rec.theta_cid})", file=sys.stderr)
         print(text)
     return 0
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr (stdout stays the sample, or the JSON)."""
+    print(f"pcp: {message} ...", file=sys.stderr, flush=True)
+
+
+async def lookup(node, kind: str, name: str, want: type, deadline: float, *, what: str) -> Any:  # type: ignore[no-untyped-def]
+    """The verified ``kind``/``name`` record's payload if it is a ``want``, else None by ``deadline``.
+
+    A busy swarm answers DHT lookups slowly or not at all (a get that reaches
+    no holder in time says "nothing"), so a miss is retried with back-off
+    until the overall deadline rather than believed at once. A record that
+    fails verification counts as a miss: the next lookup may find a good one.
+    """
+    delay, attempt = RETRY_FIRST_S, 0
+    while True:
+        attempt += 1
+        left = deadline - trio.current_time()
+        if left <= 0:
+            return None
+        progress(f"looking up {what} in the DHT" + (f" (attempt {attempt}, {left:.0f} s left)" if attempt > 1 else ""))
+        value = None
+        with trio.move_on_after(left):
+            try:
+                value = await node.get_record(kind, name)
+            except PcpError as exc:  # a peer timed out or sent garbage: try again
+                log.info("lookup of %s: %s", what, exc)
+        if isinstance(value, want):
+            return value
+        left = deadline - trio.current_time()
+        if left <= 0:
+            return None
+        await trio.sleep(min(delay, left))
+        delay = min(delay * 2, RETRY_MAX_S)
 
 
 async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -102,16 +146,30 @@ async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-de
         data_dir=(args.data_dir or default_data_dir()) / "client", listen=("/ip4/0.0.0.0/tcp/0",),
         bootstrap=tuple(args.bootstrap), role="client", swarm_key=args.swarm_key, benchmark_s=0.0,
     )
+    deadline = trio.current_time() + args.timeout
     async with open_node(config) as node:
-        with trio.move_on_after(30):
+        progress(f"joining the swarm via {len(args.bootstrap)} bootstrap server(s)")
+        with trio.move_on_after(max(0.0, deadline - trio.current_time())):
             await node.bootstrapped.wait()
-        signed = await node.get_record("run", args.run)
-        if not isinstance(signed, SignedRunSpec):
-            raise ConfigError(f"no run {args.run} found in the swarm's DHT")
+        if not node.bootstrapped.is_set():
+            raise PeerTimeout(f"no bootstrap server answered within {args.timeout:g} s "
+                              f"(tried {', '.join(args.bootstrap)})")
+        signed = await lookup(node, "run", args.run, SignedRunSpec, deadline,
+                              what=f"run {args.run}")
+        if signed is None:
+            raise ConfigError(f"no run {args.run} found in the swarm's DHT within {args.timeout:g} s")
         spec = verify_spec(signed)
-        rec = await node.get_record("commit", args.run)
-        if not isinstance(rec, CommitRecord):
-            raise ConfigError(f"run {args.run} has no committed round yet")
-        path = await node.blobs.fetch(rec.theta_cid, announce=False)
+        rec = await lookup(node, "commit", args.run, CommitRecord, deadline,
+                           what=f"the latest commit of run {args.run}")
+        if rec is None:
+            raise ConfigError(f"run {args.run} has no committed round in the swarm's DHT "
+                              f"(looked for {args.timeout:g} s)")
+        progress(f"fetching θ {rec.theta_cid} of round {rec.round + 1}")
+        path = None
+        with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+            path = await node.blobs.fetch(rec.theta_cid, announce=False)
+        if path is None:
+            raise PeerTimeout(f"could not fetch θ {rec.theta_cid} of round {rec.round + 1} "
+                              f"within {args.timeout:g} s")
         data = await trio.to_thread.run_sync(Path(path).read_bytes)
         return spec, rec, unpack_tensors(data)

@@ -253,7 +253,7 @@ class RunRuntime:
                 # Not checkable yet (its lease has not arrived): the election keeps it,
                 # nothing it names is fetched, and no ack goes back.
                 self._send.send_nowait(("msg", sender, msg))
-                raise NotElected(f"commit of term {msg.term} round {msg.round}: {exc}; not acknowledged") from exc
+                raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
             if not self.blobs.store.has(msg.checkpoint_cid):
@@ -261,7 +261,7 @@ class RunRuntime:
                 # fetched took the only copy with it, and a commit nobody else
                 # holds must not become the round the next term starts from.
                 # A live shepherd sends the commit again (or we read it in the DHT).
-                raise PeerError(f"commit of round {msg.round}: its checkpoint could not be fetched "
+                raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
                                 f"from {sender}; not accepted")
         self._send.send_nowait(("msg", sender, msg))
 
@@ -654,7 +654,7 @@ class RunRuntime:
             sub = next((s for s in reversed(self.worker.submitted if self.worker else [])
                         if (s.term, s.round, s.attempt) == (req.term, req.round, req.attempt)), None)
             if sub is None:
-                raise LocalError(f"no submission of round {req.round} is kept here any more")
+                raise LocalError(f"no submission of round {req.round + 1} is kept here any more")
             check_submission(req, encode(sub))  # the request names exactly what we signed
             digest = state_to_export(req, sub, self.node.peer_id)
             if digest is None:
@@ -706,7 +706,7 @@ class RunRuntime:
                     report = job.give_up(f"{type(exc).__name__}: {exc}")
             if report is None:
                 report = job.give_up("the audit's deadline passed")
-            log.info("run %s: audit of %s round %d: %s %s", self.run_id[:16], req.worker, req.round,
+            log.info("run %s: audit of %s round %d: %s %s", self.run_id[:16], req.worker, req.round + 1,
                      report.verdict, ",".join(report.differs))
             self.stats.audits[report.verdict] = self.stats.audits.get(report.verdict, 0) + 1
             await self._send_to(req.shepherd, report)
@@ -825,7 +825,7 @@ class RunRuntime:
             if ckpt.run_id != self.run_id:
                 raise VerificationError("the lease names a checkpoint of another run")
             log.info("run %s: term %d continues from round %d (checkpoint %s)", self.run_id[:16], eff.term,
-                     ckpt.state.round, eff.checkpoint_cid[-12:])
+                     ckpt.state.round + 1, eff.checkpoint_cid[-12:])
             return ckpt.state
         except PcpError as exc:
             lease = self.election.lease if self.election is not None else None
@@ -909,17 +909,17 @@ class RunRuntime:
                 self._prewarmed = True  # after the first commit: training is under way
                 self._nursery.start_soon(self._prewarm)
             if self.node.peer_id in rec.participants:
-                self.stats.contributed_rounds.append(rec.round)
+                self.stats.contributed_rounds.append(rec.round + 1)  # 1-based, as people count
                 if self.stats.first_contribution_s is None:
                     # From taking up the run to the first commit that counts this node.
                     self.stats.first_contribution_s = round(time.time() - self.started_at, 2)
             self.stats.history.append({
-                "round": rec.round, "theta": rec.theta_cid, "loss": rec.mean_loss,
+                "round": rec.round + 1, "theta": rec.theta_cid, "loss": rec.mean_loss,  # 1-based
                 "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
                 "term": rec.term, "shepherd": rec.shepherd,
             })
             log.info("run %s: round %d committed, loss %.4f, val %.4s, %d workers",
-                     self.run_id[:16], rec.round, rec.mean_loss,
+                     self.run_id[:16], rec.round + 1, rec.mean_loss,
                      f"{rec.val_loss:.4f}" if rec.val_loss is not None else "-", len(rec.participants))
 
     def _carry_out(self, who: str, effects: list[Effect]) -> None:
@@ -969,7 +969,7 @@ class RunRuntime:
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit below
         if not acked:
             log.warning("run %s: round %d commit goes out with its checkpoint on this node only",
-                        self.run_id[:16], commit.round)
+                        self.run_id[:16], commit.round + 1)
         held, self._held = self._held, None
         first, rest = held[0], held[1:]
         self._carry_out_now("shepherd", [e for e in first if not (
@@ -1029,7 +1029,7 @@ class RunRuntime:
                     if self.run_id in m.record.runs and m.record.peer_id not in (self.node.peer_id, e.peer):
                         self._nursery.start_soon(self._send_to, m.record.peer_id, evidence)
             elif isinstance(e, Discarded):
-                log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round, e.attempt, e.error)
+                log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round + 1, e.attempt, e.error)
             elif isinstance(e, Finished):
                 log.info("run %s finished at round %d (θ %s)", self.run_id[:16], e.round, e.theta_cid)
                 if self.worker is None:
@@ -1264,7 +1264,7 @@ class RunRuntime:
                     self.node.log_once("self", exc, "storing the commit record failed")
                     return
                 log.info("run %s: storing the commit of round %d failed (%s); again in %.0f s",
-                         self.run_id[:16], rec.round, exc, delay)
+                         self.run_id[:16], rec.round + 1, exc, delay)
                 await trio.sleep(delay)
                 delay *= 2
 

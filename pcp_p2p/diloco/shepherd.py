@@ -494,7 +494,7 @@ class Shepherd:
         agg = self.round_agg
         assert agg is not None
         err = QuorumError(
-            f"round {self.state.round} attempt {self.attempt}: {len(agg.accepted)} accepted, "
+            f"round {self.state.round + 1} attempt {self.attempt}: {len(agg.accepted)} accepted, "
             f"quorum {self.spec.round.min_quorum}{why}"
         )
         effects: list[Effect] = [Discarded(self.state.round, self.attempt, err)]
@@ -561,7 +561,7 @@ class Shepherd:
             suspect = self._suspect(agg, result.weights, result.norms)
             guard_dropped = True
             dropped[suspect] = RejectedUpdate(
-                f"{suspect:.16}… dropped from round {self.state.round}: with it val loss {val_loss:.4g} "
+                f"{suspect:.16}… dropped from round {self.state.round + 1}: with it val loss {val_loss:.4g} "
                 f"exceeds the limit {self._val_limit():.4g} (last commit {self.val_loss:.4g})"
             )
         if outcome is None and guard_dropped:

@@ -239,14 +239,14 @@ class Worker:
                 pass  # a new term may restart from an earlier commit (failover, fork choice)
             elif committed is not None:
                 if ann.round <= committed.round:
-                    raise StaleMessage(f"announcement of round {ann.round}, already committed {committed.round}")
+                    raise StaleMessage(f"announcement of round {ann.round + 1}, already committed {committed.round + 1}")
                 if ann.round == committed.round + 1 and ann.theta_cid != committed.theta_cid:
                     raise VerificationError("announcement does not start from the committed θ")
             cur = self.current
             if cur is not None and (ann.term, ann.round, ann.attempt) <= (cur.term, cur.round, cur.attempt):
                 if (ann.term, ann.round, ann.attempt) == (cur.term, cur.round, cur.attempt):
                     return []  # duplicate delivery
-                raise StaleMessage(f"announcement of round {ann.round}.{ann.attempt}, already at {cur.round}.{cur.attempt}")
+                raise StaleMessage(f"announcement of round {ann.round + 1}.{ann.attempt}, already at {cur.round + 1}.{cur.attempt}")
         except PcpError as exc:
             return [Rejected(ann.shepherd, exc)]
         self.term = ann.term
@@ -370,11 +370,11 @@ class Worker:
                 pass
             elif last is not None:
                 if rec.round < last.round:
-                    raise StaleMessage(f"commit of round {rec.round} after round {last.round} was committed")
+                    raise StaleMessage(f"commit of round {rec.round + 1} after round {last.round + 1} was committed")
                 if rec.round == last.round:
                     if rec.theta_cid == last.theta_cid:
                         return []  # duplicate delivery
-                    raise StaleMessage(f"a second, different commit for round {rec.round}")
+                    raise StaleMessage(f"a second, different commit for round {rec.round + 1}")
         except PcpError as exc:
             return [Rejected(rec.shepherd, exc)]
         self.term = max(self.term, rec.term)

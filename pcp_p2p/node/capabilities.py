@@ -3,8 +3,9 @@
 A shepherd plans a round from these figures (which artifact targets to build,
 how many inner steps a worker can do in the time budget), so they are measured
 rather than declared: the throughput figure comes from a short matrix-multiply
-benchmark run at start-up, and the IREE drivers listed are those the runtime
-can actually create a device for.
+benchmark run at start-up (measured so that a busy machine reads like an idle
+one, and stamped with when it was taken), and the IREE drivers listed are those
+the runtime can actually create a device for.
 
 The probe imports neither JAX nor the IREE compiler: a worker needs neither.
 """
@@ -15,6 +16,8 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,9 +62,10 @@ class Capabilities(Message):
     cpu_count: int
     memory_bytes: int
     devices: tuple[Device, ...]
-    throughput_gflops: float  # measured fp32 matmul rate on the CPU
+    throughput_gflops: float  # fp32 matmul rate of the CPU: one core's, measured in CPU time, times the cores
     versions: dict[str, str]
     can_compile: bool
+    throughput_measured_at: float = 0.0  # unix time of that measurement; 0: not measured (a bootstrap server)
 
 
 def cpu_info() -> tuple[str, tuple[str, ...]]:
@@ -88,12 +92,62 @@ def memory_bytes() -> int:
         return 0
 
 
-def measure_gflops(seconds: float = 0.25, n: int = 256) -> float:
-    """fp32 matmul throughput: the best repetition within about ``seconds``.
+# Run in a child process whose BLAS has one thread: see measure_gflops.
+_MEASURE = """
+import sys, time
+import numpy as np
+seconds, n = float(sys.argv[1]), int(sys.argv[2])
+rng = np.random.default_rng(0)
+a = rng.standard_normal((n, n), dtype=np.float32)
+b = rng.standard_normal((n, n), dtype=np.float32)
+a @ b
+best, start, reps = float("inf"), time.perf_counter(), 0
+while reps < 3 or time.perf_counter() - start < seconds:
+    t = time.thread_time()
+    a @ b
+    best = min(best, time.thread_time() - t)
+    reps += 1
+print(2 * n ** 3 / max(best, 1e-9) / 1e9)
+"""
+SINGLE_THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                     "VECLIB_MAXIMUM_THREADS": "1", "NUMEXPR_NUM_THREADS": "1"}
 
-    The best repetition rather than the mean, so that nodes starting together
-    on one machine (a local swarm) do not report each other's contention.
+
+def usable_cores() -> int:
+    """The cores this process may run on (a container's share, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def measure_gflops(seconds: float = 0.25, n: int = 256) -> float:
+    """fp32 matmul throughput of this machine: one core's rate in CPU time, times the cores.
+
+    Measured the way it reads the same on a busy machine as on an idle one.
+    numpy's BLAS splits a matmul over all cores and its threads wait on each
+    other: with every core busy elsewhere (a local swarm's nodes starting
+    together, a neighbour compiling) the wall-clock rate fell from 170 to
+    0.5 GFLOP/s on the same CPU. One BLAS thread, timed by the CPU time it
+    was given (``time.thread_time``), does not see the neighbours: the best of
+    at least three repetitions is what one core does when it has the CPU,
+    which, times the cores, is what the machine does when idle. The child
+    process is how BLAS gets one thread (its thread count is fixed when numpy
+    loads); should the child fail, this process measures by wall clock.
     """
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(seconds), str(n)], env={**os.environ, **SINGLE_THREAD_ENV},
+            capture_output=True, text=True, timeout=60 + 4 * seconds, stdin=subprocess.DEVNULL,
+        )
+        per_core = float(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return _measure_wall_clock(seconds, n)
+    return round(per_core * usable_cores(), 2)
+
+
+def _measure_wall_clock(seconds: float, n: int) -> float:
+    """The fallback: the best wall-clock repetition in this process (all BLAS threads)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
@@ -169,4 +223,5 @@ def probe(backend: str = "auto", *, benchmark_s: float = 0.25) -> Capabilities:
         throughput_gflops=measure_gflops(benchmark_s) if benchmark_s > 0 else 0.0,
         versions=versions,
         can_compile=can_compile,
+        throughput_measured_at=round(time.time(), 1) if benchmark_s > 0 else 0.0,
     )

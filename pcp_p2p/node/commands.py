@@ -327,14 +327,19 @@ def _addr_source(args: argparse.Namespace, first: str) -> Any:
 
 def render_text(obj: dict[str, Any]) -> str:
     """A plain-text status summary (the urwid TUI builds on the same JSON)."""
+    import time
+
+    from pcp_p2p.node.status import split_rejected, throughput_text
+    from pcp_p2p.tui.fmt import phase_label, round_label
     caps = obj["capabilities"]
     lines = [
         f"node     {obj['peer_id']}  ({obj['role']}, pcp {obj['version']}, up {obj['uptime_s']:.0f} s)",
         f"addrs    {' '.join(obj['addrs'])}",
-        f"hardware {caps['cpu_model']} x{caps['cpu_count']}, {caps['throughput_gflops']:.0f} GFLOP/s, "
+        f"hardware {caps['cpu_model']} x{caps['cpu_count']}, {throughput_text(caps, now=time.time())}, "
         f"backends {','.join(caps['backends']) or '-'}",
         f"network  {obj['network'].get('connected_peers', 0)} connected, "
-        f"{obj['network'].get('routing_table_size', 0)} in routing table",
+        f"{obj['network'].get('routing_table_size', 0)} in routing table, rejected "
+        "{} bad input, {} stale or duplicate".format(*split_rejected(obj["network"].get("rejected"))),
         f"members  {len(obj['members'])}",
     ]
     for m in obj["members"]:
@@ -347,7 +352,7 @@ def render_text(obj: dict[str, Any]) -> str:
     run = obj.get("run")
     if isinstance(run, dict):  # sections later parts add; absent or null before a run starts
         lines.append(
-            f"run      {run.get('run_id')} round {run.get('round')} ({run.get('phase')}), "
+            f"run      {run.get('run_id')} round {round_label(run)} ({phase_label(run)}), "
             f"loss {run.get('loss')}, val {run.get('val_loss')}, "
             f"{run.get('participants')}/{run.get('quorum')} participants/quorum, shepherd {run.get('shepherd')}"
         )

@@ -252,7 +252,7 @@ def _run(run: Mapping[str, Any]) -> Iterator[Metric]:
         yield _run_gauge("run_is_shepherd", "1 if this node is the run's shepherd", run_id,
                          1.0 if run["is_shepherd"] else 0.0)
     for key, name, doc in (
-        ("round", "run_round", "current outer round"),
+        ("round", "run_round", "last committed outer round, counted from 1"),
         ("loss", "run_loss", "training loss of the last committed round"),
         ("val_loss", "run_val_loss", "validation loss of the last committed round"),
         ("tokens_per_s", "run_tokens_per_second", "tokens per second, swarm-wide"),

@@ -56,6 +56,7 @@ from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.dht.kinds import register_all as register_all_kinds
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
+from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
@@ -83,6 +84,7 @@ from pcp_p2p.node.status import (
     MemberStatus,
     StatusReply,
     StatusRequest,
+    split_rejected,
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
 from pcp_p2p.node.traffic import Traffic, count_host_traffic
@@ -132,6 +134,10 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"unknown role {self.role!r}")
+        if self.role == "client":
+            # A short-lived client asks the DHT but serves nothing: in client mode
+            # it never lands in the servers' routing tables (pcp_p2p/dht/table.py).
+            self.client_mode = True
         if not self.listen:
             raise ConfigError("a node needs at least one --listen address")
 
@@ -556,6 +562,8 @@ class Node:
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
             "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
                            "suspected": len(self.membership.suspected())},
+            # the same counts split for people: "rejected 321" alarmed in a healthy swarm
+            **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
         }
         extra = {"storage": self.blobs.store.usage(),
@@ -617,14 +625,18 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     caps = config.capabilities or await trio.to_thread.run_sync(
         lambda: probe(config.backend, benchmark_s=config.benchmark_s)
     )
+    local_ips = _local_ipv4s()
     # py-libp2p's auto-connector dials every peer it has heard of every 30 s until
     # it holds 100 connections: in a swarm that makes connections, and their
     # upkeep, grow with N. Probes dial on demand; keep only min_peers warm.
     connections = ConnectionConfig(min_connections=config.min_peers, low_watermark=config.min_peers)
-    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections)
+    # Identify advertises dialable addresses, not the 0.0.0.0 a node listens on:
+    # peers keep only dialable ones in their routing tables (pcp_p2p/dht/table.py).
+    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections,
+                    addrs_factory=lambda addrs: expand_unspecified(addrs, local_ips))
     record_validator = PcpRecordValidator()
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
-    dht = KadDHT(
+    dht = PcpKadDHT(
         host,
         DHTMode.CLIENT if config.client_mode else DHTMode.SERVER,
         validator=validator,

@@ -9,6 +9,8 @@ prints. Later parts of PCP add their own sections (run, shepherd, ...) through
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import multiaddr
@@ -25,6 +27,14 @@ from pcp_p2p.wire import Message, decode, encode, wire_message, wire_struct
 from pcp_p2p.wire.framing import read_frame, write_frame
 
 STATUS_PROTOCOL = "/pcp/status/1.0.0"
+
+# Rejections a healthy swarm makes all the time, which say nothing bad about the
+# sender: a message overtaken by a newer one (a replayed heartbeat, the late
+# commit of an older term, an announcement for a round already committed), a
+# record whose validity has passed, or one that arrived before the record its
+# authority rests on (held back, looked at again later). Everything else a node
+# rejects is bad input: malformed, oversized, forged, unauthorised, over budget.
+STALE_REASONS = frozenset({"StaleMessage", "ExpiredRecord", "HeldBack"})
 MAX_REQUEST = 256
 MAX_REPLY = 2 * 1024 * 1024
 
@@ -55,6 +65,44 @@ class StatusReply(Message):
     members: tuple[MemberStatus, ...]
     network: dict[str, Any]
     extra: dict[str, Any]
+
+
+def split_rejected(rejected: Any) -> tuple[int, int]:
+    """(refused as bad input, stale or duplicate) from ``Node.rejected``'s counts.
+
+    Keys are ``"what:ExceptionName"`` (``heartbeat:StaleMessage``); a bare
+    exception name is read the same way. Anything that is not a mapping of
+    numbers counts as nothing, so a half-filled status still splits.
+    """
+    bad = stale = 0
+    if not isinstance(rejected, Mapping):
+        return 0, 0
+    for key, n in rejected.items():
+        if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+            continue
+        n = int(n)
+        if str(key).rsplit(":", 1)[-1] in STALE_REASONS:
+            stale += n
+        else:
+            bad += n
+    return bad, stale
+
+
+def throughput_text(caps: Any, *, now: float) -> str:
+    """``208 GFLOP/s (measured 3m ago)``: the probe's figure and how old it is.
+
+    A node measures at start-up (and each run at its start); saying when tells a
+    reader whether two figures are comparable. ``now`` is the wall time to count from.
+    """
+    caps = caps if isinstance(caps, Mapping) else {}
+    g, at = caps.get("throughput_gflops"), caps.get("throughput_measured_at")
+    if not isinstance(g, (int, float)) or isinstance(g, bool):
+        return "- GFLOP/s"
+    if not isinstance(at, (int, float)) or isinstance(at, bool) or at <= 0:
+        return f"{g:.0f} GFLOP/s (not measured)" if g == 0 else f"{g:.0f} GFLOP/s"
+    ago = max(0, int(now - at))
+    when = f"{ago} s" if ago < 120 else f"{ago // 60} min" if ago < 7200 else f"{ago // 3600} h"
+    return f"{g:.0f} GFLOP/s (measured {when} ago)"
 
 
 def to_json(reply: StatusReply) -> dict[str, Any]:

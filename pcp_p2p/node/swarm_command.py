@@ -148,11 +148,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                     if h["round"] not in history:
                         history[h["round"]] = h
                         val = f"{h['val_loss']:.4f}" if h.get("val_loss") is not None else "-"
-                        _say(f"round {h['round'] + 1:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
+                        _say(f"round {h['round']:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
                              f"workers {h['participants']}  ({time.monotonic() - t0:.0f} s)")
                         await _churn(args, rng, swarm, statuses, killed, rejoined, h["round"])
-                        if (args.kill_shepherd_every and (h["round"] + 1) % args.kill_shepherd_every == 0
-                                and h["round"] < args.rounds - 2):
+                        if (args.kill_shepherd_every and h["round"] % args.kill_shepherd_every == 0
+                                and h["round"] < args.rounds - 1):
                             victim = next((w for w in swarm.workers if w.running and w.peer_id == h.get("shepherd")), None)
                             if victim is not None and victim.peer_id not in killed:
                                 await swarm.kill(victim, signal.SIGKILL)
@@ -166,7 +166,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             live = [st for st in statuses.values() if st]
             if len(history) >= args.rounds and live and all(st.get("phase") == "finished" for st in live):
                 break
-        final = history.get(args.rounds - 1)
+        final = history.get(args.rounds)  # status counts rounds from 1
         thetas = {st.get("theta") for st in statuses.values() if st}
         agreement = final is not None and thetas == {final["theta"]}
         sample = _sample(swarm, final, args) if final is not None else ""
@@ -210,7 +210,7 @@ async def _churn(args, rng, swarm, statuses, killed, rejoined, committed_round: 
             del killed[pid]
             rejoined.append(pid)
             _say(f"  churn: restarted {pid[-12:]} with its data dir")
-    if args.churn and committed_round < args.rounds - 2 and rng.random() < args.churn:
+    if args.churn and committed_round < args.rounds - 1 and rng.random() < args.churn:
         shepherds = {st.get("shepherd") for st in statuses.values()}
         victims = [w for w in swarm.workers if w.running and w.peer_id not in shepherds and w.peer_id not in killed]
         if victims:
@@ -229,7 +229,7 @@ def write_loss_plot(path: Path, rounds: list[dict[str, Any]], run_id: str) -> Pa
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    xs = [h["round"] + 1 for h in rounds]
+    xs = [h["round"] for h in rounds]  # 1-based already
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot(xs, [h["loss"] for h in rounds], marker="o", label="training loss (mean over workers)")
     val = [(x, h["val_loss"]) for x, h in zip(xs, rounds) if h.get("val_loss") is not None]

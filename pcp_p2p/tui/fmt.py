@@ -34,13 +34,17 @@ class Glyphs:
     tick: str
     focus: str
     box: dict[str, str]
+    link: str = "·"  # between two rounds' points on a stretched chart
+    corner: str = "└"  # where the chart's x axis meets its y axis
+    hline: str = "─"  # the x axis
+    xtick: str = "┬"  # a round tick on the x axis
 
 
 UNICODE = Glyphs("…", "●", "○", "◉", "✓", "✗", "│", "┤", "▶", {})
 ASCII = Glyphs("~", "*", "o", "@", "+", "x", "|", "+", ">", {
     "tlcorner": "+", "tline": "-", "lline": "|", "trcorner": "+",
     "blcorner": "+", "rline": "|", "bline": "-", "brcorner": "+",
-})
+}, link=".", corner="+", hline="-", xtick="+")
 
 
 @dataclass(frozen=True)
@@ -183,3 +187,60 @@ def backend_and_device(caps: Mapping[str, Any]) -> tuple[str, str]:
     if not name or name == "cpu":
         name = text(caps.get("cpu_model"), "") if isinstance(caps, Mapping) else ""
     return DRIVER_NAMES.get(best, best or "-"), name or "-"
+
+
+# Phases of a run that is inside its rounds (the worker's and the shepherd's round
+# machines); others (starting, electing, compiling, waiting for quorum, set-up
+# failed: ...) come before a round or between terms.
+ROUND_PHASES = frozenset({"idle", "fetching", "training", "submitted", "waiting", "collecting"})
+ENDED_PHASES = frozenset({"finished", "stopped"})
+LOST_SUFFIX = " (shepherd lost)"
+# What an in-round phase is called on screen: a worker between two rounds is
+# waiting for the next announcement, not idle.
+PHASE_NAMES = {"idle": "waiting"}
+
+
+def phase_base(r: Mapping[str, Any]) -> str:
+    """The run's phase without the "(shepherd lost)" note."""
+    phase = text(r.get("phase"), "")
+    return phase[: -len(LOST_SUFFIX)] if phase.endswith(LOST_SUFFIX) else phase
+
+
+def phase_label(r: Mapping[str, Any]) -> str:
+    """The phase as shown: the node's own words (compiling, waiting for quorum (1/3),
+    set-up failed: ...), ``waiting`` for a worker between rounds, ``starting``
+    when a node reports none."""
+    phase = text(r.get("phase"), "")
+    if not phase:
+        return "starting"
+    base = phase_base(r)
+    return PHASE_NAMES.get(base, base) + phase[len(base):]
+
+
+def phase_attr(label: str) -> str:
+    """Colour of a phase: a lost shepherd, a missing quorum or a failed set-up warn."""
+    if "lost" in label or label.startswith(("waiting for quorum", "set-up failed", "stopped")):
+        return "warn"
+    return "ok"
+
+
+def round_label(r: Mapping[str, Any]) -> str:
+    """``4/12``: the round under way (or next), counted from 1, out of the run's rounds.
+
+    Status reports ``round`` as the last committed round (0 before the first);
+    the round a node is working on is the one after it. Before the first round
+    starts (compiling, waiting for quorum) there is none: ``-/12``, never a
+    misleading ``0/12``. A finished or stopped run shows the last committed.
+    """
+    committed, total = num(r.get("round")), num(r.get("rounds"))
+    of = "" if total is None else f"/{int(total)}"
+    if committed is None:
+        return "-" + of
+    done = max(0, int(committed))
+    base = phase_base(r)
+    if base in ENDED_PHASES:
+        return f"{done}{of}"
+    if base in ROUND_PHASES or done > 0:
+        current = done + 1 if total is None else min(done + 1, int(total))
+        return f"{current}{of}"
+    return "-" + of

@@ -20,6 +20,7 @@ from typing import Any
 
 import urwid
 
+from pcp_p2p.node.status import split_rejected
 from pcp_p2p.tui import fmt
 from pcp_p2p.tui.chart import line_chart
 from pcp_p2p.tui.fmt import UNICODE, Glyphs
@@ -177,9 +178,8 @@ def run(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
     r = fmt.section(obj, "run")
     if not r:
         return Content([note("no run")], [])
-    phase = fmt.text(r.get("phase"))
     left = fmt.remaining(r.get("deadline_s"), since_fetch_s=ctx.since_fetch_s, wall_now=ctx.wall_now)
-    if phase == "finished":
+    if fmt.phase_base(r) in fmt.ENDED_PHASES:
         left = None  # the last announcement's deadline still counts down at the node: nothing is due
     parts, quorum = fmt.num(r.get("participants")), fmt.num(r.get("quorum"))
     if parts == 0 and not fmt.items(r, "history"):
@@ -190,11 +190,10 @@ def run(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
     else:
         quorum_m = f"{fmt.si(parts, 0)}/{fmt.si(quorum, 0)}"
     due_attr = "bad" if left is not None and left < 0 else ("warn" if left is not None and left < 10 else None)
-    rnd, total = fmt.num(r.get("round")), fmt.num(r.get("rounds"))
-    round_s = "-" if rnd is None else str(int(rnd)) + ("" if total is None else f"/{int(total)}")
+    phase = fmt.phase_label(r)
     rows: list[Markup] = [
         [("label", "run    "), run_label(r, g)],
-        [("label", "round  "), round_s, " ", ("warn" if "lost" in phase else "ok", phase)],
+        [("label", "round  "), fmt.round_label(r), " ", (fmt.phase_attr(phase), phase)],
         [("label", "due    "), (due_attr, fmt.countdown(left)) if due_attr else fmt.countdown(left)],
         [("label", "quorum "), quorum_m],
         [("label", "theta  "), fmt.short_cid(r.get("theta"), g)],
@@ -236,8 +235,9 @@ def training(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conte
     if not history:
         return Content(fixed, [note("no round committed yet")])
     rounds = [fmt.num(h.get("round")) for h in history]
+    ticks = [int(x) for x in rounds if x is not None]
     chart = line_chart([[fmt.num(h.get("loss")) for h in history], [fmt.num(h.get("val_loss")) for h in history]],
-                       width, chart_h, glyphs=g)
+                       width, chart_h, glyphs=g, rounds=ticks if len(ticks) == len(rounds) else None)
     rows: list[Markup] = [_colour_chart_line(line, g) for line in chart]
     if rounds and rounds[0] is not None and rounds[-1] is not None and chart_h >= 1:
         fixed[1] = fixed[1] + [("dim", f"   r{int(rounds[0])}-{int(rounds[-1])}")]
@@ -245,7 +245,7 @@ def training(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conte
 
 
 def _colour_chart_line(line: str, g: Glyphs) -> Markup:
-    attrs = {g.loss: "loss", g.val: "val", g.both: "loss"}
+    attrs = {g.loss: "loss", g.val: "val", g.both: "loss", g.link: "dim"}
     out: list[Markup] = []
     for ch in line:
         attr = attrs.get(ch)
@@ -302,15 +302,19 @@ def network(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conten
     """Connected peers, bytes in and out, rejected inputs by reason."""
     net = fmt.section(obj, "network")
     rejected = net.get("rejected") if isinstance(net.get("rejected"), Mapping) else {}
-    counts = sorted(((int(fmt.num(n) or 0), str(k)) for k, n in rejected.items()), reverse=True)
-    total = sum(n for n, _ in counts)
+    counts = {str(k): int(fmt.num(n) or 0) for k, n in rejected.items()}
+    bad, stale = split_rejected(counts)
     fixed: list[Markup] = [
         [("label", "peers "), fmt.text(net.get("connected_peers"), "0"), ("label", "  table "),
          fmt.text(net.get("routing_table_size"), "0"), ("dim", f" {fmt.text(net.get('dht_mode'), '')}")],
         [("label", "in "), fmt.human_bytes(net.get("bytes_in")), ("label", "  out "), fmt.human_bytes(net.get("bytes_out"))],
-        [("label", "rejected "), ("warn" if total else None, str(total))],
+        # Split: a healthy swarm rejects stale and duplicate messages all the time.
+        [("label", "bad input "), ("warn" if bad else None, str(bad)), ("label", "  stale/dup "), str(stale)],
     ]
-    rows: list[Markup] = [[f"{n:>5} ", reason] for n, reason in counts]
+    # Bad input first (it is what a reader looks for), then the stale and duplicate, dimmed.
+    order = sorted(counts.items(), key=lambda kv: (split_rejected({kv[0]: 1})[0] == 0, -kv[1], kv[0]))
+    rows: list[Markup] = [[f"{n:>5} ", reason] if split_rejected({reason: 1})[0] else ("dim", f"{n:>5} {reason}")
+                          for reason, n in order]
     return Content(fixed, rows)
 
 

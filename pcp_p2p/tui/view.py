@@ -45,11 +45,11 @@ pcp status: a live view of one PCP node, refreshed every second.
   ?           this help (esc or ? closes it)
 
 swarm      members: backend, device, GFLOP/s, state, last seen
-shepherd   holder, term, lease countdown, past terms
-run        round, phase, deadline, participants / quorum
+shepherd   holder, term, lease, past terms: rotation or failover
+run        round under way (from 1), phase, deadline, quorum
 training   loss and validation loss per round, tokens/s, outer lr
 artifacts  compiled targets, CIDs, cache hits
-network    connections, bytes in and out, rejected inputs
+network    connections, bytes, rejected: bad input vs stale/dup
 """
 
 # name, foreground, background, monochrome: the monochrome column is what a
