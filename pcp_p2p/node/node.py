@@ -551,6 +551,7 @@ class Node:
                 capabilities=m.record.capabilities,
                 state=m.record.state,
                 last_seen_s=round(max(0.0, now - m.last_seen), 3),
+                suspect=m.suspect_since is not None,
             )
             for m in self.membership.live()
         ) if members else ()

@@ -50,8 +50,9 @@ class MemberStatus(Message):
     addrs: tuple[str, ...]
     role: str
     capabilities: Capabilities
-    last_seen_s: float
+    last_seen_s: float  # since the last evidence of life this node had (an answered probe, fresh news)
     state: str = "idle"
+    suspect: bool = False  # SWIM: a probe went unanswered; dead unless it refutes in time
 
 
 @wire_message("status.reply", max_size=MAX_REPLY)

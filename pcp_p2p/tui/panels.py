@@ -109,7 +109,7 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
         return Content([header_line(SWARM_COLS, width, g)], [note("no members known yet")])
 
     def state_of(m: Mapping[str, Any]) -> str:
-        # The run's shepherd trains too, so its own heartbeat says "training";
+        # The run's shepherd trains too, so its own member record says "training";
         # the run section knows better who leads, and that is what a reader looks for.
         if shepherd and m.get("peer_id") == shepherd:
             return "shepherd"
@@ -130,7 +130,9 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
             (None, device),
             (None, fmt.si(caps.get("throughput_gflops"))),
             ("ok" if state in ("training", "shepherd") else None, state),
-            ("warn" if seen is not None and seen > 3 else None, "-" if seen is None else f"{seen:.1f}s"),
+            # SWIM probes each member every N periods or so: a long silence is normal, a suspicion is not.
+            ("warn" if m.get("suspect") else None,
+             "suspect" if m.get("suspect") else "-" if seen is None else f"{seen:.1f}s"),
         ], width, g)
 
     rows = LazyRows(sorted(members, key=key), row)
