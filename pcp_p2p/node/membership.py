@@ -139,11 +139,12 @@ class SwimPacket(Message):
 @dataclass(frozen=True)
 class SwimConfig:
     period_s: float = DEFAULT_PERIOD_S
-    ping_timeout_s: float = 0.8
-    probe_timeout_s: float = 2.4  # direct + indirect, from the ping
+    ping_timeout_s: float = 1.0
+    probe_timeout_s: float = 3.0  # direct + indirect, from the ping
     indirect_k: int = 3
     suspicion_s: float = 4.0  # with `confirmations` independent suspecters; one alone waits max_suspicion_s
     max_suspicion_s: float = 12.0
+    max_health: int = 8  # timeouts and the probe period scale by (1 + local health score)
     confirmations: int = 3
     max_view: int = 256
     max_piggyback: int = 8
@@ -293,6 +294,10 @@ class Membership:
         self._seeds: dict[str, tuple[str, ...]] = {}
         self._refute_pending = False
         self.errors: list[PcpError] = []
+        # Lifeguard's local health: failed probes and suspicions of ourselves mostly mean
+        # *this* node is slow (a loaded 2-core laptop), so it probes less often and waits
+        # longer, rather than accusing healthy peers; answered probes bring it back down.
+        self._health = 0
 
     # -- inputs: this node ---------------------------------------------------------
 
@@ -393,6 +398,7 @@ class Membership:
                 if target.suspect_since is not None and sender == probe.target:
                     self._clear_suspicion(target)
             self._probe = None
+            self._health = max(0, self._health - 1)
         return events
 
     # -- the clock -------------------------------------------------------------------
@@ -405,20 +411,23 @@ class Membership:
         if self._refute_pending:
             self._refute_pending = False  # asked once; set_self answers it
             self.stats.refutations += 1
+            self._health = min(cfg.max_health, self._health + 1)  # others could not reach us in time
             effects.append(Refute())
         probe = self._probe
         if probe is not None:
             age = now - probe.started
             if probe.target not in self._members:
                 self._probe = None
-            elif age >= cfg.probe_timeout_s:
+            elif age >= self._scaled(cfg.probe_timeout_s):
+                self._health = min(cfg.max_health, self._health + 1)
                 self._suspect(probe.target, now, self.self_peer_id)
                 self._probe = None
                 # Tell the suspect at once (Lifeguard's buddy system): a live node
                 # behind a lossy path answers, which clears it here, and refutes.
                 self._probe_ids += 1
-                effects.append(self._ping(self._members[probe.target], self._probe_ids, cfg.ping_timeout_s))
-            elif age >= cfg.ping_timeout_s and not probe.indirect_sent:
+                effects.append(self._ping(self._members[probe.target], self._probe_ids,
+                                          self._scaled(cfg.ping_timeout_s)))
+            elif age >= self._scaled(cfg.ping_timeout_s) and not probe.indirect_sent:
                 probe.indirect_sent = True
                 helpers = [p for p in self._members if p != probe.target]
                 t = self._members[probe.target]
@@ -427,14 +436,14 @@ class Membership:
                     updates = (card, *self._piggyback()[: cfg.max_piggyback - 1])
                     req = SwimPacket("ping_req", probe.id, probe.target, updates=updates)
                     effects.append(Send(helper, self._members[helper].record.addrs, self._count(req),
-                                        cfg.probe_timeout_s - age))
+                                        self._scaled(cfg.probe_timeout_s) - age))
         if self._probe is None and now >= self._next_probe_at and self._members:
             target = self._next_target()
             if target is not None:
                 self._probe_ids += 1
                 self._probe = _Probe(self._probe_ids, target, now)
-                effects.append(self._ping(self._members[target], self._probe_ids, cfg.ping_timeout_s))
-            self._next_probe_at = now + cfg.period_s
+                effects.append(self._ping(self._members[target], self._probe_ids, self._scaled(cfg.ping_timeout_s)))
+            self._next_probe_at = now + self._scaled(cfg.period_s)
         for peer_id in sorted(self._suspects):
             m = self._members[peer_id]
             if m.suspect_since is not None and now - m.suspect_since >= self._suspicion_timeout(m):
@@ -494,7 +503,9 @@ class Membership:
             # seen before (an evicted member coming back into view, say) is not queued
             # again; without this, old records circulate for ever in large swarms.
             key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
-            self._spreading = spread and key not in self._seen
+            # In a sync, the sender introducing itself is news (a joiner's record
+            # reaches the swarm through its bootstrap server); the rest is a sample.
+            self._spreading = (spread or g.peer_id == sender) and key not in self._seen
             if self._spreading:
                 self._seen[key] = None
                 if len(self._seen) > 8 * self.config.max_queue:
@@ -735,6 +746,14 @@ class Membership:
             else:
                 self._order = list(self._members)
                 self.rng.shuffle(self._order)
+
+    @property
+    def health(self) -> int:
+        """Local health score, 0 (healthy) to ``max_health``: the factor on timeouts, less one."""
+        return self._health
+
+    def _scaled(self, seconds: float) -> float:
+        return seconds * (1 + self._health)
 
     def _clear_suspicion(self, m: Member) -> None:
         m.suspect_since = None

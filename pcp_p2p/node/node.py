@@ -455,6 +455,9 @@ class Node:
                 if reply is not None:
                     await write_frame(stream, encode(reply), timeout=timeout)
                 await stream.close()
+        except PeerGone as exc:  # the prober gave up (its own timeout) or went away: not bad input
+            log.debug("swim: %s went away mid-exchange: %s", peer, exc)
+            await reset_quietly(stream)
         except PcpError as exc:
             self._reject(peer, exc, "swim")
             await reset_quietly(stream)
@@ -562,7 +565,7 @@ class Node:
             "rejected": dict(self.rejected),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
             "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
-                           "suspected": len(self.membership.suspected())},
+                           "suspected": len(self.membership.suspected()), "health": self.membership.health},
             # the same counts split for people: "rejected 321" alarmed in a healthy swarm
             **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
