@@ -335,12 +335,21 @@ class Node:
         return self._signed_record
 
     async def _record_loop(self) -> None:
-        """Keep the member record current (runs, state and addresses change) and in the DHT."""
-        published_seq = -1
+        """Keep the member record current (runs, state and addresses change) and in the DHT.
+
+        The DHT copy is put when the record's content changes and at half its
+        lifetime, not on every re-signing: a refutation re-signs to raise the
+        incarnation, and a DHT put (a lookup, then a store at ~20 peers) per
+        refutation turned a CPU-starved moment into a storm.
+        """
+        published: MemberRecord | None = None
+        published_at = 0.0
         while True:
             signed = self._signed_member_record()
-            if self.config.role == "worker" and signed.seq != published_seq and self.bootstrapped.is_set():
-                published_seq = signed.seq
+            now = time.time()
+            if (self.config.role == "worker" and self.bootstrapped.is_set()
+                    and (self._record != published or now - published_at > self.config.record_ttl / 2)):
+                published, published_at = self._record, now
                 self.nursery.start_soon(self._put_member_record, signed)
             await trio.sleep(DEFAULT_PERIOD_S)
 
