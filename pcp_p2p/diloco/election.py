@@ -61,6 +61,7 @@ Lifecycle of a term, as seen by one node::
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
+    FOLLOWER --the holder announced its departure-->         VACANT   (failover, at once)
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message, decode, wire_message
 
 LEASE_KIND = "lease"
+MAX_DEPARTED = 1024  # departures remembered; the oldest are forgotten first
 
 
 @wire_message("diloco.lease", max_size=4 * 1024)
@@ -321,6 +323,7 @@ class Election:
         self.role = Role.VACANT
         self._now: float | None = None
         self.settle_until: float | None = None  # no claim before: lookups are on their way
+        self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
 
     # --- queries -------------------------------------------------------------------
 
@@ -401,6 +404,26 @@ class Election:
         self.view_at = now
         return self._retry_held(now) + self.tick(now)
 
+    def on_departure(self, peer: str, at: float, now: float) -> list[ElectionEffect]:
+        """``peer`` announced at ``at`` (its clock) that it leaves the run.
+
+        The caller has checked the announcement (signed by ``peer``, fresh, no
+        replay: :class:`~pcp_p2p.diloco.departures.Departures`). The leaver is no
+        candidate any more, no lease it issued up to ``at`` is taken again, and if
+        it holds the current term the term ends now ("failover") instead of after
+        its lease and the grace: the next term is claimed from the latest commit
+        once the lookups settle.
+        """
+        self._now = now
+        self.departed[peer] = max(at, self.departed.get(peer, at))
+        while len(self.departed) > MAX_DEPARTED:
+            del self.departed[min(self.departed, key=self.departed.__getitem__)]
+        self.view = [p for p in self.view if p != peer]
+        lease = self.lease
+        if lease is None or lease.holder != peer or self.role is not Role.FOLLOWER:
+            return []
+        return self._end_term(now, "failover")
+
     def on_lease(self, lease: Lease | bytes, now: float) -> list[ElectionEffect]:
         """A lease arrived (gossip, direct send or DHT lookup)."""
         self._now = now
@@ -455,6 +478,9 @@ class Election:
         if lease.run_id != self.run_id:
             raise VerificationError(f"lease for another run {lease.run_id:.20}")
         verify(lease, lease.holder)  # BadSignature unless the holder signed it
+        left = self.departed.get(lease.holder)
+        if left is not None and lease.issued <= left:
+            raise StaleMessage(f"lease of term {lease.term} issued before its holder left the run")
         if not (lease.claimed_at <= lease.issued < lease.expiry):
             raise VerificationError("lease times are not claimed <= issued < expiry")
         if lease.expiry - lease.issued > c.lease_s + c.max_skew_s:

@@ -92,7 +92,8 @@ from pcp_p2p.diloco.election import (
     PublishLease,
     StepDown,
 )
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.departures import Departures, make_leave
+from pcp_p2p.diloco.messages import CommitRecord, Join, Leave, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.reputation import ReputationLedger
@@ -203,6 +204,7 @@ class RunRuntime:
         self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
         self.ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
         self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
+        self.departures = Departures(self.run_id)  # members that announced they left
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
         self._exports = 0  # inner-state exports in progress (as the audited worker)
@@ -334,6 +336,8 @@ class RunRuntime:
             # different rankings. The owner's lists are the same everywhere.
             if m.record.role == "worker" and self.run_id in m.record.runs
             and self.admission.may_lead(m.record.peer_id, local_bans=False)
+            # a member that announced its departure is gone, though the view may list it a while
+            and not self.departures.gone(m.record.peer_id, m.record.started_at)
         ]
 
     def check_record(self, payload: Message, now: float) -> None:
@@ -422,6 +426,9 @@ class RunRuntime:
             if isinstance(msg, (AuditRequest, StateOffer)):
                 self._on_audit_message(sender, msg)
                 return
+            if isinstance(msg, Leave):
+                self._on_leave(sender, msg, now)
+                return
             if isinstance(msg, Evidence):
                 self._on_evidence(sender, msg, now)
                 return
@@ -490,6 +497,57 @@ class RunRuntime:
                 self.phase = "finished"
                 self._release_run_pins(rec.theta_cid)
                 self.finished.set()
+
+    def _on_leave(self, sender: str, msg: Leave, now: float) -> None:
+        """A member announced its departure (see :mod:`pcp_p2p.diloco.departures`).
+
+        Checked first (signed by the leaver, sent by it or relayed by the current
+        term's holder, fresh, no replay); then the shepherd stops waiting for it
+        and relays it to the run, and the election forgets it as a candidate (a
+        leaving holder's term ends at once).
+        """
+        holder = self.election.holder if self.election is not None else None
+        try:
+            self.departures.check(msg, sender, now, relayer=holder)
+        except PcpError as exc:
+            self._reject(sender, exc)
+            return
+        log.info("run %s: %s left the run", self.run_id[:16], msg.peer)
+        if self.shepherd is not None:
+            self._carry_out("shepherd", self.shepherd.on_leave(msg, now))
+            if sender == msg.peer:  # relay once, never a relayed one
+                assert self._nursery is not None
+                for peer in self._run_members():
+                    if peer != msg.peer:
+                        self._nursery.start_soon(self._send_to, peer, msg)
+        if self.election is not None:
+            self._carry_out_election(self.election.on_departure(msg.peer, msg.at, now))
+
+    def _run_members(self) -> list[str]:
+        """The live members taking part in this run, this node left out."""
+        return [m.record.peer_id for m in self.node.membership.live()
+                if self.run_id in m.record.runs and m.record.peer_id != self.node.peer_id]
+
+    async def announce_departure(self) -> None:
+        """This node leaves (a graceful stop): tell the shepherd, or, as the shepherd, the run.
+
+        Unbounded here: the caller bounds it (a farewell, :func:`pcp_p2p.shutdown.add_farewell`).
+        A finished run, or one this node never got as far as electing in, needs no notice.
+        """
+        if self.finished.is_set() or self.election is None:
+            return
+        leave = make_leave(self.run_id, self.node.identity, time.time())
+        me = self.node.peer_id
+        if self.shepherd is not None or self._becoming or self.election.holder == me:
+            targets = self._run_members()
+        else:
+            targets = [self.shepherd_peer] if self.shepherd_peer not in (None, me) else []
+        if not targets:
+            return
+        log.info("run %s: announcing this node's departure to %d peer(s)", self.run_id[:16], len(targets))
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                nursery.start_soon(self._send_to, peer, leave)
 
     def _on_commit(self, rec: CommitRecord, now: float) -> None:
         """A commit record (message or lookup): the election checks its authority first;

@@ -21,6 +21,7 @@ from pcp_p2p.diloco.runs import KnownRun, RunBook, TrustPolicy
 from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import SignedRunSpec
 from pcp_p2p.errors import PcpError, VerificationError
+from pcp_p2p.shutdown import add_farewell
 from pcp_p2p.node.node import Node
 from pcp_p2p.dht.records import VerifiedRecord
 from pcp_p2p.diloco.admission import AllowlistUpdate
@@ -49,6 +50,13 @@ class TrainingService:
         for key in ("term", "lease_expires_s", "shepherd_history"):
             self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
         self.node.nursery.start_soon(self._discovery_loop)
+        add_farewell(self.announce_departures)
+
+    async def announce_departures(self) -> None:
+        """The node is stopping: every unfinished run hears that it leaves (bounded by the caller)."""
+        async with trio.open_nursery() as nursery:
+            for runtime in self.runtimes.values():
+                nursery.start_soon(runtime.announce_departure)
 
     async def _on_spec(self, sender: str, msg: Message) -> None:
         assert isinstance(msg, SignedRunSpec)
