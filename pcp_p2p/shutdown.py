@@ -194,12 +194,11 @@ async def _supervise(
     stopper = _Stopper(trio.lowlevel.current_trio_token(), asked, grace_s, stopping, on_force)
     with stopper.installed():
         try:
+            # A system task, not a nursery: what async_fn raises must reach the caller as it is
+            # (not wrapped in an ExceptionGroup), and trio cancels the task when the run ends.
+            trio.lowlevel.spawn_system_task(_stop_when_asked, asked, scope)
             with scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_stop_when_asked, asked, scope)
-                    value = await async_fn(*args)
-                    nursery.cancel_scope.cancel()
-                return value
+                return await async_fn(*args)
         except BaseException:
             if stopper.signum is None:
                 raise

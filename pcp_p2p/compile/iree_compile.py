@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,9 +24,10 @@ from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers impor
     compile_flag_choices,
     compile_flags,
 )
-from pcp_p2p.errors import CompileError, CompilerRejected
+from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
 
 TOOL = "iree-compile"
+CANCEL_POLL_S = 0.2  # how often a running compile looks at its cancel flag
 
 
 @lru_cache(maxsize=1)
@@ -63,20 +66,44 @@ def compiler_version() -> str:
     raise CompileError(f"unrecognised {TOOL} --version output: {out[:200]!r}")
 
 
-def run_compiler(stablehlo: str, flags: tuple[str, ...], timeout: float = 1800) -> bytes:
-    """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes."""
+def run_compiler(
+    stablehlo: str, flags: tuple[str, ...], timeout: float = 1800, cancel: threading.Event | None = None
+) -> bytes:
+    """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes.
+
+    ``cancel``: once set, the compiler process is killed (within
+    :data:`CANCEL_POLL_S`) and :class:`CompileCancelled` is raised. Why: a compile
+    runs in a thread, which nothing outside can stop, and a node that lost the
+    election kept a core busy for a minute compiling for a term it did not hold.
+    The child is killed on every way out (error, timeout, cancel), never left behind.
+    """
     cmd = [compiler_path(), *flags, "-o", "-", "-"]
     try:
-        proc = subprocess.run(cmd, input=stablehlo.encode(), capture_output=True,
-                              timeout=timeout, env=_clean_env())
-    except subprocess.TimeoutExpired as exc:
-        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from exc
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_clean_env())
     except OSError as exc:
         raise CompileError(f"cannot run {TOOL}: {exc}") from exc
-    if proc.returncode != 0 or not proc.stdout:
-        err = proc.stderr.decode(errors="replace").strip()
-        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err)}")
-    return proc.stdout
+    deadline = time.monotonic() + timeout
+    data: bytes | None = stablehlo.encode()
+    try:
+        while True:
+            try:
+                # the input goes in with the first call; a retry after a timeout loses nothing
+                out, err = proc.communicate(data, timeout=CANCEL_POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                data = None
+                if cancel is not None and cancel.is_set():
+                    raise CompileCancelled(f"{TOOL} stopped: the compile is not needed any more") from None
+                if time.monotonic() >= deadline:
+                    raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not out:
+        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err.decode(errors='replace').strip())}")
+    return out
 
 
 def _clean_env() -> dict[str, str]:

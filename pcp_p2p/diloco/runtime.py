@@ -194,6 +194,8 @@ class RunRuntime:
         self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
         self.election: Election | None = None
         self._becoming = False  # a BecomeShepherd is being set up (compiling)
+        self._become_scope: trio.CancelScope | None = None  # cancels that set-up (the election went elsewhere)
+        self._becoming_term: int | None = None
         self._evaluate: Any = None
         self._target: str | None = None
         self._tokens_per_s = 1.0
@@ -378,10 +380,7 @@ class RunRuntime:
         wanted = self._wanted_targets()
         standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
         log.info("run %s: term %d: compiling the train program for %s", self.run_id[:16], eff.term, ", ".join(sorted(wanted)))
-        arts = standby or await trio.to_thread.run_sync(
-            engine.build_train_artifacts, self.spec, self.dataset.vocab_size, sorted(wanted),
-            self.node.identity, self.node.config.data_dir / "artifact-cache",
-        )
+        arts = standby or await self._build_artifacts(sorted(wanted))
         artifacts: dict[str, str] = {}
         self.artifacts.clear()
         for art in arts:
@@ -706,8 +705,12 @@ class RunRuntime:
                 self.node.leads.add(self.run_id)
                 self._nursery.start_soon(self._run_become_shepherd, e)
             elif isinstance(e, FollowShepherd):
+                if e.peer != self.node.peer_id and self._becoming_term is not None and e.term >= self._becoming_term:
+                    self._cancel_become(f"term {e.term} is held by {e.peer}")
                 self._follow(e, now)
             elif isinstance(e, StepDown):
+                if e.term == self._becoming_term:
+                    self._cancel_become(f"stepped down from term {e.term} ({e.reason})")
                 if self.shepherd is not None and self.shepherd.term == e.term:
                     self.shepherd = None
                 self._becoming = False
@@ -762,6 +765,32 @@ class RunRuntime:
                 wanted.add(allowed[0])
         return sorted(wanted)
 
+    async def _build_artifacts(self, targets: list[str]) -> list[Any]:
+        """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
+        this task's cancellation stops at once: the thread is abandoned and the compiler
+        process it runs is killed (``CompileCancelled`` there), so neither a lost election
+        nor a node stopping waits for a compile to finish."""
+        from pcp_p2p.diloco import engine
+
+        assert self.dataset is not None
+        cancel = threading.Event()
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: engine.build_train_artifacts(
+                    self.spec, self.dataset.vocab_size, targets, self.node.identity,  # type: ignore[union-attr]
+                    self.node.config.data_dir / "artifact-cache", cancel=cancel),
+                abandon_on_cancel=True,
+            )
+        finally:
+            cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
+
+    def _cancel_become(self, why: str) -> None:
+        """Another node holds the term this node was setting up: stop compiling for it now."""
+        scope = self._become_scope
+        if scope is not None and not scope.cancel_called:
+            log.info("run %s: %s; the shepherd's set-up (compile) is cancelled", self.run_id[:16], why)
+            scope.cancel()
+
     async def _prewarm(self) -> None:
         """Hot standby: build the artifacts into the cache and the evaluator now, off the
         critical path, so that taking over a term (failover, rotation) costs a cache hit."""
@@ -769,10 +798,7 @@ class RunRuntime:
 
         assert self.dataset is not None
         try:
-            self._standby = await trio.to_thread.run_sync(
-                engine.build_train_artifacts, self.spec, self.dataset.vocab_size, self._wanted_targets(),
-                self.node.identity, self.node.config.data_dir / "artifact-cache",
-            )
+            self._standby = await self._build_artifacts(self._wanted_targets())
             if self._evaluate is None:
                 self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
             log.info("run %s: standby ready (artifacts cached, evaluator built)", self.run_id[:16])
@@ -803,22 +829,31 @@ class RunRuntime:
             return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
 
     async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
+        scope = trio.CancelScope()
+        self._become_scope, self._becoming_term = scope, eff.term
         try:
-            for attempt in range(3):
-                try:
-                    await self._become_shepherd(eff)
-                    break
-                except PcpError as exc:
-                    still_mine = self.election is not None and self.election.current_term == eff.term \
-                        and self.election.holder == self.node.peer_id
-                    log.error("run %s: could not take up term %d (attempt %d): %s",
-                              self.run_id[:16], eff.term, attempt + 1, exc)
-                    if not still_mine:
-                        break
-                    await trio.sleep(2.0 * (attempt + 1))
+            with scope:
+                await self._become_with_retries(eff)
         finally:
+            if self._become_scope is scope:
+                self._become_scope = self._becoming_term = None
             self._becoming = False
             self._send.send_nowait(("shepherd_ready", None))
+
+    async def _become_with_retries(self, eff: BecomeShepherd) -> None:
+        """Set up the term, up to three times while the term is still ours."""
+        for attempt in range(3):
+            try:
+                await self._become_shepherd(eff)
+                break
+            except PcpError as exc:
+                still_mine = self.election is not None and self.election.current_term == eff.term \
+                    and self.election.holder == self.node.peer_id
+                log.error("run %s: could not take up term %d (attempt %d): %s",
+                          self.run_id[:16], eff.term, attempt + 1, exc)
+                if not still_mine:
+                    break
+                await trio.sleep(2.0 * (attempt + 1))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
         """Hold the latest committed checkpoints so any candidate can take over the run."""
