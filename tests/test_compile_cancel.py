@@ -79,7 +79,7 @@ def test_a_compile_past_its_timeout_kills_the_compiler(slow_compiler: Path) -> N
 
 class _Election:
     def __init__(self) -> None:
-        self.best_commit = None
+        self.best_commit = self.lease = None
 
 
 def becoming_runtime() -> RunRuntime:

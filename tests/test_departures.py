@@ -19,7 +19,7 @@ from pcp_p2p.diloco.departures import LEAVE_FRESH_S, Departures, make_leave
 from pcp_p2p.diloco.effects import Committed, Discarded, Rejected
 from pcp_p2p.diloco.election import FollowShepherd, LookupCommit, LookupLease, Role
 from pcp_p2p.diloco.messages import Leave, RoundAnnouncement, sign
-from pcp_p2p.errors import BadSignature, PeerGone, RejectedUpdate, StaleMessage, VerificationError
+from pcp_p2p.errors import BadSignature, NotElected, PeerGone, RejectedUpdate, StaleMessage, VerificationError
 
 # --- the shepherd --------------------------------------------------------------------
 
@@ -185,3 +185,57 @@ def test_farewells_run_before_the_work_is_cancelled_and_are_bounded(monkeypatch:
         shutdown.run_until_signal(main, grace_s=60.0)
     assert seen == ["farewell while the work runs", "work cancelled"]
     assert time.monotonic() - t0 < 10  # the stuck farewell was cut off (at 0.3 s), not waited for
+
+
+# --- catching up to a run that finished while this node was down -----------------------
+
+
+def final_commit(shepherd, term: int, round_: int = 9, theta: str = "final"):
+    from test_election import make_commit
+
+    return make_commit(shepherd, term, round_, theta)
+
+
+def restarted(anchor_holder, anchor_term: int, claimed_at: float = 0.0):
+    """A node back up at t=1000 whose data dir kept the lease of ``anchor_term`` it had accepted."""
+    me = IDS[4]
+    e = started(me, 1000.0)
+    e.restore(make_lease(anchor_holder, anchor_term, claimed_at))
+    return e
+
+
+def test_the_last_commit_of_the_anchors_term_is_adopted():
+    holder = IDS[0]
+    e = restarted(holder, 2)
+    rec = final_commit(holder, 2)
+    assert [type(x) for x in of(e.on_commit(rec, 1000.0), Rejected)] and e.best_commit is None  # held back
+    (checked,) = e.adopt_final(rec, rounds=10, now=1000.0)
+    assert checked.record == rec and e.best_commit == rec and not e.held_commits
+    assert e.adopt_final(rec, rounds=10, now=1000.0) == []  # once
+
+
+def test_a_later_term_is_adopted_only_within_reach_of_the_anchor():
+    e = restarted(IDS[0], 2, claimed_at=900.0)  # 100 s ago: at most 2 + 1 + 10 terms since
+    assert e.adopt_final(final_commit(IDS[1], 13), rounds=10, now=1000.0)
+    e = restarted(IDS[0], 2, claimed_at=900.0)
+    with pytest.raises(NotElected):  # HeldBack: a far-future term
+        e.adopt_final(final_commit(IDS[1], 14), rounds=10, now=1000.0)
+
+
+@pytest.mark.parametrize("case", ["not the last round", "another holder", "forged", "older term", "no anchor"])
+def test_what_cannot_be_adopted(case: str):
+    e = restarted(IDS[0], 2)
+    rec = final_commit(IDS[0], 2)
+    if case == "not the last round":
+        rec, err = final_commit(IDS[0], 2, round_=5), NotElected
+    elif case == "another holder":
+        rec, err = final_commit(IDS[1], 2), BadSignature
+    elif case == "forged":
+        rec, err = sign(rec, IDS[1]), BadSignature
+    elif case == "older term":
+        rec, err = final_commit(IDS[0], 1), StaleMessage
+    else:
+        e, err = started(IDS[4], 1000.0), NotElected
+    with pytest.raises(err):
+        e.adopt_final(rec, rounds=10, now=1000.0)
+    assert e.best_commit is None

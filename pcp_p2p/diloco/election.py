@@ -324,6 +324,7 @@ class Election:
         self._now: float | None = None
         self.settle_until: float | None = None  # no claim before: lookups are on their way
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
+        self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
 
     # --- queries -------------------------------------------------------------------
 
@@ -403,6 +404,62 @@ class Election:
         self.uptime = {c.peer_id: c.uptime_s for c in live if c.peer_id in self.view}
         self.view_at = now
         return self._retry_held(now) + self.tick(now)
+
+    def restore(self, lease: Lease) -> None:
+        """The last lease this node accepted before it restarted, read back from its data dir.
+
+        Not followed (a restarted node does not remember serving or following a
+        term); it is the anchor from which a run that *finished* while the node
+        was down is caught up (:meth:`check_final`): by then no lease is live and
+        the DHT's lease record has expired, so nothing else can vouch for the last
+        commit. The caller read it from its own disk; it is checked again anyway.
+        """
+        if lease.run_id == self.run_id:
+            verify(lease, lease.holder)
+            self.anchor = lease
+
+    def check_final(self, rec: CommitRecord, rounds: int, now: float) -> None:
+        """Raise unless ``rec`` may be adopted as the run's last commit by a node that missed the end.
+
+        The commit must complete the run's last round, be signed by its shepherd,
+        and come from the term of the latest lease this node accepted (its holder),
+        or from a later term reachable from it: terms advance one per claim timeout
+        at most, so a far-future forgery is held back, as ``_check_reachable`` does.
+        The shepherd's admission to lead is the caller's to check. Weaker than
+        the live chain (no lease of a later term is checked: they have expired),
+        it is used only once the run is over and nothing newer can come.
+        """
+        if rec.run_id != self.run_id:
+            raise VerificationError(f"commit for another run {rec.run_id:.20}")
+        if rec.round + 1 < rounds:
+            raise HeldBack(f"commit of round {rec.round} does not end the run ({rounds} rounds)")
+        verify(rec, rec.shepherd)
+        anchor = self.lease
+        if self.anchor is not None and (anchor is None or self.anchor.term > anchor.term):
+            anchor = self.anchor
+        if anchor is None:
+            raise HeldBack("no lease of this run was ever accepted here: nothing to check the commit against")
+        if rec.term < anchor.term:
+            raise StaleMessage(f"commit of term {rec.term}, term {anchor.term} already seen")
+        if rec.term == anchor.term:
+            if rec.shepherd != anchor.holder:
+                raise BadSignature(f"{rec.shepherd:.16}… does not hold term {rec.term}")
+            return
+        limit = anchor.term + 1 + int(max(0.0, now - anchor.claimed_at) // self.config.claim_timeout_s)
+        if rec.term > limit:
+            raise HeldBack(f"term {rec.term} leaps ahead of the chain this node holds (at most {limit})")
+
+    def adopt_final(self, rec: CommitRecord, rounds: int, now: float) -> list[ElectionEffect]:
+        """Catch up to a run that finished while this node was down: ``rec`` passed
+        :meth:`check_final` and becomes the best commit (so no term is claimed any more).
+        Answers ``CommitChecked`` (or nothing if a commit as good is held already)."""
+        self._now = now
+        self.check_final(rec, rounds, now)
+        self.held_commits.pop((rec.term, rec.shepherd, rec.theta_cid), None)
+        if self.best_commit is not None and commit_key(rec) <= commit_key(self.best_commit):
+            return []
+        self.best_commit = rec
+        return [CommitChecked(rec)]
 
     def on_departure(self, peer: str, at: float, now: float) -> list[ElectionEffect]:
         """``peer`` announced at ``at`` (its clock) that it leaves the run.

@@ -128,6 +128,7 @@ COMMIT_PUT_ATTEMPTS = 4  # DHT puts of a commit record (2, 4, 8 s apart)
 FINISH_GRACE_S = 30.0
 KEEP_CHECKPOINTS = 2
 PINS_FILE = "pins.json"
+LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
 REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
@@ -207,6 +208,7 @@ class RunRuntime:
         self.ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
         self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
         self.departures = Departures(self.run_id)  # members that announced they left
+        self._saved_term: int | None = None  # the term of the lease kept in LEASE_FILE
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
         self._exports = 0  # inner-state exports in progress (as the audited worker)
@@ -303,6 +305,7 @@ class RunRuntime:
             min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
             settle_s=SETTLE_S, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(self.spec),
         ).validate())
+        self._restore_lease()
         self.phase = "electing"
         self._carry_out_election(self.election.start(time.time()))
         assert self._nursery is not None
@@ -351,7 +354,12 @@ class RunRuntime:
         if isinstance(payload, Lease):
             self.election.check_lease(payload, now)
         elif isinstance(payload, CommitRecord):
-            self.election.check_commit(payload)
+            try:
+                self.election.check_commit(payload)
+            except HeldBack:
+                # the last commit of a run that ended while this node was down: its
+                # lease has expired, so the chain is checked from this node's anchor
+                self._check_final(payload, now)
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -550,11 +558,69 @@ class RunRuntime:
 
     def _on_commit(self, rec: CommitRecord, now: float) -> None:
         """A commit record (message or lookup): the election checks its authority first;
-        the worker sees it only once the election answers ``CommitChecked``."""
-        if self.election is not None:
-            self._carry_out_election(self.election.on_commit(rec, now))
+        the worker sees it only once the election answers ``CommitChecked``.
+
+        The run's last commit that the election holds back (no live lease vouches
+        for it: the run ended while this node was down) is adopted from this node's
+        anchor instead (:meth:`Election.check_final`), so a node restarted after the
+        run finished still ends on the run's final θ, in the finished state.
+        """
+        if self.election is None:
+            return
+        self._carry_out_election(self.election.on_commit(rec, now))
+        if rec.round + 1 >= self.spec.round.rounds and not self._final_committed():
+            try:
+                self._check_final(rec, now)
+                effects = self.election.adopt_final(rec, self.spec.round.rounds, now)
+            except PcpError as exc:
+                log.debug("run %s: the last commit cannot be adopted yet: %s", self.run_id[:16], exc)
+                return
+            log.info("run %s: the run ended at round %d while this node was away; catching up to θ %s",
+                     self.run_id[:16], rec.round, rec.theta_cid)
+            self._carry_out_election(effects)
+
+    def _check_final(self, rec: CommitRecord, now: float) -> None:
+        """``Election.check_final``, and its shepherd admitted to lead the run (the owner's lists)."""
+        assert self.election is not None
+        self.election.check_final(rec, self.spec.round.rounds, now)
+        if not self.admission.may_lead(rec.shepherd, local_bans=False):
+            raise NotElected(f"{rec.shepherd:.16}… may not lead this run")
+
+    def _restore_lease(self) -> None:
+        """Give the election the lease this node accepted last before it stopped (its anchor)."""
+        assert self.election is not None
+        try:
+            lease = decode((self.work_dir / LEASE_FILE).read_bytes(), Lease)
+            self.election.restore(lease)
+        except FileNotFoundError:
+            return
+        except (OSError, PcpError) as exc:
+            self.node.log_once("self", LocalError(f"{LEASE_FILE}: {exc}"), "reading the last lease failed")
+            return
+        self._saved_term = lease.term
+
+    def _save_lease(self) -> None:
+        """Keep the latest accepted lease on disk, once per term (see ``_restore_lease``)."""
+        lease = self.election.lease if self.election is not None else None
+        if lease is None or (self._saved_term is not None and lease.term <= self._saved_term):
+            return
+        self._saved_term = lease.term
+        path = self.work_dir / LEASE_FILE
+        try:
+            path.with_suffix(".tmp").write_bytes(encode(lease))
+            path.with_suffix(".tmp").replace(path)
+        except OSError as exc:
+            self.node.log_once("self", LocalError(str(exc)), "saving the last lease failed")
 
     def _commit_checked(self, rec: CommitRecord, now: float) -> None:
+        if rec.round + 1 >= self.spec.round.rounds and self._target is not None:
+            # the run's last commit: a node catching up after the end has no term to
+            # follow, only this θ to fetch (no Join: nobody leads the run any more)
+            if self.worker is None:
+                self.worker = Worker(spec=self.spec, run_id=self.run_id, identity=self.node.identity,
+                                     shepherds={rec.term: rec.shepherd}, target=self._target,
+                                     tokens_per_s=self._tokens_per_s)
+            self.worker.shepherds.setdefault(rec.term, rec.shepherd)
         if self.worker is not None:
             self._carry_out("worker", self.worker.on_commit(rec, now))
             self._after_worker_input()
@@ -729,6 +795,7 @@ class RunRuntime:
                     self.stats.held += 1  # not refused: kept until it can be checked
                 else:
                     self._reject(e.peer or "?", e.error)
+        self._save_lease()
 
     def _follow(self, e: FollowShepherd, now: float) -> None:
         """The shepherd of ``e.term`` is ``e.peer``: our worker joins it."""

@@ -31,6 +31,7 @@ from pcp_p2p.wire import Message
 log = logging.getLogger("pcp.training")
 
 DISCOVERY_PERIOD_S = 2.0
+RESUME_TRIES = 30  # lookups (DISCOVERY_PERIOD_S apart) of a run this node left unfinished, at most
 
 
 class TrainingService:
@@ -50,6 +51,7 @@ class TrainingService:
         for key in ("term", "lease_expires_s", "shepherd_history"):
             self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
         self.node.nursery.start_soon(self._discovery_loop)
+        self.node.nursery.start_soon(self._resume_loop, self._unfinished_runs())
         add_farewell(self.announce_departures)
 
     async def announce_departures(self) -> None:
@@ -113,6 +115,35 @@ class TrainingService:
             for member in self.node.membership.live():
                 for run_id in self.book.unknown(member.record.runs):
                     await self._look_up(run_id)
+            await trio.sleep(DISCOVERY_PERIOD_S)
+
+    def _unfinished_runs(self) -> list[str]:
+        """Runs this node took part in before it (re)started and did not see finish (its data dir says)."""
+        from pcp_p2p.diloco.pins import RunPins
+        from pcp_p2p.diloco.runtime import PINS_FILE
+
+        runs_dir = self.node.config.data_dir / "runs"
+        try:
+            dirs = sorted(d for d in runs_dir.iterdir() if d.is_dir())
+        except OSError:
+            return []
+        return [d.name for d in dirs if not RunPins.load(d / PINS_FILE).finished]
+
+    async def _resume_loop(self, run_ids: list[str]) -> None:
+        """Take up again the runs this node was part of when it stopped, even once they are over.
+
+        Why not wait for discovery: peers advertise only the runs they are still
+        training, so a node restarted after its run finished would never hear of it
+        again, and never reach the run's final θ. Its run directory remembers the run;
+        the spec comes from the DHT (owner-signed, checked against the trust policy
+        like any other), and the runtime catches up from the run's latest commit.
+        """
+        for _ in range(RESUME_TRIES):
+            run_ids = self.book.unknown(tuple(run_ids))
+            if not run_ids:
+                return
+            for run_id in run_ids:
+                await self._look_up(run_id)
             await trio.sleep(DISCOVERY_PERIOD_S)
 
     async def _look_up(self, run_id: str) -> None:
