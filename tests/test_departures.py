@@ -222,7 +222,8 @@ def test_a_later_term_is_adopted_only_within_reach_of_the_anchor():
         e.adopt_final(final_commit(IDS[1], 14), rounds=10, now=1000.0)
 
 
-@pytest.mark.parametrize("case", ["not the last round", "another holder", "forged", "older term", "no anchor"])
+@pytest.mark.parametrize("case", ["not the last round", "another holder", "forged", "older term", "no anchor",
+                                  "a live chain"])
 def test_what_cannot_be_adopted(case: str):
     e = restarted(IDS[0], 2)
     rec = final_commit(IDS[0], 2)
@@ -234,8 +235,13 @@ def test_what_cannot_be_adopted(case: str):
         rec, err = sign(rec, IDS[1]), BadSignature
     elif case == "older term":
         rec, err = final_commit(IDS[0], 1), StaleMessage
-    else:
+    elif case == "no anchor":
         e, err = started(IDS[4], 1000.0), NotElected
+    else:  # a lease accepted since the restart: a "last round" must pass the live chain instead
+        e = restarted(IDS[0], 0)
+        established = make_lease(IDS[0], 0, 500.0, issued=999.0, expiry=1009.0)  # claimed long ago
+        assert of(e.on_lease(established, 1000.0), FollowShepherd)
+        rec, err = final_commit(IDS[1], 1), NotElected
     with pytest.raises(err):
         e.adopt_final(rec, rounds=10, now=1000.0)
     assert e.best_commit is None

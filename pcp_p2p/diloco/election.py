@@ -421,10 +421,13 @@ class Election:
     def check_final(self, rec: CommitRecord, rounds: int, now: float) -> None:
         """Raise unless ``rec`` may be adopted as the run's last commit by a node that missed the end.
 
-        The commit must complete the run's last round, be signed by its shepherd,
-        and come from the term of the latest lease this node accepted (its holder),
-        or from a later term reachable from it: terms advance one per claim timeout
-        at most, so a far-future forgery is held back, as ``_check_reachable`` does.
+        Only for a node that has accepted no lease since it restarted (one that
+        has, checks commits against that live chain: a forged "last round" must not
+        end a live run). The commit must complete the run's last round, be signed by
+        its shepherd, and come from the term of the lease this node accepted last
+        before it stopped (:meth:`restore`; by its holder), or from a later term
+        reachable from it: terms advance one per claim timeout at most, so a
+        far-future forgery is held back, as ``_check_reachable`` does.
         The shepherd's admission to lead is the caller's to check. Weaker than
         the live chain (no lease of a later term is checked: they have expired),
         it is used only once the run is over and nothing newer can come.
@@ -434,11 +437,12 @@ class Election:
         if rec.round + 1 < rounds:
             raise HeldBack(f"commit of round {rec.round} does not end the run ({rounds} rounds)")
         verify(rec, rec.shepherd)
-        anchor = self.lease
-        if self.anchor is not None and (anchor is None or self.anchor.term > anchor.term):
-            anchor = self.anchor
+        if self.lease is not None:
+            # a live chain is known here: the commit must pass it (check_commit), not this
+            raise HeldBack(f"commit of term {rec.term}: its lease is not accepted here yet")
+        anchor = self.anchor
         if anchor is None:
-            raise HeldBack("no lease of this run was ever accepted here: nothing to check the commit against")
+            raise HeldBack("no lease of this run was accepted here before: nothing to check the commit against")
         if rec.term < anchor.term:
             raise StaleMessage(f"commit of term {rec.term}, term {anchor.term} already seen")
         if rec.term == anchor.term:
