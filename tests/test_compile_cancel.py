@@ -71,6 +71,19 @@ def test_a_cancelled_compile_kills_the_compiler(slow_compiler: Path) -> None:
     assert gone(pid)  # killed and reaped, not left behind
 
 
+def test_a_large_program_reaches_the_compiler_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program text (megabytes, far above a pipe's buffer) goes in whole and stdin is closed,
+    also while a cancel flag is being watched."""
+    script = tmp_path / "iree-compile"
+    script.write_text(f"#!{sys.executable}\nimport sys\ndata = sys.stdin.buffer.read()\n"
+                      "sys.stdout.buffer.write(len(data).to_bytes(8, 'little'))\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(iree_compile, "compiler_path", lambda: str(script))
+    text = "x" * (8 << 20)
+    out = iree_compile.run_compiler(text, (), cancel=threading.Event())
+    assert int.from_bytes(out, "little") == len(text)
+
+
 def test_a_compile_past_its_timeout_kills_the_compiler(slow_compiler: Path) -> None:
     with pytest.raises(CompileError, match="timed out"):
         iree_compile.run_compiler("module {}", ("--flag",), timeout=0.5)

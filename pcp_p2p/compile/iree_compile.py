@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -83,24 +82,30 @@ def run_compiler(
                                 env=_clean_env())
     except OSError as exc:
         raise CompileError(f"cannot run {TOOL}: {exc}") from exc
-    deadline = time.monotonic() + timeout
-    data: bytes | None = stablehlo.encode()
+    finished = threading.Event()
+
+    def kill_when_cancelled() -> None:
+        # communicate() must get the input in one call (a retry after a timeout
+        # would not send the rest), so the cancel flag is watched from here
+        assert cancel is not None
+        while not finished.wait(CANCEL_POLL_S):
+            if cancel.is_set():
+                proc.kill()
+                return
+
+    if cancel is not None:
+        threading.Thread(target=kill_when_cancelled, name="iree-compile-cancel", daemon=True).start()
     try:
-        while True:
-            try:
-                # the input goes in with the first call; a retry after a timeout loses nothing
-                out, err = proc.communicate(data, timeout=CANCEL_POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                data = None
-                if cancel is not None and cancel.is_set():
-                    raise CompileCancelled(f"{TOOL} stopped: the compile is not needed any more") from None
-                if time.monotonic() >= deadline:
-                    raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from None
+        out, err = proc.communicate(stablehlo.encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from None
     finally:
+        finished.set()
         if proc.returncode is None:
             proc.kill()
             proc.wait()
+    if cancel is not None and cancel.is_set():
+        raise CompileCancelled(f"{TOOL} stopped: the compile is not needed any more")
     if proc.returncode != 0 or not out:
         raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err.decode(errors='replace').strip())}")
     return out
