@@ -245,3 +245,23 @@ def test_what_cannot_be_adopted(case: str):
     with pytest.raises(err):
         e.adopt_final(rec, rounds=10, now=1000.0)
     assert e.best_commit is None
+
+
+def test_a_restarted_node_takes_up_the_runs_its_data_dir_left_unfinished(tmp_path):
+    from types import SimpleNamespace
+
+    from pcp_p2p.diloco.pins import RunPins
+    from pcp_p2p.diloco.runtime import PINS_FILE
+    from pcp_p2p.diloco.service import TrainingService
+
+    for run_id, finished in (("run-a", False), ("run-b", True), ("run-c", False)):
+        (tmp_path / "runs" / run_id).mkdir(parents=True)
+        pins = RunPins()
+        pins.finished = finished
+        pins.save(tmp_path / "runs" / run_id / PINS_FILE)
+    (tmp_path / "runs" / "run-d").mkdir()  # started, nothing kept yet: unfinished too
+    service = TrainingService.__new__(TrainingService)
+    service.node = SimpleNamespace(config=SimpleNamespace(data_dir=tmp_path))  # type: ignore[assignment]
+    assert service._unfinished_runs() == ["run-a", "run-c", "run-d"]
+    service.node = SimpleNamespace(config=SimpleNamespace(data_dir=tmp_path / "none"))  # type: ignore[assignment]
+    assert service._unfinished_runs() == []

@@ -30,8 +30,6 @@ from pcp_p2p.node.identity import Identity
 LEAVE_FRESH_S = 30.0
 """A ``Leave`` dated further than this from the receiver's clock is refused: it is delivered
 within a farewell's 2 s, so anything older is a replay (or a clock far off)."""
-FAREWELL_S = 1.5
-"""How long a stopping node spends announcing its departures, at most (never blocks exit)."""
 MAX_REMEMBERED = 1024
 """Departures remembered (for replay refusal and the candidate filter); the oldest go first."""
 
