@@ -17,7 +17,7 @@ from test_election import IDS, make_lease, of, order, started
 from pcp_p2p import shutdown
 from pcp_p2p.diloco.departures import LEAVE_FRESH_S, Departures, make_leave
 from pcp_p2p.diloco.effects import Committed, Discarded, Rejected
-from pcp_p2p.diloco.election import FollowShepherd, LookupCommit, LookupLease, Role
+from pcp_p2p.diloco.election import CommitChecked, FollowShepherd, LookupCommit, LookupLease, Role
 from pcp_p2p.diloco.messages import Leave, RoundAnnouncement, sign
 from pcp_p2p.errors import BadSignature, NotElected, PeerGone, RejectedUpdate, StaleMessage, VerificationError
 
@@ -237,14 +237,16 @@ def test_what_cannot_be_adopted(case: str):
         rec, err = final_commit(IDS[0], 1), StaleMessage
     elif case == "no anchor":
         e, err = started(IDS[4], 1000.0), NotElected
-    else:  # a lease accepted since the restart: a "last round" must pass the live chain instead
+    else:  # a commit accepted since the restart: a "last round" must pass the live chain instead
         e = restarted(IDS[0], 0)
         established = make_lease(IDS[0], 0, 500.0, issued=999.0, expiry=1009.0)  # claimed long ago
         assert of(e.on_lease(established, 1000.0), FollowShepherd)
+        assert of(e.on_commit(final_commit(IDS[0], 0, round_=3, theta="r3"), 1000.0), CommitChecked)
         rec, err = final_commit(IDS[1], 1), NotElected
+    before = e.best_commit
     with pytest.raises(err):
         e.adopt_final(rec, rounds=10, now=1000.0)
-    assert e.best_commit is None
+    assert e.best_commit is before
 
 
 def test_a_restarted_node_takes_up_the_runs_its_data_dir_left_unfinished(tmp_path):
@@ -265,3 +267,15 @@ def test_a_restarted_node_takes_up_the_runs_its_data_dir_left_unfinished(tmp_pat
     assert service._unfinished_runs() == ["run-a", "run-c", "run-d"]
     service.node = SimpleNamespace(config=SimpleNamespace(data_dir=tmp_path / "none"))  # type: ignore[assignment]
     assert service._unfinished_runs() == []
+
+
+def test_a_node_that_claimed_a_term_alone_after_its_restart_still_adopts_the_end():
+    """Back after the end, it is the only member still listing the run: it claims a term
+    before the DHT's commit arrives. The run's last commit still ends that."""
+    me = IDS[4]
+    e = started(me, 1000.0, ids=[me])
+    e.restore(make_lease(IDS[0], 2, 0.0))
+    e.on_lookups_done(1000.0)
+    assert e.role is Role.HOLDER and e.lease.holder == me.peer_id
+    (checked,) = e.adopt_final(final_commit(IDS[1], 3), rounds=10, now=1001.0)
+    assert e.best_commit == checked.record

@@ -421,13 +421,17 @@ class Election:
     def check_final(self, rec: CommitRecord, rounds: int, now: float) -> None:
         """Raise unless ``rec`` may be adopted as the run's last commit by a node that missed the end.
 
-        Only for a node that has accepted no lease since it restarted (one that
-        has, checks commits against that live chain: a forged "last round" must not
-        end a live run). The commit must complete the run's last round, be signed by
-        its shepherd, and come from the term of the lease this node accepted last
-        before it stopped (:meth:`restore`; by its holder), or from a later term
-        reachable from it: terms advance one per claim timeout at most, so a
-        far-future forgery is held back, as ``_check_reachable`` does.
+        Only for a node that has accepted no commit since it restarted (one that
+        has follows the run's chain and checks commits against it: a forged "last
+        round" must not end a run it takes part in). It may have accepted a lease:
+        its own claim after the restart (it ranks first among the members still
+        taking part, that is alone, once the others have finished), its own lease
+        echoed back, or a lease that lapsed when the run ended. The commit must
+        complete the run's last round, be signed by its shepherd, and come from the
+        term of the latest lease this node knows (:meth:`restore`d, or accepted
+        since; by its holder), or from a later term reachable from it: terms advance
+        one per claim timeout at most, so a far-future forgery is held back, as
+        ``_check_reachable`` does.
         The shepherd's admission to lead is the caller's to check. Weaker than
         the live chain (no lease of a later term is checked: they have expired),
         it is used only once the run is over and nothing newer can come.
@@ -437,10 +441,12 @@ class Election:
         if rec.round + 1 < rounds:
             raise HeldBack(f"commit of round {rec.round} does not end the run ({rounds} rounds)")
         verify(rec, rec.shepherd)
-        if self.lease is not None:
-            # a live chain is known here: the commit must pass it (check_commit), not this
+        if self.best_commit is not None:
+            # this node follows the run's chain since its restart: commits must pass it (check_commit)
             raise HeldBack(f"commit of term {rec.term}: its lease is not accepted here yet")
         anchor = self.anchor
+        if self.lease is not None and (anchor is None or self.lease.term > anchor.term):
+            anchor = self.lease  # a term claimed or seen since the restart (its own, echoed back, ...)
         if anchor is None:
             raise HeldBack("no lease of this run was accepted here before: nothing to check the commit against")
         if rec.term < anchor.term:
@@ -458,10 +464,10 @@ class Election:
         :meth:`check_final` and becomes the best commit (so no term is claimed any more).
         Answers ``CommitChecked`` (or nothing if a commit as good is held already)."""
         self._now = now
+        if self.best_commit is not None and commit_key(rec) <= commit_key(self.best_commit):
+            return []  # this one, or one as good, is held already
         self.check_final(rec, rounds, now)
         self.held_commits.pop((rec.term, rec.shepherd, rec.theta_cid), None)
-        if self.best_commit is not None and commit_key(rec) <= commit_key(self.best_commit):
-            return []
         self.best_commit = rec
         return [CommitChecked(rec)]
 

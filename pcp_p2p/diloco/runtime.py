@@ -134,6 +134,7 @@ REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the mess
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
+CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
 AUDIT_GRACE_S = 30.0  # an audit must be reported within two round deadlines plus this
 MAX_AUDIT_JOBS = 4  # replays (as auditor) and state exports (as audited worker) at once
 MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
@@ -315,8 +316,16 @@ class RunRuntime:
         """Feed the election the run's live members once a second, and look up the owner's
         allowlist amendments every ``ALLOWLIST_EVERY_S``."""
         last_lookup = -ALLOWLIST_EVERY_S
+        last_catch_up = time.monotonic()
         while True:
             self._send.send_nowait(("members", None))
+            if self.worker is None and not self._final_committed() \
+                    and time.monotonic() - last_catch_up >= CATCH_UP_EVERY_S:
+                # no worker asks for commits yet (no term followed since a restart): look
+                # the latest one up now and then, so a run that ended meanwhile is caught up
+                last_catch_up = time.monotonic()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._lookup_and_post, False)
             if self.spec.admission.mode == "allowlist" and time.monotonic() - last_lookup >= ALLOWLIST_EVERY_S:
                 last_lookup = time.monotonic()
                 assert self._nursery is not None
