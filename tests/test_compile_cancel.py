@@ -36,7 +36,7 @@ def slow_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def wait_for_pid(pid_file: Path) -> int:
-    for _ in range(300):  # the child starts a Python interpreter: seconds on a busy machine
+    for _ in range(1200):  # the child starts a Python interpreter (niced): seconds on a busy machine
         if pid_file.exists() and pid_file.read_text():
             return int(pid_file.read_text())
         time.sleep(0.05)

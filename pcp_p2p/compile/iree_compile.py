@@ -76,7 +76,7 @@ def run_compiler(
     election kept a core busy for a minute compiling for a term it did not hold.
     The child is killed on every way out (error, timeout, cancel), never left behind.
     """
-    cmd = [compiler_path(), *flags, "-o", "-", "-"]
+    cmd = [*_low_priority(), compiler_path(), *flags, "-o", "-", "-"]
     try:
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=_clean_env())
@@ -109,6 +109,22 @@ def run_compiler(
     if proc.returncode != 0 or not out:
         raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err.decode(errors='replace').strip())}")
     return out
+
+
+COMPILE_NICENESS = 10
+
+
+def _low_priority() -> list[str]:
+    """``nice -n 10`` before the compiler, where ``nice`` exists.
+
+    Why: iree-compile keeps every core busy for a minute, and a node that compiles
+    (the shepherd setting up a term) must still renew its lease and answer its
+    peers; at equal priority its own compile starved it until its lease lapsed, the
+    term went to another node, whose compile starved it in turn. The priority does
+    not change the compiler's output.
+    """
+    tool = shutil.which("nice")
+    return [tool, "-n", str(COMPILE_NICENESS)] if tool else []
 
 
 def _clean_env() -> dict[str, str]:
