@@ -162,6 +162,10 @@ class CompileError(LocalError):
     """Lowering or ``iree-compile`` failed."""
 
 
+class CompileCancelled(CompileError):
+    """A compile was stopped because nobody needs it any more (the election went to another node)."""
+
+
 class CompilerRejected(CompileError):
     """``iree-compile`` ran and refused the program with these flags (not a timeout or a missing tool)."""
 

@@ -7,7 +7,10 @@ swallowing every later SIGINT and SIGTERM until SIGKILL. A nursery always waits
 for its children, so no amount of cancelling from inside trio can bound that
 wait. The bound therefore lives outside trio, in a watchdog thread:
 
-- the **first** SIGINT or SIGTERM cancels the command's work (a graceful stop:
+- the **first** SIGINT or SIGTERM runs the *farewells* registered with
+  :func:`add_farewell` (a node announcing its departure to its runs, so that
+  rounds do not wait for it), together at most :data:`FAREWELL_S` seconds, while
+  everything still runs; then it cancels the command's work (a graceful stop:
   ``finally`` blocks run, the node leaves the swarm) and wakes the watchdog;
 - if the process has not exited ``grace_s`` seconds later (default
   :data:`STOP_GRACE_S`), the watchdog ends it with ``os._exit``: it is meant
@@ -40,9 +43,53 @@ import trio
 log = logging.getLogger("pcp.shutdown")
 
 STOP_GRACE_S = 10.0  # a graceful stop may take this long; then the process exits anyway
+FAREWELL_S = 2.0  # farewells get this long together, out of STOP_GRACE_S
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 T = TypeVar("T")
+
+_FAREWELLS: trio.lowlevel.RunVar[list[Callable[[], Awaitable[None]]]] = trio.lowlevel.RunVar("pcp_farewells")
+
+
+def add_farewell(fn: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """Run ``fn`` when this process is asked to stop, before its work is cancelled; returns its remover.
+
+    Why before: once the stop cancels the command's work, the node's network
+    tasks are cancelled with it and nothing can be sent any more. Farewells run
+    concurrently and are cancelled after :data:`FAREWELL_S` seconds, so a peer
+    that does not answer never delays the exit by more than that. Call it inside
+    :func:`run_until_signal` (outside one, e.g. in tests, nothing ever runs it).
+    """
+    try:
+        farewells = _FAREWELLS.get()
+    except LookupError:
+        farewells = []
+        _FAREWELLS.set(farewells)
+    farewells.append(fn)
+
+    def remove() -> None:
+        if fn in farewells:
+            farewells.remove(fn)
+
+    return remove
+
+
+async def _say_farewells() -> None:
+    try:
+        farewells = list(_FAREWELLS.get())
+    except LookupError:
+        return
+    with trio.move_on_after(FAREWELL_S):
+        async with trio.open_nursery() as nursery:
+            for fn in farewells:
+                nursery.start_soon(_farewell, fn)
+
+
+async def _farewell(fn: Callable[[], Awaitable[None]]) -> None:
+    try:
+        await fn()
+    except Exception:  # a farewell that failed must not keep the process from stopping
+        log.debug("a farewell failed", exc_info=True)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -61,10 +108,10 @@ def exit_status(signum: int) -> int:
 class _Stopper:
     """Signal handlers plus the watchdog thread for one :func:`run_until_signal` call."""
 
-    def __init__(self, token: trio.lowlevel.TrioToken, scope: trio.CancelScope, grace_s: float,
+    def __init__(self, token: trio.lowlevel.TrioToken, asked: trio.Event, grace_s: float,
                  stopping: str, on_force: Callable[[], None] | None) -> None:
         self.token = token
-        self.scope = scope
+        self.asked = asked
         self.grace_s = grace_s
         self.stopping = stopping
         self.on_force = on_force
@@ -97,7 +144,7 @@ class _Stopper:
         assert self.signum is not None
         log.info("%s: %s (send it again to exit at once; forced exit after %.0f s)",
                  signal.Signals(self.signum).name, self.stopping, self.grace_s)
-        self.scope.cancel()
+        self.asked.set()  # _stop_when_asked: farewells, then the command's work is cancelled
 
     # -- the watchdog thread ------------------------------------------------------------
 
@@ -143,9 +190,13 @@ async def _supervise(
     on_force: Callable[[], None] | None,
 ) -> T:
     scope = trio.CancelScope()
-    stopper = _Stopper(trio.lowlevel.current_trio_token(), scope, grace_s, stopping, on_force)
+    asked = trio.Event()
+    stopper = _Stopper(trio.lowlevel.current_trio_token(), asked, grace_s, stopping, on_force)
     with stopper.installed():
         try:
+            # A system task, not a nursery: what async_fn raises must reach the caller as it is
+            # (not wrapped in an ExceptionGroup), and trio cancels the task when the run ends.
+            trio.lowlevel.spawn_system_task(_stop_when_asked, asked, scope)
             with scope:
                 return await async_fn(*args)
         except BaseException:
@@ -155,6 +206,12 @@ async def _supervise(
             log.debug("error while stopping after %s", signal.Signals(stopper.signum).name, exc_info=True)
     assert stopper.signum is not None  # only a signal cancels ``scope``
     raise Interrupted(stopper.signum)
+
+
+async def _stop_when_asked(asked: trio.Event, scope: trio.CancelScope) -> None:
+    await asked.wait()
+    await _say_farewells()
+    scope.cancel()
 
 
 def run_until_signal(

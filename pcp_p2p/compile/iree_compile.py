@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,9 +23,10 @@ from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers impor
     compile_flag_choices,
     compile_flags,
 )
-from pcp_p2p.errors import CompileError, CompilerRejected
+from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
 
 TOOL = "iree-compile"
+CANCEL_POLL_S = 0.2  # how often a running compile looks at its cancel flag
 
 
 @lru_cache(maxsize=1)
@@ -63,20 +65,66 @@ def compiler_version() -> str:
     raise CompileError(f"unrecognised {TOOL} --version output: {out[:200]!r}")
 
 
-def run_compiler(stablehlo: str, flags: tuple[str, ...], timeout: float = 1800) -> bytes:
-    """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes."""
-    cmd = [compiler_path(), *flags, "-o", "-", "-"]
+def run_compiler(
+    stablehlo: str, flags: tuple[str, ...], timeout: float = 1800, cancel: threading.Event | None = None
+) -> bytes:
+    """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes.
+
+    ``cancel``: once set, the compiler process is killed (within
+    :data:`CANCEL_POLL_S`) and :class:`CompileCancelled` is raised. Why: a compile
+    runs in a thread, which nothing outside can stop, and a node that lost the
+    election kept a core busy for a minute compiling for a term it did not hold.
+    The child is killed on every way out (error, timeout, cancel), never left behind.
+    """
+    cmd = [*_low_priority(), compiler_path(), *flags, "-o", "-", "-"]
     try:
-        proc = subprocess.run(cmd, input=stablehlo.encode(), capture_output=True,
-                              timeout=timeout, env=_clean_env())
-    except subprocess.TimeoutExpired as exc:
-        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from exc
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=_clean_env())
     except OSError as exc:
         raise CompileError(f"cannot run {TOOL}: {exc}") from exc
-    if proc.returncode != 0 or not proc.stdout:
-        err = proc.stderr.decode(errors="replace").strip()
-        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err)}")
-    return proc.stdout
+    finished = threading.Event()
+
+    def kill_when_cancelled() -> None:
+        # communicate() must get the input in one call (a retry after a timeout
+        # would not send the rest), so the cancel flag is watched from here
+        assert cancel is not None
+        while not finished.wait(CANCEL_POLL_S):
+            if cancel.is_set():
+                proc.kill()
+                return
+
+    if cancel is not None:
+        threading.Thread(target=kill_when_cancelled, name="iree-compile-cancel", daemon=True).start()
+    try:
+        out, err = proc.communicate(stablehlo.encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from None
+    finally:
+        finished.set()
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    if cancel is not None and cancel.is_set():
+        raise CompileCancelled(f"{TOOL} stopped: the compile is not needed any more")
+    if proc.returncode != 0 or not out:
+        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err.decode(errors='replace').strip())}")
+    return out
+
+
+COMPILE_NICENESS = 10
+
+
+def _low_priority() -> list[str]:
+    """``nice -n 10`` before the compiler, where ``nice`` exists.
+
+    Why: iree-compile keeps every core busy for a minute, and a node that compiles
+    (the shepherd setting up a term) must still renew its lease and answer its
+    peers; at equal priority its own compile starved it until its lease lapsed, the
+    term went to another node, whose compile starved it in turn. The priority does
+    not change the compiler's output.
+    """
+    tool = shutil.which("nice")
+    return [tool, "-n", str(COMPILE_NICENESS)] if tool else []
 
 
 def _clean_env() -> dict[str, str]:

@@ -18,6 +18,7 @@ one program share its StableHLO hash.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
 from pcp_p2p.compile.targets import Target
-from pcp_p2p.errors import CompilerRejected
+from pcp_p2p.errors import CompileCancelled, CompilerRejected
 from pcp_p2p.node.identity import Identity
 
 
@@ -74,8 +75,11 @@ def compile_lowered(
     identity: Identity,
     model_name: str,
     cache: ArtifactCache | None = None,
+    cancel: threading.Event | None = None,
 ) -> Artifact:
-    """Compile (or fetch from ``cache``) one lowered program for one target, and sign it."""
+    """Compile (or fetch from ``cache``) one lowered program for one target, and sign it.
+
+    ``cancel`` set: the compiler is killed and :class:`CompileCancelled` raised (see ``run_compiler``)."""
     p = lowered.program
     choices = compile_flag_choices(target, p.config.n_embd)
     version = compiler_version()
@@ -95,7 +99,7 @@ def compile_lowered(
             if not last and cache.failed(key):
                 continue
         try:
-            vmfb = run_compiler(lowered.stablehlo, f)
+            vmfb = run_compiler(lowered.stablehlo, f, cancel=cancel)
         except CompilerRejected as exc:  # a timeout or a missing tool is not a verdict: raise it
             if last:
                 raise
@@ -136,13 +140,24 @@ def build_artifacts(
     identity: Identity,
     cache: ArtifactCache | None = None,
     on_artifact: Callable[[Artifact], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> list[Artifact]:
-    """Every (program, target) artifact; ``on_artifact`` is called as each one finishes."""
+    """Every (program, target) artifact; ``on_artifact`` is called as each one finishes.
+
+    ``cancel`` set: stops between steps and kills a compiler that is running
+    (:class:`CompileCancelled`); lowering itself (JAX, in this thread) runs to its end."""
     out: list[Artifact] = []
+
+    def check() -> None:
+        if cancel is not None and cancel.is_set():
+            raise CompileCancelled("the build is not needed any more")
+
     for name in programs:
+        check()
         lowered = lower_program(name, cfg, opts)
         for target in targets:
-            art = compile_lowered(lowered, target, identity, model_name, cache)
+            check()
+            art = compile_lowered(lowered, target, identity, model_name, cache, cancel=cancel)
             if on_artifact is not None:
                 on_artifact(art)
             out.append(art)

@@ -61,6 +61,7 @@ Lifecycle of a term, as seen by one node::
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
+    FOLLOWER --the holder announced its departure-->         VACANT   (failover, at once)
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message, decode, wire_message
 
 LEASE_KIND = "lease"
+MAX_DEPARTED = 1024  # departures remembered; the oldest are forgotten first
 
 
 @wire_message("diloco.lease", max_size=4 * 1024)
@@ -321,6 +323,8 @@ class Election:
         self.role = Role.VACANT
         self._now: float | None = None
         self.settle_until: float | None = None  # no claim before: lookups are on their way
+        self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
+        self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
 
     # --- queries -------------------------------------------------------------------
 
@@ -401,6 +405,92 @@ class Election:
         self.view_at = now
         return self._retry_held(now) + self.tick(now)
 
+    def restore(self, lease: Lease) -> None:
+        """The last lease this node accepted before it restarted, read back from its data dir.
+
+        Not followed (a restarted node does not remember serving or following a
+        term); it is the anchor from which a run that *finished* while the node
+        was down is caught up (:meth:`check_final`): by then no lease is live and
+        the DHT's lease record has expired, so nothing else can vouch for the last
+        commit. The caller read it from its own disk; it is checked again anyway.
+        """
+        if lease.run_id == self.run_id:
+            verify(lease, lease.holder)
+            self.anchor = lease
+
+    def check_final(self, rec: CommitRecord, rounds: int, now: float) -> None:
+        """Raise unless ``rec`` may be adopted as the run's last commit by a node that missed the end.
+
+        Only for a node that has accepted no commit since it restarted (one that
+        has follows the run's chain and checks commits against it: a forged "last
+        round" must not end a run it takes part in). It may have accepted a lease:
+        its own claim after the restart (it ranks first among the members still
+        taking part, that is alone, once the others have finished), its own lease
+        echoed back, or a lease that lapsed when the run ended. The commit must
+        complete the run's last round, be signed by its shepherd, and come from the
+        term of the latest lease this node knows (:meth:`restore`d, or accepted
+        since; by its holder), or from a later term reachable from it: terms advance
+        one per claim timeout at most, so a far-future forgery is held back, as
+        ``_check_reachable`` does.
+        The shepherd's admission to lead is the caller's to check. Weaker than
+        the live chain (no lease of a later term is checked: they have expired),
+        it is used only once the run is over and nothing newer can come.
+        """
+        if rec.run_id != self.run_id:
+            raise VerificationError(f"commit for another run {rec.run_id:.20}")
+        if rec.round + 1 < rounds:
+            raise HeldBack(f"commit of round {rec.round} does not end the run ({rounds} rounds)")
+        verify(rec, rec.shepherd)
+        if self.best_commit is not None:
+            # this node follows the run's chain since its restart: commits must pass it (check_commit)
+            raise HeldBack(f"commit of term {rec.term}: its lease is not accepted here yet")
+        anchor = self.anchor
+        if self.lease is not None and (anchor is None or self.lease.term > anchor.term):
+            anchor = self.lease  # a term claimed or seen since the restart (its own, echoed back, ...)
+        if anchor is None:
+            raise HeldBack("no lease of this run was accepted here before: nothing to check the commit against")
+        if rec.term < anchor.term:
+            raise StaleMessage(f"commit of term {rec.term}, term {anchor.term} already seen")
+        if rec.term == anchor.term:
+            if rec.shepherd != anchor.holder:
+                raise BadSignature(f"{rec.shepherd:.16}… does not hold term {rec.term}")
+            return
+        limit = anchor.term + 1 + int(max(0.0, now - anchor.claimed_at) // self.config.claim_timeout_s)
+        if rec.term > limit:
+            raise HeldBack(f"term {rec.term} leaps ahead of the chain this node holds (at most {limit})")
+
+    def adopt_final(self, rec: CommitRecord, rounds: int, now: float) -> list[ElectionEffect]:
+        """Catch up to a run that finished while this node was down: ``rec`` passed
+        :meth:`check_final` and becomes the best commit (so no term is claimed any more).
+        Answers ``CommitChecked`` (or nothing if a commit as good is held already)."""
+        self._now = now
+        if self.best_commit is not None and commit_key(rec) <= commit_key(self.best_commit):
+            return []  # this one, or one as good, is held already
+        self.check_final(rec, rounds, now)
+        self.held_commits.pop((rec.term, rec.shepherd, rec.theta_cid), None)
+        self.best_commit = rec
+        return [CommitChecked(rec)]
+
+    def on_departure(self, peer: str, at: float, now: float) -> list[ElectionEffect]:
+        """``peer`` announced at ``at`` (its clock) that it leaves the run.
+
+        The caller has checked the announcement (signed by ``peer``, fresh, no
+        replay: :class:`~pcp_p2p.diloco.departures.Departures`). The leaver is no
+        candidate any more, no lease it issued up to ``at`` is taken again, and if
+        it holds the current term the term ends now ("failover") instead of after
+        its lease and the grace: the next term is claimed from the latest commit
+        once the lookups settle.
+        """
+        self._now = now
+        self.departed[peer] = max(at, self.departed.get(peer, at))
+        while len(self.departed) > MAX_DEPARTED:
+            del self.departed[min(self.departed, key=self.departed.__getitem__)]
+        self.view = [p for p in self.view if p != peer]
+        lease = self.lease
+        if lease is None or lease.holder != peer or self.role is not Role.FOLLOWER:
+            return []
+        return self._end_term(now, "failover")
+
     def on_lease(self, lease: Lease | bytes, now: float) -> list[ElectionEffect]:
         """A lease arrived (gossip, direct send or DHT lookup)."""
         self._now = now
@@ -457,6 +547,9 @@ class Election:
         if lease.run_id != self.run_id:
             raise VerificationError(f"lease for another run {lease.run_id:.20}")
         verify(lease, lease.holder)  # BadSignature unless the holder signed it
+        left = self.departed.get(lease.holder)
+        if left is not None and lease.issued <= left:
+            raise StaleMessage(f"lease of term {lease.term} issued before its holder left the run")
         if not (lease.claimed_at <= lease.issued < lease.expiry):
             raise VerificationError("lease times are not claimed <= issued < expiry")
         if lease.expiry - lease.issued > c.lease_s + c.max_skew_s:

@@ -98,16 +98,18 @@ def initial_theta(spec: RunSpec, vocab_size: int) -> dict[str, np.ndarray]:
 
 
 def build_train_artifacts(
-    spec: RunSpec, vocab_size: int, targets: Sequence[str], identity: Identity, cache_dir: Path
+    spec: RunSpec, vocab_size: int, targets: Sequence[str], identity: Identity, cache_dir: Path,
+    cancel: threading.Event | None = None,
 ) -> list[Artifact]:
-    """Compile (or take from the on-disk cache) the train program for ``targets``."""
+    """Compile (or take from the on-disk cache) the train program for ``targets``; ``cancel`` stops it
+    (:class:`~pcp_p2p.errors.CompileCancelled`, the compiler process killed)."""
     from pcp_p2p.compile.cache import ArtifactCache
     from pcp_p2p.compile.pipeline import build_artifacts
     from pcp_p2p.compile.targets import get_target
 
     return build_artifacts(
         spec.model, model_config(spec, vocab_size), program_options(spec), ["train"],
-        [get_target(t) for t in targets], identity, cache=ArtifactCache(cache_dir),
+        [get_target(t) for t in targets], identity, cache=ArtifactCache(cache_dir), cancel=cancel,
     )
 
 

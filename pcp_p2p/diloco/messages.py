@@ -121,6 +121,23 @@ class CommitRecord(Message):
     signature: bytes = b""
 
 
+@wire_message("diloco.leave", max_size=1024)
+class Leave(Message):
+    """``peer`` leaves ``run_id`` now (a graceful stop): rounds need not wait for it.
+
+    Signed by ``peer`` itself, and only ``peer`` (or the shepherd relaying it)
+    may send it: nobody can announce another node's departure. ``at`` is the
+    leaver's clock when it left; with it a receiver refuses replays (see
+    :mod:`pcp_p2p.diloco.departures`) and tells the leaver apart from the same
+    peer id restarted later (its member record's ``started_at`` is newer).
+    """
+
+    run_id: str
+    peer: str
+    at: float
+    signature: bytes = b""
+
+
 def sign(msg: S, identity: Identity) -> S:
     """``msg`` with its ``signature`` field set by ``identity``.
 
@@ -138,4 +155,4 @@ def verify(msg: Message, signer: str) -> None:
     verify_signature(signer, signing_bytes(msg), msg.signature)  # type: ignore[attr-defined]
 
 
-ROUND_MESSAGES: tuple[type[Message], ...] = (Join, RoundAnnouncement, Submission, CommitRecord)
+ROUND_MESSAGES: tuple[type[Message], ...] = (Join, RoundAnnouncement, Submission, CommitRecord, Leave)

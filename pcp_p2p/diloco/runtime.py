@@ -106,7 +106,8 @@ from pcp_p2p.diloco.lifecycle import (
     run_phase,
     stop_name,
 )
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.departures import Departures, make_leave
+from pcp_p2p.diloco.messages import CommitRecord, Join, Leave, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.reputation import ReputationLedger
@@ -143,11 +144,13 @@ FINISH_GRACE_S = 30.0
 STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
 KEEP_CHECKPOINTS = 2
 PINS_FILE = "pins.json"
+LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
 REPLICATE_TIMEOUT_S = 5.0  # then the commit goes out regardless; below the messenger's ack timeout
 SETTLE_S = 3.0  # the longest the election waits for the DHT's lease and commit before claiming
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
+CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
 AUDIT_GRACE_S = 30.0  # an audit must be reported within two round deadlines plus this
 MAX_AUDIT_JOBS = 4  # replays (as auditor) and state exports (as audited worker) at once
 MAX_TERM_S = 24 * 3600.0  # the longest a term may last when the run never rotates
@@ -209,6 +212,8 @@ class RunRuntime:
         self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
         self.election: Election | None = None
         self._becoming = False  # a BecomeShepherd is being set up (compiling)
+        self._become_scope: trio.CancelScope | None = None  # cancels that set-up (the election went elsewhere)
+        self._becoming_term: int | None = None
         self._evaluate: Any = None
         self._target: str | None = None
         self._tokens_per_s = 1.0
@@ -219,6 +224,8 @@ class RunRuntime:
         self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
         self.ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
         self.admission = Admission.for_run(run.signed, bans=self.ledger)  # who may contribute and lead
+        self.departures = Departures(self.run_id)  # members that announced they left
+        self._saved_term: int | None = None  # the term of the lease kept in LEASE_FILE
         self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self._audit_jobs: dict[tuple[int, int, int, str], tuple[AuditJob, trio.Event]] = {}  # as auditor
         self._exports = 0  # inner-state exports in progress (as the audited worker)
@@ -323,6 +330,7 @@ class RunRuntime:
             min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
             settle_s=SETTLE_S, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(self.spec),
         ).validate())
+        self._restore_lease()
         self.phase = "electing"
         self._carry_out_election(self.election.start(time.time()))
         assert self._nursery is not None
@@ -330,15 +338,24 @@ class RunRuntime:
 
     async def _members_loop(self) -> None:
         """Feed the election the run's live members once a second, and look up the owner's
-        allowlist amendments every ``ALLOWLIST_EVERY_S`` and its stop order (one this node
-        missed while it was down) every ``STOP_LOOKUP_EVERY_S``, the first time at once."""
+        allowlist amendments every ``ALLOWLIST_EVERY_S``, its stop order (one this node
+        missed while it was down) every ``STOP_LOOKUP_EVERY_S``, the first time at once,
+        and, while no worker asks for commits, the run's latest commit (catching up)."""
         last_lookup = last_stop_lookup = -max(ALLOWLIST_EVERY_S, STOP_LOOKUP_EVERY_S)
+        last_catch_up = time.monotonic()
         while True:
             self._send.send_nowait(("members", None))
             if time.monotonic() - last_stop_lookup >= STOP_LOOKUP_EVERY_S:  # a stop this node missed
                 last_stop_lookup = time.monotonic()
                 assert self._nursery is not None
                 self._nursery.start_soon(self._lookup_stop)
+            if self.worker is None and not self._final_committed() \
+                    and time.monotonic() - last_catch_up >= CATCH_UP_EVERY_S:
+                # no worker asks for commits yet (no term followed since a restart): look
+                # the latest one up now and then, so a run that ended meanwhile is caught up
+                last_catch_up = time.monotonic()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._lookup_and_post, False)
             if self.spec.admission.mode == "allowlist" and time.monotonic() - last_lookup >= ALLOWLIST_EVERY_S:
                 last_lookup = time.monotonic()
                 assert self._nursery is not None
@@ -419,6 +436,8 @@ class RunRuntime:
             # different rankings. The owner's lists are the same everywhere.
             if m.record.role == "worker" and self.run_id in m.record.runs
             and self.admission.may_lead(m.record.peer_id, local_bans=False)
+            # a member that announced its departure is gone, though the view may list it a while
+            and not self.departures.gone(m.record.peer_id, m.record.started_at)
         ]
 
     def check_record(self, payload: Message, now: float) -> None:
@@ -430,7 +449,12 @@ class RunRuntime:
         if isinstance(payload, Lease):
             self.election.check_lease(payload, now)
         elif isinstance(payload, CommitRecord):
-            self.election.check_commit(payload)
+            try:
+                self.election.check_commit(payload)
+            except HeldBack:
+                # the last commit of a run that ended while this node was down: its
+                # lease has expired, so the chain is checked from this node's anchor
+                self._check_final(payload, now)
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -459,10 +483,7 @@ class RunRuntime:
         wanted = self._wanted_targets()
         standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
         log.info("run %s: term %d: compiling the train program for %s", self.run_id[:16], eff.term, ", ".join(sorted(wanted)))
-        arts = standby or await trio.to_thread.run_sync(
-            engine.build_train_artifacts, self.spec, self.dataset.vocab_size, sorted(wanted),
-            self.node.identity, self.node.config.data_dir / "artifact-cache",
-        )
+        arts = standby or await self._build_artifacts(sorted(wanted))
         artifacts: dict[str, str] = {}
         self.artifacts.clear()
         for art in arts:
@@ -506,6 +527,9 @@ class RunRuntime:
                 return
             if isinstance(msg, (AuditRequest, StateOffer)):
                 self._on_audit_message(sender, msg)
+                return
+            if isinstance(msg, Leave):
+                self._on_leave(sender, msg, now)
                 return
             if isinstance(msg, Evidence):
                 self._on_evidence(sender, msg, now)
@@ -584,13 +608,122 @@ class RunRuntime:
                 self._release_run_pins(rec.theta_cid)
                 self.finished.set()
 
+    def _on_leave(self, sender: str, msg: Leave, now: float) -> None:
+        """A member announced its departure (see :mod:`pcp_p2p.diloco.departures`).
+
+        Checked first (signed by the leaver, sent by it or relayed by the current
+        term's holder, fresh, no replay); then the shepherd stops waiting for it
+        and relays it to the run, and the election forgets it as a candidate (a
+        leaving holder's term ends at once).
+        """
+        holder = self.election.holder if self.election is not None else None
+        try:
+            self.departures.check(msg, sender, now, relayer=holder)
+        except PcpError as exc:
+            self._reject(sender, exc)
+            return
+        log.info("run %s: %s left the run", self.run_id[:16], msg.peer)
+        if self.shepherd is not None:
+            self._carry_out("shepherd", self.shepherd.on_leave(msg, now))
+            if sender == msg.peer:  # relay once, never a relayed one
+                assert self._nursery is not None
+                for peer in self._run_members():
+                    if peer != msg.peer:
+                        self._nursery.start_soon(self._send_to, peer, msg)
+        if self.election is not None:
+            self._carry_out_election(self.election.on_departure(msg.peer, msg.at, now))
+
+    def _run_members(self) -> list[str]:
+        """The live members taking part in this run, this node left out."""
+        return [m.record.peer_id for m in self.node.membership.live()
+                if self.run_id in m.record.runs and m.record.peer_id != self.node.peer_id]
+
+    async def announce_departure(self) -> None:
+        """This node leaves (a graceful stop): tell the shepherd, or, as the shepherd, the run.
+
+        Unbounded here: the caller bounds it (a farewell, :func:`pcp_p2p.shutdown.add_farewell`).
+        A finished run, or one this node never got as far as electing in, needs no notice.
+        """
+        if self.finished.is_set() or self.election is None:
+            return
+        leave = make_leave(self.run_id, self.node.identity, time.time())
+        me = self.node.peer_id
+        if self.shepherd is not None or self._becoming or self.election.holder == me:
+            targets = self._run_members()
+        else:
+            targets = [self.shepherd_peer] if self.shepherd_peer not in (None, me) else []
+        if not targets:
+            return
+        log.info("run %s: announcing this node's departure to %d peer(s)", self.run_id[:16], len(targets))
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                nursery.start_soon(self._send_to, peer, leave)
+
     def _on_commit(self, rec: CommitRecord, now: float) -> None:
         """A commit record (message or lookup): the election checks its authority first;
-        the worker sees it only once the election answers ``CommitChecked``."""
-        if self.election is not None:
-            self._carry_out_election(self.election.on_commit(rec, now))
+        the worker sees it only once the election answers ``CommitChecked``.
+
+        The run's last commit that the election holds back (no live lease vouches
+        for it: the run ended while this node was down) is adopted from this node's
+        anchor instead (:meth:`Election.check_final`), so a node restarted after the
+        run finished still ends on the run's final θ, in the finished state.
+        """
+        if self.election is None:
+            return
+        self._carry_out_election(self.election.on_commit(rec, now))
+        if rec.round + 1 >= self.spec.round.rounds and not self._final_committed():
+            try:
+                self._check_final(rec, now)
+                effects = self.election.adopt_final(rec, self.spec.round.rounds, now)
+            except PcpError as exc:
+                log.debug("run %s: the last commit cannot be adopted yet: %s", self.run_id[:16], exc)
+                return
+            log.info("run %s: the run ended at round %d while this node was away; catching up to θ %s",
+                     self.run_id[:16], rec.round, rec.theta_cid)
+            self._carry_out_election(effects)
+
+    def _check_final(self, rec: CommitRecord, now: float) -> None:
+        """``Election.check_final``, and its shepherd admitted to lead the run (the owner's lists)."""
+        assert self.election is not None
+        self.election.check_final(rec, self.spec.round.rounds, now)
+        if not self.admission.may_lead(rec.shepherd, local_bans=False):
+            raise NotElected(f"{rec.shepherd:.16}… may not lead this run")
+
+    def _restore_lease(self) -> None:
+        """Give the election the lease this node accepted last before it stopped (its anchor)."""
+        assert self.election is not None
+        try:
+            lease = decode((self.work_dir / LEASE_FILE).read_bytes(), Lease)
+            self.election.restore(lease)
+        except FileNotFoundError:
+            return
+        except (OSError, PcpError) as exc:
+            self.node.log_once("self", LocalError(f"{LEASE_FILE}: {exc}"), "reading the last lease failed")
+            return
+        self._saved_term = lease.term
+
+    def _save_lease(self) -> None:
+        """Keep the latest accepted lease on disk, once per term (see ``_restore_lease``)."""
+        lease = self.election.lease if self.election is not None else None
+        if lease is None or (self._saved_term is not None and lease.term <= self._saved_term):
+            return
+        self._saved_term = lease.term
+        path = self.work_dir / LEASE_FILE
+        try:
+            path.with_suffix(".tmp").write_bytes(encode(lease))
+            path.with_suffix(".tmp").replace(path)
+        except OSError as exc:
+            self.node.log_once("self", LocalError(str(exc)), "saving the last lease failed")
 
     def _commit_checked(self, rec: CommitRecord, now: float) -> None:
+        if rec.round + 1 >= self.spec.round.rounds and self._target is not None:
+            # the run's last commit: a node catching up after the end has no term to
+            # follow, only this θ to fetch (no Join: nobody leads the run any more)
+            if self.worker is None:
+                self.worker = Worker(spec=self.spec, run_id=self.run_id, identity=self.node.identity,
+                                     shepherds={rec.term: rec.shepherd}, target=self._target,
+                                     tokens_per_s=self._tokens_per_s)
+            self.worker.shepherds.setdefault(rec.term, rec.shepherd)
         if self.worker is not None:
             self._carry_out("worker", self.worker.on_commit(rec, now))
             self._after_worker_input()
@@ -741,8 +874,12 @@ class RunRuntime:
                 self.node.leads.add(self.run_id)
                 self._nursery.start_soon(self._run_become_shepherd, e)
             elif isinstance(e, FollowShepherd):
+                if e.peer != self.node.peer_id and self._becoming_term is not None and e.term >= self._becoming_term:
+                    self._cancel_become(f"term {e.term} is held by {e.peer}")
                 self._follow(e, now)
             elif isinstance(e, StepDown):
+                if e.term == self._becoming_term:
+                    self._cancel_become(f"stepped down from term {e.term} ({e.reason})")
                 if self.shepherd is not None and self.shepherd.term == e.term:
                     self.shepherd = None
                 self._becoming = False
@@ -761,6 +898,7 @@ class RunRuntime:
                     self.stats.held += 1  # not refused: kept until it can be checked
                 else:
                     self._reject(e.peer or "?", e.error)
+        self._save_lease()
 
     def _follow(self, e: FollowShepherd, now: float) -> None:
         """The shepherd of ``e.term`` is ``e.peer``: our worker joins it."""
@@ -797,6 +935,32 @@ class RunRuntime:
                 wanted.add(allowed[0])
         return sorted(wanted)
 
+    async def _build_artifacts(self, targets: list[str]) -> list[Any]:
+        """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
+        this task's cancellation stops at once: the thread is abandoned and the compiler
+        process it runs is killed (``CompileCancelled`` there), so neither a lost election
+        nor a node stopping waits for a compile to finish."""
+        from pcp_p2p.diloco import engine
+
+        assert self.dataset is not None
+        cancel = threading.Event()
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: engine.build_train_artifacts(
+                    self.spec, self.dataset.vocab_size, targets, self.node.identity,  # type: ignore[union-attr]
+                    self.node.config.data_dir / "artifact-cache", cancel=cancel),
+                abandon_on_cancel=True,
+            )
+        finally:
+            cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
+
+    def _cancel_become(self, why: str) -> None:
+        """Another node holds the term this node was setting up: stop compiling for it now."""
+        scope = self._become_scope
+        if scope is not None and not scope.cancel_called:
+            log.info("run %s: %s; the shepherd's set-up (compile) is cancelled", self.run_id[:16], why)
+            scope.cancel()
+
     async def _prewarm(self) -> None:
         """Hot standby: build the artifacts into the cache and the evaluator now, off the
         critical path, so that taking over a term (failover, rotation) costs a cache hit."""
@@ -804,10 +968,7 @@ class RunRuntime:
 
         assert self.dataset is not None
         try:
-            self._standby = await trio.to_thread.run_sync(
-                engine.build_train_artifacts, self.spec, self.dataset.vocab_size, self._wanted_targets(),
-                self.node.identity, self.node.config.data_dir / "artifact-cache",
-            )
+            self._standby = await self._build_artifacts(self._wanted_targets())
             if self._evaluate is None:
                 self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
             log.info("run %s: standby ready (artifacts cached, evaluator built)", self.run_id[:16])
@@ -839,27 +1000,36 @@ class RunRuntime:
 
     async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
         self.node.state = COMPILING  # what the workers show until the first round is announced
+        scope = trio.CancelScope()
+        self._become_scope, self._becoming_term = scope, eff.term
         try:
-            for attempt in range(3):
-                try:
-                    await self._become_shepherd(eff)
-                    self._setup_error = None
-                    break
-                except PcpError as exc:
-                    still_mine = self.election is not None and self.election.current_term == eff.term \
-                        and self.election.holder == self.node.peer_id
-                    log.error("run %s: could not take up term %d (attempt %d): %s",
-                              self.run_id[:16], eff.term, attempt + 1, exc)
-                    # Shown as the run's phase here and, through the member record, on every worker.
-                    self._setup_error = " ".join(str(exc).split())[:160] or type(exc).__name__
-                    self.node.state = f"{SETUP_FAILED}: {self._setup_error}"
-                    if not still_mine:
-                        break
-                    await trio.sleep(2.0 * (attempt + 1))
+            with scope:
+                await self._become_with_retries(eff)
         finally:
+            if self._become_scope is scope:
+                self._become_scope = self._becoming_term = None
             self._becoming = False
             self.node.state = f"{SETUP_FAILED}: {self._setup_error}" if self._setup_error else "training"
             self._send.send_nowait(("shepherd_ready", None))
+
+    async def _become_with_retries(self, eff: BecomeShepherd) -> None:
+        """Set up the term, up to three times while the term is still ours."""
+        for attempt in range(3):
+            try:
+                await self._become_shepherd(eff)
+                self._setup_error = None
+                break
+            except PcpError as exc:
+                still_mine = self.election is not None and self.election.current_term == eff.term \
+                    and self.election.holder == self.node.peer_id
+                log.error("run %s: could not take up term %d (attempt %d): %s",
+                          self.run_id[:16], eff.term, attempt + 1, exc)
+                # Shown as the run's phase here and, through the member record, on every worker.
+                self._setup_error = " ".join(str(exc).split())[:160] or type(exc).__name__
+                self.node.state = f"{SETUP_FAILED}: {self._setup_error}"
+                if not still_mine:
+                    break
+                await trio.sleep(2.0 * (attempt + 1))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
         """Hold the latest committed checkpoints so any candidate can take over the run."""

@@ -34,6 +34,7 @@ from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec
 from pcp_p2p.diloco.trust_file import POLL_S, TrustFile
 from pcp_p2p.errors import PcpError, VerificationError
+from pcp_p2p.shutdown import add_farewell
 from pcp_p2p.node.node import Node
 from pcp_p2p.dht.records import VerifiedRecord
 from pcp_p2p.diloco.admission import AllowlistUpdate
@@ -49,6 +50,8 @@ OWNER_LOOKUP_PERIOD_S = 60.0
 at the first look, or a run created while no node trusting it was up)."""
 OWNER_RETRY_S = 10.0  # after a miss (no record yet, or the DHT not ready at start)
 OWNER_LOOKUPS_PER_PASS = 4  # a long trust file is looked up a few owners per discovery pass
+
+RESUME_TRIES = 30  # lookups (DISCOVERY_PERIOD_S apart) of a run this node left unfinished, at most
 
 
 def fits_this_machine(spec: RunSpec) -> None:
@@ -87,6 +90,14 @@ class TrainingService:
         self.node.nursery.start_soon(self._discovery_loop)
         if self.trust_file is not None:
             self.node.nursery.start_soon(self._trust_file_loop)
+        self.node.nursery.start_soon(self._resume_loop, self._unfinished_runs())
+        add_farewell(self.announce_departures)
+
+    async def announce_departures(self) -> None:
+        """The node is stopping: every unfinished run hears that it leaves (bounded by the caller)."""
+        async with trio.open_nursery() as nursery:
+            for runtime in self.runtimes.values():
+                nursery.start_soon(runtime.announce_departure)
 
     async def _on_spec(self, sender: str, msg: Message) -> None:
         assert isinstance(msg, SignedRunSpec)
@@ -197,6 +208,35 @@ class TrainingService:
             # fetched as its own owner-signed record and checked against trust
             # (by the discovery loop, until found).
             self._owner_listed[owner] = listed.live(time.time())
+
+    def _unfinished_runs(self) -> list[str]:
+        """Runs this node took part in before it (re)started and did not see finish (its data dir says)."""
+        from pcp_p2p.diloco.pins import RunPins
+        from pcp_p2p.diloco.runtime import PINS_FILE
+
+        runs_dir = self.node.config.data_dir / "runs"
+        try:
+            dirs = sorted(d for d in runs_dir.iterdir() if d.is_dir())
+        except OSError:
+            return []
+        return [d.name for d in dirs if not RunPins.load(d / PINS_FILE).finished]
+
+    async def _resume_loop(self, run_ids: list[str]) -> None:
+        """Take up again the runs this node was part of when it stopped, even once they are over.
+
+        Why not wait for discovery: peers advertise only the runs they are still
+        training, so a node restarted after its run finished would never hear of it
+        again, and never reach the run's final θ. Its run directory remembers the run;
+        the spec comes from the DHT (owner-signed, checked against the trust policy
+        like any other), and the runtime catches up from the run's latest commit.
+        """
+        for _ in range(RESUME_TRIES):
+            run_ids = self.book.unknown(tuple(run_ids))
+            if not run_ids:
+                return
+            for run_id in run_ids:
+                await self._look_up(run_id)
+            await trio.sleep(DISCOVERY_PERIOD_S)
 
     async def _look_up(self, run_id: str) -> None:
         try:

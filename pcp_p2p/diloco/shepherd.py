@@ -4,7 +4,7 @@ Why a state machine and not a coroutine that awaits submissions: the same logic
 must run over libp2p, over the in-memory network of the unit tests and inside
 a simulator of many nodes, with faults injected and a mock clock. So the
 shepherd is a plain object. It is fed inputs — ``on_join``, ``on_submission``,
-``on_blob``, ``on_blob_failed``, ``tick`` — each with ``now`` (seconds on the
+``on_blob``, ``on_blob_failed``, ``on_leave``, ``tick`` — each with ``now`` (seconds on the
 shepherd's clock), and it answers with a list of :mod:`effects
 <pcp_p2p.diloco.effects>` for the caller to carry out. It never reads the clock,
 never sleeps, never does I/O; ``next_wakeup`` says when it next wants a ``tick``.
@@ -27,7 +27,8 @@ round is announced again with ``attempt + 1``: fresh data seeds, the same θ_r.
 Membership is a roster of workers that sent a signed ``Join``. The first
 announcement waits :attr:`Shepherd.join_grace_s` after the quorum has joined, so
 workers that start together train together. A joiner is assigned from the next
-announcement on (never mid-round). A worker that misses
+announcement on (never mid-round); a worker that announces its departure
+(``Leave``) leaves the roster and counts as decided in the round in flight. A worker that misses
 :data:`EVICT_AFTER_MISSES` attempts in a row leaves the roster; a live worker
 that finds itself unassigned simply joins again. The roster holds at most
 :data:`MAX_ROSTER` workers.
@@ -75,6 +76,7 @@ from pcp_p2p.diloco.messages import (
     CommitRecord,
     DataAssignment,
     Join,
+    Leave,
     RoundAnnouncement,
     Submission,
     sign,
@@ -88,6 +90,7 @@ from pcp_p2p.errors import (
     HashMismatch,
     LocalError,
     PcpError,
+    PeerGone,
     QuorumError,
     RejectedUpdate,
     StaleMessage,
@@ -237,6 +240,8 @@ class Shepherd:
             return self.on_submission(msg, now)
         if isinstance(msg, AuditReport):
             return self.on_audit_report(msg, now)
+        if isinstance(msg, Leave):
+            return self.on_leave(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
 
     def on_audit_report(self, report: AuditReport, now: float) -> list[Effect]:
@@ -286,6 +291,36 @@ class Shepherd:
             if self.quorum_since is None:
                 self.quorum_since = now
         return []
+
+    def on_leave(self, msg: Leave, now: float) -> list[Effect]:
+        """A worker announced that it leaves (a graceful stop): nobody waits for it any more.
+
+        It leaves the roster (no seat in the next announcement), and in the round
+        in flight it counts as decided, so the round closes as soon as every other
+        assigned worker has reported instead of waiting out its deadline for a
+        submission that will never come. A Δ it already submitted still counts
+        (accepted, or still being fetched: that fetch decides it). If the quorum is
+        out of reach without the leaver, the attempt is discarded at once. The caller
+        checks freshness and replays (:class:`~pcp_p2p.diloco.departures.Departures`);
+        the signature is checked here, so no one can announce another's departure.
+        """
+        try:
+            if msg.run_id != self.run_id:
+                raise RejectedUpdate(f"departure from another run {msg.run_id:.20}")
+            verify(msg, msg.peer)
+        except PcpError as exc:
+            return [Rejected(msg.peer, exc)]
+        self.roster.pop(msg.peer, None)
+        self.misses.pop(msg.peer, None)
+        agg = self.round_agg
+        if self.phase is not Phase.COLLECTING or agg is None or msg.peer not in agg.assigned - agg.reported:
+            return []
+        if any(sub.worker == msg.peer for subs in self.pending.values() for sub in subs):
+            return []  # its Δ is on its way here
+        agg.refuse(msg.peer, PeerGone(f"{msg.peer:.16}… left the run"))
+        if len(agg.accepted) + len(agg.assigned - agg.reported) < self.spec.round.min_quorum:
+            return self._discard(now, " (workers left; the quorum is out of reach)")
+        return self._maybe_close(now)
 
     def _free_a_seat(self) -> None:
         """The roster is full: the member that missed the most rounds makes room; if every
@@ -482,7 +517,9 @@ class Shepherd:
         agg = self.round_agg
         assert agg is not None
         for w in agg.assigned:
-            if w in accepted:
+            if w not in self.roster:  # left, evicted or banned meanwhile: nothing to count
+                self.misses.pop(w, None)
+            elif w in accepted:
                 self.misses[w] = 0
             else:
                 self.misses[w] = self.misses.get(w, 0) + 1

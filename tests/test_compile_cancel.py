@@ -1,0 +1,141 @@
+"""A compile nobody needs any more stops at once: the compiler process is killed, and a node
+whose election went to another peer does not keep compiling for the lost term."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from pcp_p2p.compile import iree_compile
+from pcp_p2p.diloco import engine
+from pcp_p2p.diloco.election import FollowShepherd, StepDown
+from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.errors import CompileCancelled, CompileError
+from pcp_p2p.node.identity import Identity
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def slow_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An ``iree-compile`` that writes its pid and then compiles for a minute; the pid file's path."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "iree-compile"
+    script.write_text(f"#!{sys.executable}\nimport os, sys, time\nsys.stdin.read()\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(60)\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(iree_compile, "compiler_path", lambda: str(script))
+    return pid_file
+
+
+def wait_for_pid(pid_file: Path) -> int:
+    for _ in range(1200):  # the child starts a Python interpreter (niced): seconds on a busy machine
+        if pid_file.exists() and pid_file.read_text():
+            return int(pid_file.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the fake compiler never started")
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_cancelled_compile_kills_the_compiler(slow_compiler: Path) -> None:
+    cancel = threading.Event()
+    outcome: list[BaseException] = []
+
+    def compile_() -> None:
+        try:
+            iree_compile.run_compiler("module {}", ("--flag",), cancel=cancel)
+        except BaseException as exc:  # noqa: BLE001  (what it raised is the assertion)
+            outcome.append(exc)
+
+    t = threading.Thread(target=compile_)
+    t.start()
+    pid = wait_for_pid(slow_compiler)
+    cancel.set()
+    t.join(timeout=20)  # the fake compiler sleeps 60 s: returning sooner means it was killed
+    assert not t.is_alive()
+    assert [type(e) for e in outcome] == [CompileCancelled]
+    assert gone(pid)  # killed and reaped, not left behind
+
+
+def test_a_large_program_reaches_the_compiler_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The program text (megabytes, far above a pipe's buffer) goes in whole and stdin is closed,
+    also while a cancel flag is being watched."""
+    script = tmp_path / "iree-compile"
+    script.write_text(f"#!{sys.executable}\nimport sys\ndata = sys.stdin.buffer.read()\n"
+                      "sys.stdout.buffer.write(len(data).to_bytes(8, 'little'))\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(iree_compile, "compiler_path", lambda: str(script))
+    text = "x" * (8 << 20)
+    out = iree_compile.run_compiler(text, (), cancel=threading.Event())
+    assert int.from_bytes(out, "little") == len(text)
+
+
+def test_a_compile_past_its_timeout_kills_the_compiler(slow_compiler: Path) -> None:
+    with pytest.raises(CompileError, match="timed out"):
+        iree_compile.run_compiler("module {}", ("--flag",), timeout=0.5)
+    assert gone(wait_for_pid(slow_compiler))
+
+
+class _Election:
+    def __init__(self) -> None:
+        self.best_commit = self.lease = None
+
+
+def becoming_runtime() -> RunRuntime:
+    """A runtime with just what the shepherd's set-up and the election's effects touch."""
+    rt = RunRuntime.__new__(RunRuntime)
+    ident = Identity.generate()
+    rt.node = SimpleNamespace(peer_id=ident.peer_id, identity=ident, leads=set(),  # type: ignore[assignment]
+                              config=SimpleNamespace(data_dir=Path("/nonexistent")))
+    rt.run_id, rt.spec = "run", SimpleNamespace(round=SimpleNamespace(rounds=10))  # type: ignore[assignment]
+    rt.dataset = SimpleNamespace(vocab_size=65)  # type: ignore[assignment]
+    rt.election = _Election()  # type: ignore[assignment]
+    rt.shepherd, rt._becoming, rt._become_scope, rt._becoming_term = None, True, None, None
+    rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
+    return rt
+
+
+@pytest.mark.parametrize("lost", ["deposed", "another holds the term"])
+async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    started, stopped = threading.Event(), threading.Event()
+
+    def build(*args, cancel: threading.Event, **kw):  # type: ignore[no-untyped-def]
+        started.set()
+        cancel.wait(30)  # a long compile that looks at its flag, as run_compiler does
+        stopped.set()
+        raise CompileCancelled("cancelled")
+
+    monkeypatch.setattr(engine, "build_train_artifacts", build)
+    rt = becoming_runtime()
+
+    async def set_up(eff) -> None:  # type: ignore[no-untyped-def]
+        await rt._build_artifacts(["x86_64-v3"])
+        raise AssertionError("the set-up went on after the term was lost")
+
+    monkeypatch.setattr(rt, "_become_shepherd", set_up)
+    async with trio.open_nursery() as nursery:
+        rt._nursery = nursery
+        nursery.start_soon(rt._run_become_shepherd, SimpleNamespace(term=4))
+        await trio.to_thread.run_sync(started.wait, 10)
+        other = Identity.generate().peer_id
+        effects = [StepDown(4, "deposed")] if lost == "deposed" else [FollowShepherd(4, other, 0, "")]
+        monkeypatch.setattr(rt, "_follow", lambda e, now: None)
+        with trio.fail_after(10):  # not the 30 s the build would take
+            rt._carry_out_election(effects)
+            assert (await rt._inbox.receive())[0] == "shepherd_ready"  # the set-up task ended
+    assert await trio.to_thread.run_sync(stopped.wait, 10)  # and the build thread was told to stop
+    assert rt._become_scope is None and not rt._becoming
