@@ -86,6 +86,26 @@ async def test_unanswered_probe_escalates_to_indirect_then_suspicion_then_dead(
     assert A.peer_id not in m and B.peer_id in m
 
 
+async def test_failed_probes_slow_this_node_down_and_answered_ones_speed_it_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Lifeguard's local health: a node whose probes fail (it is likely the slow one)
+    probes less often and waits longer before suspecting anyone."""
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
+    pings: list[float] = []
+    while m.health < 2:  # A never answers: each failed probe raises the score
+        await trio.sleep(0.1)
+        effects, _ = m.tick(trio.current_time())
+        pings += [trio.current_time() for e in effects if isinstance(e, Send) and e.packet.kind == "ping"]
+    assert m.health == 2 and trio.current_time() > CFG.probe_timeout_s * (1 + 2)  # the second probe waited twice as long
+    probe = next(e for e in m.tick(trio.current_time() + 100)[0] if isinstance(e, Send) and e.packet.kind == "ping")
+    score = m.health  # (the probe in flight timed out first: 3)
+    assert score >= 2 and probe.timeout_s == pytest.approx(CFG.ping_timeout_s * (1 + score))  # scaled by 1 + score
+    m.receive(A.peer_id, SwimPacket("ack", probe.packet.probe, A.peer_id), trio.current_time() + 100.5)
+    assert m.health == score - 1  # an answered probe brings it back down
+
+
 async def test_suspect_that_answers_directly_is_cleared(autojump_clock: trio.testing.MockClock) -> None:
     m = machine(suspicion_s=10.0)
     m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
