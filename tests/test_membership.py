@@ -99,7 +99,8 @@ async def test_failed_probes_slow_this_node_down_and_answered_ones_speed_it_up(
         effects, _ = m.tick(trio.current_time())
         pings += [trio.current_time() for e in effects if isinstance(e, Send) and e.packet.kind == "ping"]
     assert m.health == 2 and trio.current_time() > CFG.probe_timeout_s * (1 + 2)  # the second probe waited twice as long
-    probe = next(e for e in m.tick(trio.current_time() + 100)[0] if isinstance(e, Send) and e.packet.kind == "ping")
+    # (the first ping is the "buddy" one telling A it is suspected; the last is the new probe)
+    probe = [e for e in m.tick(trio.current_time() + 100)[0] if isinstance(e, Send) and e.packet.kind == "ping"][-1]
     score = m.health  # (the probe in flight timed out first: 3)
     assert score >= 2 and probe.timeout_s == pytest.approx(CFG.ping_timeout_s * (1 + score))  # scaled by 1 + score
     m.receive(A.peer_id, SwimPacket("ack", probe.packet.probe, A.peer_id), trio.current_time() + 100.5)
