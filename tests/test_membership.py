@@ -91,7 +91,7 @@ async def test_failed_probes_slow_this_node_down_and_answered_ones_speed_it_up(
 ) -> None:
     """Lifeguard's local health: a node whose probes fail (it is likely the slow one)
     probes less often and waits longer before suspecting anyone."""
-    m = machine()
+    m = machine(suspicion_s=1000.0, max_suspicion_s=1000.0)  # A stays (suspected) in view throughout
     m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
     pings: list[float] = []
     while m.health < 2:  # A never answers: each failed probe raises the score
