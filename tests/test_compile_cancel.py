@@ -105,6 +105,7 @@ def becoming_runtime() -> RunRuntime:
     rt.dataset = SimpleNamespace(vocab_size=65)  # type: ignore[assignment]
     rt.election = _Election()  # type: ignore[assignment]
     rt.shepherd, rt._becoming, rt._become_scope, rt._becoming_term = None, True, None, None
+    rt._setup_error = None
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
     return rt
 
