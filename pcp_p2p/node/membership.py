@@ -15,16 +15,22 @@ protocol period whatever the size of the swarm:
   target for it (a ``ping_req``), which tells a dead node from a lossy path
   between two live ones. No ack, direct or relayed, by ``probe_timeout_s``: the
   target becomes *suspect*.
-- **Suspicion.** A suspect that does not refute within ``suspicion_s`` is
-  declared dead and leaves the view. Nodes refute by re-signing their member
+- **Suspicion.** A suspect that does not refute in time is declared dead and
+  leaves the view: ``max_suspicion_s`` with one suspecter, down to
+  ``suspicion_s`` with ``confirmations`` independent ones or a ``dead`` claim
+  (Lifeguard); the suspect is told at once by a direct ping (Lifeguard's buddy
+  system). A node whose own probes fail raises a local health score that scales
+  its period and timeouts (Lifeguard's local health): a starved node accuses no one. Nodes refute by re-signing their member
   record with a higher ``seq``: the incarnation is ``(boot, seq)``, boot being the
   record's ``started_at`` in ms (so a restarted node starts above its old self)
   and ``seq`` the signed record's sequence number. Only the subject can sign its
   record, so only it can refute, and a replayed older record changes nothing.
 - **Dissemination.** Changes (alive with a new record, suspect, dead) ride on the
   pings and acks a node sends anyway, at most ``max_piggyback`` per packet, each
-  retransmitted ``retransmit_mult * ceil(log10(N + 2))`` times: infection-style
-  spread reaching all N in O(log N) periods at O(1) cost per node per period.
+  retransmitted ``retransmit_mult * ceil(log10(N + 2))`` times, and are pushed to
+  ``gossip_fanout`` members every ``gossip_interval_s`` while any wait: spread in
+  O(log N) rounds, and nothing at all sent for it while nothing changes. Only
+  news spreads (a sync's sample and copies seen before are not queued again).
 - **Anti-entropy and joining.** A joiner ``sync``s with a bootstrap server (a
   push-pull exchange of a bounded sample of signed records), and every node syncs
   with a random member every ``sync_every_s``, which repairs what piggybacking
@@ -45,7 +51,8 @@ Every peer is a stranger
   (:meth:`Membership.set_interest`) are never evicted: the run's roster is
   tracked exactly, the rest of the planet by sample.
 - Tombstones (bounded) keep a dead incarnation from being resurrected by a late
-  copy of its old record.
+  copy of its old record; only the member itself, talking to this node, is taken
+  back (and told to refute): that is how a healed partition merges.
 
 This module does no I/O and reads no clock: the pump
 (:class:`pcp_p2p.node.node.Node`) passes ``now`` (trio's clock, so tests run on
@@ -59,7 +66,8 @@ Transitions, per member::
     ALIVE     --probe unanswered / suspect claim---> SUSPECT
     SUSPECT   --alive, higher incarnation----------> ALIVE
     SUSPECT   --direct ack from it-----------------> ALIVE    (proof of life; nothing gossiped)
-    SUSPECT   --suspicion_s without refutation-----> (dead)   MemberLeft, dead gossiped, tombstone
+    SUSPECT   --suspicion timeout, no refutation---> (dead)   MemberLeft, dead gossiped, tombstone
+    (dead)    --alive from the member itself-------> ALIVE    MemberJoined; dead claim queued so it refutes
     ALIVE     --evicted from a full view-----------> (unknown) MemberLeft(reason="evicted")
     self      --suspect/dead claim about us--------> Refute effect: the pump re-signs the record
 """
@@ -479,6 +487,16 @@ class Membership:
         if peer_id == self.self_peer_id:
             return self._self
         return self._members.get(peer_id)
+
+    def settle(self) -> None:
+        """Drop every change still waiting to be spread.
+
+        For simulators that seed views directly: a swarm that has been running a
+        while has nothing left to spread, and without this the seeding itself
+        (every node's record, new to every other) is measured as a join storm.
+        """
+        self._queue.clear()
+        self._queued_about.clear()
 
     def suspected(self) -> list[str]:
         return sorted(self._suspects)

@@ -141,6 +141,8 @@ class SwimNet:
                     g = Gossip("alive", q, boot_ms(me.record), me.signed.seq, me.signed_bytes)
                     node.machine.receive(q, SwimPacket("sync", updates=(g,)), self.now)
             node.machine.take_errors()
+        for node in self.nodes.values():  # steady state: nothing left to spread
+            node.machine.settle()
 
     # -- time ------------------------------------------------------------------------------
 
