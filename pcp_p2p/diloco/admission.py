@@ -51,8 +51,8 @@ nor make readers look at a key of its own. Records are ordered by ``seq``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, SignedRecord, register_kind, sign_record
 from pcp_p2p.diloco.messages import sign, verify
@@ -155,21 +155,34 @@ def amend(
 # --- the DHT record -------------------------------------------------------------
 
 
-def allowlist_name(run_id: str, owner: str) -> str:
-    """The record name ``<run id>.<owner>``: the owner's peer id is part of the key."""
+def owner_record_name(run_id: str, owner: str) -> str:
+    """The name ``<run id>.<owner>`` of a record a run's owner stores (allowlist, stop):
+    the owner's peer id is part of the key, so no one else can take the key first."""
     return f"{run_id}.{owner}"
 
 
-def _owner_signs_its_allowlist(name: str, signer: str, payload: Message) -> None:
-    assert isinstance(payload, AllowlistUpdate)
-    if name != allowlist_name(payload.run_id, payload.owner):
-        raise VerificationError("allowlist update stored under another run's or owner's key")
-    if signer != payload.owner:
-        raise BadSignature("an allowlist record must be stored by the owner it names")
-    verify_update(payload)
+allowlist_name = owner_record_name
 
 
-register_kind(ALLOWLIST_KIND, AllowlistUpdate, _owner_signs_its_allowlist, order="seq")
+def owner_signed_rule(what: str, payload_type: type, verify_payload: Callable[[Any], None]
+                      ) -> Callable[[str, str, Message], None]:
+    """The DHT rule of a record only a run's owner may store: under its own
+    ``<run id>.<owner>`` name, signed by the owner the payload names, and the
+    payload's own signature checked by ``verify_payload``."""
+
+    def check(name: str, signer: str, payload: Message) -> None:
+        assert isinstance(payload, payload_type)
+        if name != owner_record_name(payload.run_id, payload.owner):  # type: ignore[attr-defined]
+            raise VerificationError(f"{what} stored under another run's or owner's key")
+        if signer != payload.owner:  # type: ignore[attr-defined]
+            raise BadSignature(f"a {what} record must be stored by the owner it names")
+        verify_payload(payload)
+
+    return check
+
+
+register_kind(ALLOWLIST_KIND, AllowlistUpdate, owner_signed_rule("allowlist update", AllowlistUpdate, verify_update),
+              order="seq")
 
 
 def update_record(update: AllowlistUpdate, identity: Identity, *, now: float) -> SignedRecord:

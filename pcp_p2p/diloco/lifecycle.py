@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, SignedRecord, register_kind, sign_record
+from pcp_p2p.diloco.admission import owner_record_name, owner_signed_rule
 from pcp_p2p.diloco.messages import sign, verify
 from pcp_p2p.errors import BadSignature, ExpiredRecord, StaleMessage, VerificationError
 from pcp_p2p.node.identity import Identity
@@ -133,21 +134,10 @@ class StopLatch:
 # --- the DHT record -------------------------------------------------------------
 
 
-def stop_name(run_id: str, owner: str) -> str:
-    """The record name ``<run id>.<owner>``: the owner's peer id is part of the key."""
-    return f"{run_id}.{owner}"
+stop_name = owner_record_name
 
 
-def _owner_signs_its_stop(name: str, signer: str, payload: Message) -> None:
-    assert isinstance(payload, StopOrder)
-    if name != stop_name(payload.run_id, payload.owner):
-        raise VerificationError("stop order stored under another run's or owner's key")
-    if signer != payload.owner:
-        raise BadSignature("a stop record must be stored by the owner it names")
-    verify_stop(payload)
-
-
-register_kind(STOP_KIND, StopOrder, _owner_signs_its_stop)
+register_kind(STOP_KIND, StopOrder, owner_signed_rule("stop order", StopOrder, verify_stop))
 
 
 def stop_record(stop: StopOrder, identity: Identity, *, now: float) -> SignedRecord:

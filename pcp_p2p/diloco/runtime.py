@@ -46,7 +46,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, allowlist_name
+from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, owner_record_name
 from pcp_p2p.diloco.audit import (
     AuditJob,
     AuditReport,
@@ -104,7 +104,6 @@ from pcp_p2p.diloco.lifecycle import (
     StopLatch,
     StopOrder,
     run_phase,
-    stop_name,
 )
 from pcp_p2p.diloco.departures import Departures, make_leave
 from pcp_p2p.diloco.messages import CommitRecord, Join, Leave, RoundAnnouncement, Submission, verify
@@ -345,10 +344,11 @@ class RunRuntime:
         last_catch_up = time.monotonic()
         while True:
             self._send.send_nowait(("members", None))
-            if time.monotonic() - last_stop_lookup >= STOP_LOOKUP_EVERY_S:  # a stop this node missed
+            if not self.stop_latch.stopped and time.monotonic() - last_stop_lookup >= STOP_LOOKUP_EVERY_S:
+                # a stop this node missed (while it was down)
                 last_stop_lookup = time.monotonic()
                 assert self._nursery is not None
-                self._nursery.start_soon(self._lookup_stop)
+                self._nursery.start_soon(self._lookup_owner_record, STOP_KIND, StopOrder)
             if self.worker is None and not self._final_committed() \
                     and time.monotonic() - last_catch_up >= CATCH_UP_EVERY_S:
                 # no worker asks for commits yet (no term followed since a restart): look
@@ -359,17 +359,19 @@ class RunRuntime:
             if self.spec.admission.mode == "allowlist" and time.monotonic() - last_lookup >= ALLOWLIST_EVERY_S:
                 last_lookup = time.monotonic()
                 assert self._nursery is not None
-                self._nursery.start_soon(self._lookup_allowlist)
+                self._nursery.start_soon(self._lookup_owner_record, ALLOWLIST_KIND, AllowlistUpdate)
             await trio.sleep(1.0)
 
-    async def _lookup_allowlist(self) -> None:
+    async def _lookup_owner_record(self, kind: str, payload_type: type) -> None:
+        """Fetch the owner's ``<run>.<owner>`` record of ``kind`` (an allowlist update, a
+        stop) and hand it to the loop as if the owner had sent it: the same checks apply."""
         try:
-            update = await self.node.get_record(ALLOWLIST_KIND, allowlist_name(self.run_id, self.run.owner))
+            found = await self.node.get_record(kind, owner_record_name(self.run_id, self.run.owner))
         except PcpError as exc:
-            log.debug("allowlist lookup failed: %s", exc)
+            log.debug("%s lookup failed: %s", kind, exc)
             return
-        if isinstance(update, AllowlistUpdate):
-            self._send.send_nowait(("msg", self.run.owner, update))
+        if isinstance(found, payload_type):
+            self._send.send_nowait(("msg", self.run.owner, found))
 
     # -- the owner's stop (see pcp_p2p.diloco.lifecycle) ---------------------------------
 
@@ -417,15 +419,6 @@ class RunRuntime:
             return False
         self._end_stopped()
         return True
-
-    async def _lookup_stop(self) -> None:
-        try:
-            order = await self.node.get_record(STOP_KIND, stop_name(self.run_id, self.run.owner))
-        except PcpError as exc:
-            log.debug("stop lookup failed: %s", exc)
-            return
-        if isinstance(order, StopOrder) and not self.stop_latch.stopped:
-            self._send.send_nowait(("msg", self.run.owner, order))
 
     def _candidates(self) -> list[Candidate]:
         now = time.time()

@@ -110,8 +110,6 @@ class MemberRecord(Message):
 
 register_kind("member", MemberRecord)
 
-GOSSIP_KINDS = ("alive", "suspect", "dead")
-PACKET_KINDS = ("ping", "ack", "ping_req", "nack", "sync", "gossip")
 
 
 @wire_struct
