@@ -97,7 +97,8 @@ class OverBudget(RemoteError):
     peers (identities are free, so a share alone would bound nothing).
 
     ``reason`` names the ledger that was full (``streams_per_peer``,
-    ``streams_total``, ``bytes_per_peer``, ``bytes_total``).
+    ``streams_total``, ``bytes_per_peer``, ``bytes_total``, ``rate_per_peer``,
+    ``rate_total``).
     """
 
     def __init__(self, message: str, reason: str = "") -> None:

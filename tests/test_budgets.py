@@ -46,11 +46,15 @@ from pcp_p2p.errors import ConfigError, OverBudget, PeerTimeout
 from pcp_p2p.node.budget import (
     BYTES_PER_PEER,
     BYTES_TOTAL,
+    RATE_PER_PEER,
+    RATE_TOTAL,
     STREAMS_PER_PEER,
     STREAMS_TOTAL,
     Budget,
     Limits,
     Pace,
+    Rate,
+    RateLimits,
     Usage,
 )
 from pcp_p2p.node.identity import Identity
@@ -117,6 +121,25 @@ def test_bytes_are_reserved_per_peer_and_in_total_and_a_refusal_holds_nothing_mo
     assert b.usage() == Usage(0, 0)
     assert dict(b.refusals) == {BYTES_PER_PEER: 1, BYTES_TOTAL: 1}
     assert b.snapshot()["peak_bytes"] == 150
+
+
+def test_a_rate_refills_per_peer_and_bounds_many_identities_together() -> None:
+    r = Rate(RateLimits(per_peer_s=2.0, per_peer_burst=3.0, total_s=2.0, total_burst=5.0, peers=2))
+    for _ in range(3):
+        r.take("p", 0.0)
+    with pytest.raises(OverBudget) as err:
+        r.take("p", 0.0)
+    assert err.value.reason == RATE_PER_PEER
+    r.take("p", 0.5)  # half a second refills one token at 2/s
+    r.take("q", 0.5)  # the total had 5 - 3 + 0.5 s * 2/s = 3 before p's; q and s take the last two
+    r.take("s", 0.5)
+    with pytest.raises(OverBudget) as err:
+        r.take("t", 0.5)  # t's own bucket is full, the node's is empty
+    assert err.value.reason == RATE_TOTAL
+    assert dict(r.refusals) == {RATE_PER_PEER: 1, RATE_TOTAL: 1}
+    assert r.snapshot()["peers"] == 2  # only the two most recent peers are remembered
+    with pytest.raises(ConfigError):
+        RateLimits(per_peer_s=5.0, per_peer_burst=1.0, total_s=4.0, total_burst=5.0)
 
 
 def test_a_reservation_is_given_back_on_every_exit_path() -> None:

@@ -13,7 +13,9 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from pcp_p2p.compile import iree_compile
+from conftest_compile import TINY, TINY_OPTS, lowered
+from pcp_p2p.compile import iree_compile, pipeline
+from pcp_p2p.compile.cache import ArtifactCache
 from pcp_p2p.diloco import engine
 from pcp_p2p.diloco.election import FollowShepherd, StepDown
 from pcp_p2p.diloco.runtime import RunRuntime
@@ -88,6 +90,51 @@ def test_a_compile_past_its_timeout_kills_the_compiler(slow_compiler: Path) -> N
     with pytest.raises(CompileError, match="timed out"):
         iree_compile.run_compiler("module {}", ("--flag",), timeout=0.5)
     assert gone(wait_for_pid(slow_compiler))
+
+
+def test_a_cancelled_lowering_kills_its_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tracing a training step takes seconds of JAX, and (in a thread) ran to its end after
+    the build was given up; in a child it stops at once."""
+    pid_file = tmp_path / "pid"
+    script = (f"import os, sys, time\nsys.stdin.read()\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+              "time.sleep(60)\n")
+    monkeypatch.setattr(pipeline, "lower_command", lambda: [sys.executable, "-c", script])
+    cancel = threading.Event()
+    outcome: list[BaseException] = []
+
+    def lower() -> None:
+        try:
+            pipeline.lower_program("train", TINY, TINY_OPTS, cancel=cancel)
+        except BaseException as exc:  # noqa: BLE001  (what it raised is the assertion)
+            outcome.append(exc)
+
+    t = threading.Thread(target=lower)
+    t.start()
+    pid = wait_for_pid(pid_file)
+    cancel.set()
+    t.join(timeout=20)
+    assert not t.is_alive()
+    assert [type(e) for e in outcome] == [CompileCancelled]
+    assert gone(pid)
+
+
+def test_a_failed_lowering_child_is_a_one_line_compile_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pipeline, "lower_command",
+                        lambda: [sys.executable, "-c", "import sys; sys.exit('no JAX here')"])
+    with pytest.raises(CompileError, match="lowering train failed .exit 1.: no JAX here"):
+        pipeline.lower_program("train", TINY, TINY_OPTS, cancel=threading.Event())
+
+
+@pytest.mark.slow
+def test_lowering_in_a_child_gives_the_same_text_and_the_cache_keeps_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = ArtifactCache(tmp_path)
+    there = pipeline.lower_program("train", TINY, TINY_OPTS, cancel=threading.Event(), cache=cache)
+    assert there.stablehlo == lowered("train").stablehlo
+    monkeypatch.setattr(pipeline, "lower_command", lambda: ["false"])  # a second lowering would fail
+    again = pipeline.lower_program("train", TINY, TINY_OPTS, cancel=threading.Event(), cache=cache)
+    assert again.stablehlo_hash == there.stablehlo_hash
 
 
 class _Election:

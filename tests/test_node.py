@@ -15,6 +15,7 @@ import multiaddr
 
 from pcp_p2p.dht.records import sign_record
 from pcp_p2p.errors import PeerGone, PeerTimeout
+from pcp_p2p.node.budget import RATE_PER_PEER
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.membership import SWIM_PROTOCOL, Gossip, MemberRecord, SwimPacket, boot_ms
 from pcp_p2p.node.node import NodeConfig, open_node
@@ -141,6 +142,31 @@ async def test_bad_swim_packets_are_refused_counted_and_change_nothing(swarm3) -
     assert a.membership.stats.stale > stale_before
     assert b.peer_id in a.membership and mallory.peer_id not in a.membership
     assert a.membership.get(b.peer_id).signed.seq > 0  # type: ignore[union-attr]
+    assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_a_peer_that_probes_too_often_is_refused_and_the_view_holds(swarm3) -> None:
+    boot, a, b = swarm3
+    host, info = await raw_stream(a.addrs()[0])
+    frame = lambda data: struct.pack(">I", len(data)) + data  # noqa: E731
+    answered = 0
+    async with host.run(listen_addrs=[]):
+        await host.connect(info)
+        started = trio.current_time()
+        for seq in range(60):  # one identity, back to back: far above an honest prober's 1/s
+            with trio.fail_after(10):
+                try:
+                    stream = await host.new_stream(info.peer_id, [TProtocol(SWIM_PROTOCOL)])
+                    await stream.write(frame(encode(SwimPacket("ping", seq + 1, a.peer_id))))
+                    answered += bool(await stream.read(65536))
+                except Exception:
+                    pass  # refused: the node reset the stream
+        elapsed = trio.current_time() - started
+    limits = a.config.swim_rate
+    assert answered <= limits.per_peer_burst + limits.per_peer_s * elapsed + 1
+    assert a.swim_rate.refusals[RATE_PER_PEER] == 60 - answered > 0
+    assert a.rejected["swim:OverBudget"] == 60 - answered
+    assert b.peer_id in a.membership and a.membership.get(b.peer_id).suspect_since is None  # type: ignore[union-attr]
     assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
 
 

@@ -54,7 +54,8 @@ def cache_key(stablehlo_hash: str, target: str, compiler_version: str,
 
 
 class ArtifactCache:
-    """Compiled vmfbs by :func:`cache_key`."""
+    """Compiled vmfbs by :func:`cache_key`, and the StableHLO text they are compiled
+    from by :func:`~pcp_p2p.compile.pipeline.lowering_key` (both are bytes checked by CID)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)

@@ -18,15 +18,15 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
+from pcp_p2p.compile.child import run_child
 from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers import them here)
     allowed_flag_lists,
     compile_flag_choices,
     compile_flags,
 )
-from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
+from pcp_p2p.errors import CompileError, CompilerRejected
 
 TOOL = "iree-compile"
-CANCEL_POLL_S = 0.2  # how often a running compile looks at its cancel flag
 
 
 @lru_cache(maxsize=1)
@@ -70,61 +70,17 @@ def run_compiler(
 ) -> bytes:
     """Compile StableHLO text read from stdin with ``flags``; the vmfb bytes.
 
-    ``cancel``: once set, the compiler process is killed (within
-    :data:`CANCEL_POLL_S`) and :class:`CompileCancelled` is raised. Why: a compile
-    runs in a thread, which nothing outside can stop, and a node that lost the
-    election kept a core busy for a minute compiling for a term it did not hold.
-    The child is killed on every way out (error, timeout, cancel), never left behind.
+    ``cancel``: once set, the compiler process is killed and
+    :class:`CompileCancelled` is raised (:func:`~pcp_p2p.compile.child.run_child`).
+    Why: a compile runs in a thread, which nothing outside can stop, and a node
+    that lost the election kept a core busy for a minute compiling for a term it
+    did not hold.
     """
-    cmd = [*_low_priority(), compiler_path(), *flags, "-o", "-", "-"]
-    try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_clean_env())
-    except OSError as exc:
-        raise CompileError(f"cannot run {TOOL}: {exc}") from exc
-    finished = threading.Event()
-
-    def kill_when_cancelled() -> None:
-        # communicate() must get the input in one call (a retry after a timeout
-        # would not send the rest), so the cancel flag is watched from here
-        assert cancel is not None
-        while not finished.wait(CANCEL_POLL_S):
-            if cancel.is_set():
-                proc.kill()
-                return
-
-    if cancel is not None:
-        threading.Thread(target=kill_when_cancelled, name="iree-compile-cancel", daemon=True).start()
-    try:
-        out, err = proc.communicate(stablehlo.encode(), timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise CompileError(f"{TOOL} timed out after {timeout:.0f} s") from None
-    finally:
-        finished.set()
-        if proc.returncode is None:
-            proc.kill()
-            proc.wait()
-    if cancel is not None and cancel.is_set():
-        raise CompileCancelled(f"{TOOL} stopped: the compile is not needed any more")
-    if proc.returncode != 0 or not out:
-        raise CompilerRejected(f"{TOOL} exited {proc.returncode}: {_tail(err.decode(errors='replace').strip())}")
+    code, out, err = run_child([compiler_path(), *flags, "-o", "-", "-"], stablehlo.encode(), what=TOOL,
+                               timeout=timeout, cancel=cancel, env=_clean_env())
+    if code != 0 or not out:
+        raise CompilerRejected(f"{TOOL} exited {code}: {_tail(err.decode(errors='replace').strip())}")
     return out
-
-
-COMPILE_NICENESS = 10
-
-
-def _low_priority() -> list[str]:
-    """``nice -n 10`` before the compiler, where ``nice`` exists.
-
-    Why: iree-compile keeps every core busy for a minute, and a node that compiles
-    (the shepherd setting up a term) must still renew its lease and answer its
-    peers; at equal priority its own compile starved it until its lease lapsed, the
-    term went to another node, whose compile starved it in turn. The priority does
-    not change the compiler's output.
-    """
-    tool = shutil.which("nice")
-    return [tool, "-n", str(COMPILE_NICENESS)] if tool else []
 
 
 def _clean_env() -> dict[str, str]:

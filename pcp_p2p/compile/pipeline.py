@@ -13,25 +13,35 @@
                                Manifest(...) signed by this node's Identity
 
 Each program is lowered once and compiled once per target; the artifacts of
-one program share its StableHLO hash.
+one program share its StableHLO hash. A cancellable build (a node's) runs both
+steps as child processes (:mod:`pcp_p2p.compile.child`) and caches the lowered
+text too.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+
+import msgpack
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, atomic_write, cache_key
+from pcp_p2p.compile.child import run_child
 from pcp_p2p.compile.iree_compile import compile_flag_choices, compiler_version, run_compiler
 from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
 from pcp_p2p.compile.targets import Target
-from pcp_p2p.errors import CompileCancelled, CompilerRejected
+from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
 from pcp_p2p.node.identity import Identity
 
 
@@ -61,12 +71,73 @@ class Artifact:
         return f"{self.manifest.program}.{self.manifest.target}"
 
 
-def lower_program(name: str, cfg: GPTConfig, opts: ProgramOptions) -> Lowered:
-    from pcp_p2p.compile.lowering import lower  # imports JAX
+LOWER_TIMEOUT_S = 600.0
 
+
+def lower_program(
+    name: str, cfg: GPTConfig, opts: ProgramOptions, *,
+    cache: ArtifactCache | None = None, cancel: threading.Event | None = None,
+) -> Lowered:
+    """The named program and its StableHLO text.
+
+    With ``cancel`` the lowering runs in a child process (:mod:`pcp_p2p.compile.child`:
+    stopped at once when ``cancel`` is set, and off this process's GIL); without it,
+    here (``pcp compile``, tests). With ``cache``, the text is kept by
+    :func:`lowering_key`, so a hot standby's take-over skips JAX altogether.
+    """
     program = build_program(name, cfg, opts)
-    text = lower(program)
+    key = lowering_key(name, cfg, opts)
+    text = None
+    if cache is not None:
+        hit = cache.get(key)
+        text = hit.decode() if hit is not None else None
+    if text is None:
+        if cancel is None:
+            from pcp_p2p.compile.lowering import lower  # imports JAX
+
+            text = lower(program)
+        else:
+            text = _lower_in_child(name, cfg, opts, cancel)
+        if cache is not None:
+            cache.put(key, text.encode())
     return Lowered(program, text, cid_of(text.encode()))
+
+
+def lower_command() -> list[str]:
+    """The lowering child's command line (a function so tests can swap the child)."""
+    return [sys.executable, "-m", "pcp_p2p.compile.lower_child"]
+
+
+def _lower_in_child(name: str, cfg: GPTConfig, opts: ProgramOptions, cancel: threading.Event) -> str:
+    job = json.dumps({"program": name, "config": cfg.to_dict(), "options": opts.to_dict()}).encode()
+    code, out, err = run_child(lower_command(), job, what="lowering", timeout=LOWER_TIMEOUT_S, cancel=cancel)
+    if code != 0 or not out:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise CompileError(f"lowering {name} failed (exit {code}): {tail[0]}")
+    return out.decode()
+
+
+@lru_cache(maxsize=1)
+def _lowering_sources_digest() -> str:
+    """What, besides the config, decides the lowered text: this package's model,
+    programs and lowering code, and the JAX that traces them."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for mod in ("model.py", "programs.py", "lowering.py"):
+        h.update((here / mod).read_bytes())
+    for dist in ("jax", "jaxlib"):
+        try:
+            h.update(importlib.metadata.version(dist).encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return h.hexdigest()
+
+
+def lowering_key(name: str, cfg: GPTConfig, opts: ProgramOptions) -> str:
+    """Cache key of a program's StableHLO text (hex sha256)."""
+    blob = msgpack.packb(["pcp-lowering-v1", name, cfg.to_dict(), opts.to_dict(), _lowering_sources_digest()],
+                         use_bin_type=True)
+    return hashlib.sha256(blob).hexdigest()
 
 
 def compile_lowered(
@@ -144,8 +215,8 @@ def build_artifacts(
 ) -> list[Artifact]:
     """Every (program, target) artifact; ``on_artifact`` is called as each one finishes.
 
-    ``cancel`` set: stops between steps and kills a compiler that is running
-    (:class:`CompileCancelled`); lowering itself (JAX, in this thread) runs to its end."""
+    ``cancel`` set: stops between steps and kills the lowering or compiler child
+    that is running (:class:`CompileCancelled`)."""
     out: list[Artifact] = []
 
     def check() -> None:
@@ -154,7 +225,7 @@ def build_artifacts(
 
     for name in programs:
         check()
-        lowered = lower_program(name, cfg, opts)
+        lowered = lower_program(name, cfg, opts, cache=cache, cancel=cancel)
         for target in targets:
             check()
             art = compile_lowered(lowered, target, identity, model_name, cache, cancel=cancel)

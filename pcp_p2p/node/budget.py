@@ -34,7 +34,7 @@ threads, a fake in tests); the pumps in :mod:`pcp_p2p.node.messaging` and
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -46,6 +46,8 @@ STREAMS_PER_PEER = "streams_per_peer"
 STREAMS_TOTAL = "streams_total"
 BYTES_PER_PEER = "bytes_per_peer"
 BYTES_TOTAL = "bytes_total"
+RATE_PER_PEER = "rate_per_peer"
+RATE_TOTAL = "rate_total"
 
 
 @dataclass(frozen=True)
@@ -227,3 +229,76 @@ class Reservation:
         self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class RateLimits:
+    """How many requests per second one peer, and all peers together, may make.
+
+    A bucket holds up to ``burst`` requests and refills at ``per_s``; the total
+    is kept the same way, since identities are free. ``peers`` bounds how many
+    per-peer buckets are remembered (the least recently heard from is forgotten,
+    which gives it a full bucket again; the total still bounds what that buys).
+    """
+
+    per_peer_s: float
+    per_peer_burst: float
+    total_s: float
+    total_burst: float
+    peers: int = 4096
+
+    def __post_init__(self) -> None:
+        if min(self.per_peer_s, self.per_peer_burst, self.total_s, self.total_burst, self.peers) <= 0:
+            raise ConfigError("rate: every limit must be positive")
+        if self.per_peer_s > self.total_s or self.per_peer_burst > self.total_burst:
+            raise ConfigError("rate: a peer's share cannot exceed the total")
+
+
+class Rate:
+    """Token buckets, per peer and in total: a stream-slot budget bounds how much
+    a peer holds *at once*, this bounds how *often* it may ask (a cheap request
+    answered at once never holds a slot for long, so slots alone would let one
+    peer make the node answer as fast as the link carries).
+
+    Sans-IO: the caller passes the time. A refused request costs nothing: the
+    buckets are only debited when both have a token.
+    """
+
+    def __init__(self, limits: RateLimits, name: str = "rate") -> None:
+        self.limits = limits
+        self.name = name
+        self._peers: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> (tokens, at)
+        self._total: tuple[float, float] | None = None
+        self.refusals: Counter[str] = Counter()
+
+    @staticmethod
+    def _fill(bucket: tuple[float, float] | None, now: float, per_s: float, burst: float) -> float:
+        if bucket is None:
+            return burst
+        tokens, at = bucket
+        return min(burst, tokens + max(0.0, now - at) * per_s)
+
+    def take(self, peer: str, now: float) -> None:
+        """Debit one request from ``peer``, or raise :class:`OverBudget` (debiting nothing)."""
+        lim = self.limits
+        mine = self._fill(self._peers.get(peer), now, lim.per_peer_s, lim.per_peer_burst)
+        total = self._fill(self._total, now, lim.total_s, lim.total_burst)
+        if mine < 1.0:
+            self.refusals[RATE_PER_PEER] += 1
+            raise OverBudget(f"{self.name}: {peer} asks faster than {lim.per_peer_s:g}/s "
+                             f"(rate per peer budget)", RATE_PER_PEER)
+        if total < 1.0:
+            self.refusals[RATE_TOTAL] += 1
+            raise OverBudget(f"{self.name}: more than {lim.total_s:g} requests/s from all peers "
+                             f"(rate total budget)", RATE_TOTAL)
+        self._peers[peer] = (mine - 1.0, now)
+        self._peers.move_to_end(peer)
+        while len(self._peers) > lim.peers:
+            self._peers.popitem(last=False)
+        self._total = (total - 1.0, now)
+
+    def snapshot(self) -> dict[str, Any]:
+        lim = self.limits
+        return {"limits": {"per_peer_s": lim.per_peer_s, "per_peer_burst": lim.per_peer_burst,
+                           "total_s": lim.total_s, "total_burst": lim.total_burst},
+                "peers": len(self._peers), "refused": dict(self.refusals)}

@@ -62,7 +62,7 @@ from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node.capabilities import Capabilities, probe
 from pcp_p2p.node.identity import Identity, load_or_create_identity
-from pcp_p2p.node.budget import Budget, Limits
+from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.membership import (
     DEFAULT_PERIOD_S,
     MAX_PACKET,
@@ -112,6 +112,10 @@ class NodeConfig:
     # Inbound /pcp/swim streams: a probe is one small packet each way.
     swim_streams_per_peer: int = 4
     swim_streams_total: int = 64
+    # ... and how often: an honest peer sends a node about one probe a second plus
+    # gossip pushes (fan-out 2 every 0.5 s) while there is news, so 10/s is ample.
+    swim_rate: RateLimits = field(default_factory=lambda: RateLimits(
+        per_peer_s=10.0, per_peer_burst=20.0, total_s=200.0, total_burst=400.0))
     min_peers: int = 8  # connections the discovery loop keeps open (probes dial the rest on demand)
     op_timeout: float = 10.0
     record_ttl: float = 600.0
@@ -249,6 +253,7 @@ class Node:
                    bytes_total=config.swim_streams_total * MAX_PACKET),
             name="swim",
         )
+        self.swim_rate = Rate(config.swim_rate, name="swim")
         self.runs: set[str] = set()  # runs this node takes part in (advertised in its member record)
         self.leads: set[str] = set()  # runs this node is the shepherd of (advertised likewise)
         self.state = "idle"
@@ -452,6 +457,7 @@ class Node:
             await reset_quietly(stream)
             return
         try:
+            self.swim_rate.take(peer, trio.current_time())
             with self.swim_budget.open(peer) as reservation:
                 reservation.reserve(MAX_PACKET)
                 timeout = self.config.swim.probe_timeout_s
@@ -574,7 +580,8 @@ class Node:
             "rejected": dict(self.rejected),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
             "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
-                           "suspected": len(self.membership.suspected()), "health": self.membership.health},
+                           "suspected": len(self.membership.suspected()), "health": self.membership.health,
+                           "rate_refused": dict(self.swim_rate.refusals)},
             # the same counts split for people: "rejected 321" alarmed in a healthy swarm
             **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
             **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
