@@ -16,6 +16,7 @@ import pytest
 from pcp_p2p.testing.netlab import (
     PREFIX,
     DelayLine,
+    Host,
     Lab,
     LinkSpec,
     Nat,
@@ -159,6 +160,60 @@ def test_cone_nat_maps_one_port_for_every_destination_and_symmetric_a_new_one_ea
         assert len(ips) == 1 and len(set(ports)) > 1, ports
 
 
+def can_connect(src: Host, dst: Host, port: int, timeout: float = 0.5) -> bool:
+    s = socket_in(src.ns)
+    s.settimeout(timeout)
+    try:
+        s.connect((dst.ip, port))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+@needs_lab
+def test_homes_behind_one_router_share_its_address_and_reach_each_other() -> None:
+    with netlab() as lab:
+        boot = lab.add_public("boot")
+        router = lab.add_router("campus", Nat.SYMMETRIC)
+        a, b = lab.add_home("a", router=router), lab.add_home("b", router=router)
+        assert a.public_ip == b.public_ip == router.wan_ip and a.nat is b.nat is Nat.SYMMETRIC
+        with pytest.raises(NetlabError):
+            lab.add_home("c", Nat.CONE, router=router)
+        listener = socket_in(b.ns)
+        listener.bind((b.ip, 7000))
+        listener.listen(1)
+        try:
+            assert can_connect(a, b, 7000)  # on the LAN: no NAT between them
+            assert not can_connect(boot, b, 7000)
+        finally:
+            listener.close()
+
+
+@needs_lab
+def test_a_cut_partitions_the_network_and_heal_restores_it() -> None:
+    with netlab() as lab:
+        boot, other = lab.add_public("boot"), lab.add_public("other")
+        home = lab.add_home("alice", Nat.CONE)
+        listeners = []
+        for host in (boot, other):
+            s = socket_in(host.ns)
+            s.bind((host.ip, 4001))
+            s.listen(8)
+            listeners.append(s)
+        try:
+            cut = lab.cut([home], [boot])
+            assert not can_connect(home, boot, 4001)
+            assert can_connect(home, other, 4001)  # only what the cut names is cut
+            lab.heal(cut)
+            assert can_connect(home, boot, 4001)
+            assert lab.cuts == []
+        finally:
+            for s in listeners:
+                s.close()
+
+
 @needs_lab
 def test_shaped_link_measures_near_its_rate_in_each_direction() -> None:
     with netlab() as lab:
@@ -226,7 +281,8 @@ def test_lab_is_torn_down_on_error_and_dead_labs_are_found() -> None:
 def test_bad_host_names_are_refused() -> None:
     with netlab() as lab:
         lab.add_public("boot")
-        for bad in ("boot", "Boot", "a-b", "inet", "x" * 17):
+        lab.add_home("alice")
+        for bad in ("boot", "Boot", "a-b", "alice-nat", "inet", "x" * 17):
             with pytest.raises(NetlabError):
                 lab.add_public(bad)
 

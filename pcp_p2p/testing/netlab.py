@@ -418,8 +418,27 @@ class Host:
     ns: str
     ip: str
     nat: Nat | None = None  # None: a public host
-    router_ns: str | None = None
-    public_ip: str | None = None  # the router's wan address for a home, else ``ip``
+    router: Router | None = None
+    public_ip: str = ""  # the router's wan address for a home, else ``ip``
+
+
+@dataclass
+class Router:
+    """A NAT router: ``wan_ip`` on the internet, LAN ``<lan_prefix>.0.0/24`` (gateway ``.1``)."""
+
+    name: str
+    ns: str
+    wan_ip: str
+    lan_prefix: str
+    nat: Nat
+    homes: int = 0
+
+
+@dataclass
+class Cut:
+    """The rules of one partition, as ``(namespace, iptables rule)``; see :meth:`Lab.cut`."""
+
+    rules: list[tuple[str, tuple[str, ...]]]
 
 
 @dataclass
@@ -473,6 +492,9 @@ class Lab:
         self.prefix = f"{PREFIX}{os.getpid()}-{tag or secrets.token_hex(3)}-"
         self.namespaces: list[str] = []
         self.hosts: dict[str, Host] = {}
+        self.routers: dict[str, Router] = {}
+        self.names: set[str] = set()  # hosts' and routers' (each is a namespace)
+        self.cuts: list[Cut] = []
         self.processes: list[LabProcess] = []
         self.forwarders: list[WireForwarder] = []
         self._next_public = 10
@@ -561,45 +583,108 @@ class Lab:
         self._ip(ns, "addr", "add", f"{ip}/24", "dev", "eth0")
         host = Host(name, ns, ip, public_ip=ip)
         self.hosts[name] = host
+        self.names.add(name)
         return host
 
-    def add_home(self, name: str, nat: Nat = Nat.CONE, link: LinkSpec = LinkSpec()) -> Host:
-        """A home behind a router of its own that NATs it to a public address.
+    def add_router(self, name: str, nat: Nat = Nat.CONE) -> Router:
+        """A NAT router on the internet with an empty LAN (a bridge) that homes join.
 
-        ``link`` describes the home's access link (home <-> router), where a
-        volunteer's bottleneck and distance are; the router's uplink is unshaped.
+        Its uplink is unshaped: a home's bottleneck is its own access link.
         """
         self._check_name(name)
+        return self._router(name, nat)
+
+    def _router(self, name: str, nat: Nat) -> Router:
         i = self._next_router
-        self._next_router += 1
         if i > 89:
-            raise NetlabError("at most 89 homes per lab")
-        router = self._netns(f"{name}-router")
-        wan_ip, lan_gw, home_ip = f"{PUBLIC_NET}.{100 + i}", f"10.{i}.0.1", f"10.{i}.0.2"
+            raise NetlabError("at most 89 routers per lab")
+        self._next_router += 1
+        ns = self._netns(name)
+        wan_ip = f"{PUBLIC_NET}.{100 + i}"
         port = f"p{self._next_port}"
         self._next_port += 1
-        self._veth(router, "wan", self.inet, port)
+        self._veth(ns, "wan", self.inet, port)
         self._ip(self.inet, "link", "set", port, "master", "br0")
-        self._ip(router, "addr", "add", f"{wan_ip}/24", "dev", "wan")
-        home = self._netns(name)
-        self._link(home, "eth0", router, "lan", link, f"{name}-wire")
-        self._ip(router, "addr", "add", f"{lan_gw}/24", "dev", "lan")
-        self._ip(home, "addr", "add", f"{home_ip}/24", "dev", "eth0")
-        self._ip(home, "route", "add", "default", "via", lan_gw)
-        with inside(router):
+        self._ip(ns, "addr", "add", f"{wan_ip}/24", "dev", "wan")
+        self._ip(ns, "link", "add", "lan", "type", "bridge")
+        self._ip(ns, "link", "set", "lan", "up")
+        self._ip(ns, "addr", "add", f"10.{i}.0.1/24", "dev", "lan")
+        with inside(ns):
             Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
         masq = ["-j", "MASQUERADE"] + (["--random-fully"] if nat is Nat.SYMMETRIC else [])
-        ipt = ("ip", "netns", "exec", router, "iptables")
+        ipt = ("ip", "netns", "exec", ns, "iptables")
         self.run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan", *masq)
-        self.run(*ipt, "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        # MASQUERADE only rewrites: without these, a stranger routing 10.i.0.0/24 at wan walks in.
+        self.run(*ipt, "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                 "-j", "ACCEPT")
         self.run(*ipt, "-A", "FORWARD", "-i", "wan", "-j", "DROP")
-        host = Host(name, home, home_ip, nat=nat, router_ns=router, public_ip=wan_ip)
+        router = Router(name, ns, wan_ip, f"10.{i}", nat)
+        self.routers[name] = router
+        self.names.add(name)
+        return router
+
+    def add_home(self, name: str, nat: Nat | None = None, link: LinkSpec = LinkSpec(), *,
+                 router: Router | None = None) -> Host:
+        """A home behind a NAT router: a router of its own (kind ``nat``), or ``router``'s LAN.
+
+        ``link`` is the home's access link (home <-> router), where a volunteer's
+        bottleneck and distance are. Homes behind one router reach each other
+        on its LAN directly, as in a house or a campus.
+        """
+        self._check_name(name)
+        if router is None:
+            router = self._router(f"{name}-nat", nat or Nat.CONE)  # '-': never a user's name
+        elif nat is not None and nat is not router.nat:
+            raise NetlabError(f"{name}: router {router.name} is {router.nat.value}, not {nat.value}")
+        router.homes += 1
+        if router.homes > 250:
+            raise NetlabError(f"router {router.name} has no address left")
+        home_ip = f"{router.lan_prefix}.0.{1 + router.homes}"
+        ns = self._netns(name)
+        port = f"h{router.homes}"
+        self._link(ns, "eth0", router.ns, port, link, f"{name}-wire")
+        self._ip(router.ns, "link", "set", port, "master", "lan")
+        self._ip(ns, "addr", "add", f"{home_ip}/24", "dev", "eth0")
+        self._ip(ns, "route", "add", "default", "via", f"{router.lan_prefix}.0.1")
+        host = Host(name, ns, home_ip, nat=router.nat, router=router, public_ip=router.wan_ip)
         self.hosts[name] = host
+        self.names.add(name)
         return host
 
+    def cut(self, side_a: Sequence[Host], side_b: Sequence[Host]) -> Cut:
+        """Drop every packet between the hosts of ``side_a`` and those of ``side_b`` (a partition).
+
+        The rules sit in each side-A host's own namespace and match both the
+        private and the public address of each side-B host, so the cut holds
+        through NAT and between homes on one LAN; seen from outside, homes behind
+        one router share its address and are cut together. Open connections stall
+        rather than close, as in a real partition. :meth:`heal` undoes it.
+        """
+        if {h.name for h in side_a} & {h.name for h in side_b}:
+            raise NetlabError("a host cannot be on both sides of a cut")
+        rules: list[tuple[str, tuple[str, ...]]] = []
+        for a in side_a:
+            for addr in sorted({x for b in side_b for x in (b.ip, b.public_ip)}):
+                rules.append((a.ns, ("INPUT", "-s", addr, "-j", "DROP")))
+                rules.append((a.ns, ("OUTPUT", "-d", addr, "-j", "DROP")))
+        done = Cut([])
+        self.cuts.append(done)
+        for ns, (chain, *spec) in rules:
+            self.run("ip", "netns", "exec", ns, "iptables", "-I", chain, *spec)
+            done.rules.append((ns, (chain, *spec)))
+        return done
+
+    def heal(self, cut: Cut) -> None:
+        """Remove a cut's rules: packets flow again (connections that timed out meanwhile stay closed)."""
+        for ns, (chain, *spec) in cut.rules:
+            self.run("ip", "netns", "exec", ns, "iptables", "-D", chain, *spec)
+        cut.rules.clear()
+        if cut in self.cuts:
+            self.cuts.remove(cut)
+
     def _check_name(self, name: str) -> None:
-        if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", name) or name in self.hosts or name == "inet":
-            raise NetlabError(f"host name {name!r}: lowercase letters and digits, unique, at most 16")
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", name) or name in self.names or name == "inet":
+            raise NetlabError(f"name {name!r}: lowercase letters and digits, unique in the lab, at most 16")
 
     # -- processes ----------------------------------------------------------
 
