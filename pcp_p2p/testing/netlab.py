@@ -464,6 +464,15 @@ class LabProcess:
             except ProcessLookupError:
                 pass
 
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        """Signal the process's group and wait for it (SIGKILL after ``timeout_s``); its exit code."""
+        self.signal(signum)
+        try:
+            return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            return self.popen.wait(timeout=10)
+
     def log_tail(self, n: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:]
