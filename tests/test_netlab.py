@@ -7,9 +7,11 @@ Every lab here is torn down by :func:`netlab` however the test ends.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +26,7 @@ from pcp_p2p.testing.netlab import (
     cleanup_leftovers,
     list_namespaces,
     netlab,
+    read_line,
     socket_in,
     tcp_goodput_mbit,
     udp_round_trips,
@@ -332,3 +335,32 @@ def test_public_cone_and_symmetric_nodes_on_long_lossy_links_all_see_each_other(
             for member in nodes:
                 lab.wait_member(viewer.host, viewer, member.peer_id, deadline_s=60)
         assert all(n.running for n in nodes)
+
+
+@needs_lab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_py_libp2p_hole_punches_through_cone_nats_and_not_a_symmetric_one() -> None:
+    """The lab's NATs against the real thing: py-libp2p 0.8.1's relay v2 + DCUtR turn a relayed
+    connection between two cone homes into a direct one; towards a symmetric home they cannot."""
+    probe = [sys.executable, "-m", "pcp_p2p.testing.netlab_punch"]
+    with netlab() as lab:
+        relay_host = lab.add_public("relay")
+        far = LinkSpec(delay_ms=20)
+        alice, bob, sym = (lab.add_home("alice", Nat.CONE, far), lab.add_home("bob", Nat.CONE, far),
+                           lab.add_home("sym", Nat.SYMMETRIC, far))
+        relay_addr = read_line(lab.popen(relay_host, [*probe, "relay", relay_host.ip], name="relay"))
+        targets = {}
+        for host in (bob, sym):
+            line = read_line(lab.popen(host, [*probe, "listen", host.ip, relay_addr], name=host.name))
+            targets[host.name] = line.split()[-1]
+        results = {}
+        for name, target in targets.items():
+            dialer = lab.popen(alice, [*probe, "dial", alice.ip, relay_addr, target, "35"], name=f"to-{name}")
+            assert read_line(dialer).startswith("RESERVED")
+            results[name] = json.loads(read_line(dialer, 90))
+            dialer.stop()
+        print(results)
+        assert results["bob"]["direct"], results["bob"]
+        assert any(f"/ip4/{bob.public_ip}/tcp/" in a for c in results["bob"]["connections"] for a in c)
+        assert not results["sym"]["direct"], results["sym"]

@@ -452,6 +452,7 @@ class LabProcess:
     addr: str = ""
     peer_id: str = ""
     data_dir: Path | None = None
+    pending: bytes = field(default=b"", repr=False)  # stdout read past the last line taken
 
     @property
     def running(self) -> bool:
@@ -464,9 +465,9 @@ class LabProcess:
             except ProcessLookupError:
                 pass
 
-    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
-        """Signal the process's group and wait for it (SIGKILL after ``timeout_s``); its exit code."""
-        self.signal(signum)
+    def stop(self, signum: int | None = None, timeout_s: float = 20.0) -> int:
+        """Signal the process's group (default SIGTERM) and wait for it (SIGKILL after ``timeout_s``); its exit code."""
+        self.signal(signal.SIGTERM if signum is None else signum)
         try:
             return self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -623,10 +624,14 @@ class Lab:
         masq = ["-j", "MASQUERADE"] + (["--random-fully"] if nat is Nat.SYMMETRIC else [])
         ipt = ("ip", "netns", "exec", ns, "iptables")
         self.run(*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", "wan", *masq)
-        # MASQUERADE only rewrites: without these, a stranger routing 10.i.0.0/24 at wan walks in.
-        self.run(*ipt, "-A", "FORWARD", "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
-                 "-j", "ACCEPT")
-        self.run(*ipt, "-A", "FORWARD", "-i", "wan", "-j", "DROP")
+        # MASQUERADE only rewrites: without the FORWARD rules, a stranger routing 10.i.0.0/24 at wan
+        # walks in. The INPUT rules make the router silent to unsolicited packets, as RFC 5382 REQ-4
+        # asks ("MUST NOT respond to an unsolicited inbound SYN" for 6 s): a RST from the router for a
+        # peer's early SYN would kill a TCP hole punch (simultaneous open), measured here.
+        for chain in ("FORWARD", "INPUT"):
+            self.run(*ipt, "-A", chain, "-i", "wan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
+                     "-j", "ACCEPT")
+            self.run(*ipt, "-A", chain, "-i", "wan", "-j", "DROP")
         router = Router(name, ns, wan_ip, f"10.{i}", nat)
         self.routers[name] = router
         self.names.add(name)
@@ -715,7 +720,7 @@ class Lab:
         data_dir.mkdir(parents=True, exist_ok=True)
         proc = self.popen(host, [*pcp_command(), *args, "--data-dir", str(data_dir)], name=name)
         proc.data_dir = data_dir
-        proc.addr = _first_line(proc, START_TIMEOUT_S)
+        proc.addr = read_line(proc)
         proc.peer_id = proc.addr.rsplit("/p2p/", 1)[-1]
         threading.Thread(target=_drain, args=(proc.popen,), daemon=True).start()
         return proc
@@ -800,11 +805,15 @@ def pcp_command() -> list[str]:
     return [sys.executable, "-m", "pcp_p2p.cli"]
 
 
-def _first_line(proc: LabProcess, timeout_s: float) -> str:
-    """The first line a process prints (its multiaddr), waited for on the pipe, bounded."""
+def read_line(proc: LabProcess, timeout_s: float = START_TIMEOUT_S) -> str:
+    """The next line a process prints on stdout (a ``pcp`` process's first: its multiaddr), bounded.
+
+    Reads the pipe's descriptor with a deadline (a blocking ``readline`` could
+    hang a test forever); what came after the line waits in ``proc.pending``.
+    """
     assert proc.popen.stdout is not None
     fd = proc.popen.stdout.fileno()
-    buf = b""
+    buf = proc.pending
     deadline = time.monotonic() + timeout_s
     while b"\n" not in buf:
         left = deadline - time.monotonic()
@@ -815,9 +824,12 @@ def _first_line(proc: LabProcess, timeout_s: float) -> str:
             break
         buf += chunk
     if b"\n" in buf:
-        return buf.split(b"\n", 1)[0].decode().strip()
-    proc.signal(signal.SIGKILL)
-    raise PeerTimeout(f"{proc.name} printed no address within {timeout_s:.0f} s; its log ends:\n{proc.log_tail()}")
+        line, proc.pending = buf.split(b"\n", 1)
+        return line.decode(errors="replace").strip()
+    proc.pending = buf
+    state = "exited" if proc.popen.poll() is not None else "running"
+    raise PeerTimeout(f"{proc.name} ({state}) printed no line within {timeout_s:.0f} s; its log ends:\n"
+                      f"{proc.log_tail()}")
 
 
 def _drain(popen: subprocess.Popen[bytes]) -> None:
