@@ -18,9 +18,14 @@ see each other, so parallel labs may reuse them)::
   source port when free) with address-and-port-dependent filtering (a
   "port-restricted cone", what most home routers do, and hole-punchable).
   ``Nat.SYMMETRIC`` is ``MASQUERADE --random-fully``: a fresh random public port
-  for every new connection, so each destination sees a different one. Both
-  routers drop every packet from the wan side that does not belong to a
-  connection the home opened, even one routed straight at the home's address.
+  for every new connection, so each destination sees a different one. Every
+  router drops, silently, each packet from the wan side that does not belong
+  to a connection its homes opened, even one routed straight at a home's
+  address, and never answers one itself (RFC 5382 REQ-4: a RST for an early
+  SYN would break TCP hole punching). Several homes may share one router
+  (:meth:`Lab.add_router`); they reach each other on its LAN.
+- **Partitions.** :meth:`Lab.cut` drops traffic between two sets of hosts,
+  :meth:`Lab.heal` lets it through again.
 - **Rate limits** are ``tc tbf`` on each end of a link: the home end's egress is
   the uplink, the other end's egress the downlink, so a link can be asymmetric.
 - **Latency and loss** come from user space, since this kernel has no ``netem``:
@@ -68,7 +73,6 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -81,6 +85,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pcp_p2p.errors import LocalError, PcpError, PeerTimeout
+from pcp_p2p.node.local_swarm import pcp_command
 
 T = TypeVar("T")
 
@@ -798,11 +803,6 @@ class Lab:
         self.forwarders.clear()
         _kill_and_delete(self.namespaces)  # also what a process left in them
         self.namespaces.clear()
-
-
-def pcp_command() -> list[str]:
-    """How to start ``pcp`` with this interpreter (works without the venv on PATH)."""
-    return [sys.executable, "-m", "pcp_p2p.cli"]
 
 
 def read_line(proc: LabProcess, timeout_s: float = START_TIMEOUT_S) -> str:
