@@ -4,7 +4,7 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all bench clean netlab-tools
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
@@ -16,10 +16,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/pcp swarm --workers 4 --rounds 20
 
-test: $(STAMP)
+# The network-lab tests (pytest -m netlab) need root, ip and iptables; install iptables
+# when we are root with apt, and go on without it otherwise (those tests then skip).
+netlab-tools:
+	-@if [ "$$(id -u)" = 0 ] && ! command -v iptables >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null) \
+		|| echo "netlab: could not install iptables; its tests will skip"; fi
+
+test: $(STAMP) netlab-tools
 	$(VENV)/bin/python -m pytest
 
-test-all: $(STAMP)
+test-all: $(STAMP) netlab-tools
 	$(VENV)/bin/python -m pytest -m ''
 
 clean:
