@@ -45,9 +45,11 @@ Every peer is a stranger
   suspicion timer, the subject hears of it and refutes, and this node itself
   decides when the timer runs out. A stranger spreading "everyone is dead" makes
   nodes re-sign their records; it does not empty views.
-- Views are bounded (``max_view``); a full view takes a newcomer by replacing a
-  random member half the time, so it stays a random sample of the swarm and
-  Sybil identities cannot pin it. Members that share a run with this node
+- Views are bounded (``max_view``); a full view takes a newcomer in place of a
+  random member only when the newcomer contacted this node itself (a ping carries
+  the prober's record until the target holds it), not for records it merely hears
+  of: views stay nearly symmetric, so every node is held, and probed, by about as
+  many nodes as it holds, whatever the swarm's size. Members that share a run with this node
   (:meth:`Membership.set_interest`) are never evicted: the run's roster is
   tracked exactly, the rest of the planet by sample.
 - Tombstones (bounded) keep a dead incarnation from being resurrected by a late
@@ -130,7 +132,9 @@ class SwimPacket(Message):
 
     ``ping``: is the receiver alive? ``target`` names the receiver and
     ``known_boot``/``known_seq`` say which of its records the sender holds, so the
-    ack carries the receiver's record only when the sender is behind.
+    ack carries the receiver's record only when the sender is behind; an ``ack``'s
+    say which of the prober's records the receiver holds, so the next ping carries
+    the prober's record only while the receiver lacks it.
     ``ping_req``: ping ``target`` for me; answered by ``ack`` (target answered)
     or ``nack``. ``sync``: a sample of signed records, answered by a sample.
     """
@@ -217,6 +221,9 @@ class Member:
     last_seen: float  # last evidence of life, on the pump's clock
     suspect_since: float | None = None
     suspecters: set[str] = field(default_factory=set)
+    # Our incarnation this member said it holds (its acks carry it): a ping carries our own
+    # record until it does, so whom we probe comes to hold us too (see _make_room).
+    knows_me: tuple[int, int] = (0, 0)
 
     @property
     def incarnation(self) -> tuple[int, int]:
@@ -362,7 +369,9 @@ class Membership:
             if me is not None and self.announce and me.incarnation > (packet.known_boot, packet.known_seq):
                 mine = Gossip("alive", self.self_peer_id, *me.incarnation, me.signed_bytes)
                 updates = (mine, *[u for u in updates if u.peer_id != self.self_peer_id])
-            return self._count(SwimPacket("ack", packet.probe, self.self_peer_id, updates=updates)), None, events
+            held = self._members.get(sender)
+            b, s = held.incarnation if held is not None else (0, 0)
+            return self._count(SwimPacket("ack", packet.probe, self.self_peer_id, b, s, updates)), None, events
         if packet.kind == "sync":
             reply = self._sync_packet()
             tomb = self._tombstones.get(sender)
@@ -396,14 +405,20 @@ class Membership:
         self.stats.received += 1
         events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync")
         self._heard_from(sender, now)
+        if packet.kind == "ack" and packet.target == sender:
+            # The member itself answered over an authenticated stream (a probe, or the
+            # buddy ping that told a suspect it is suspected): proof of life here, now.
+            answered = self._members.get(sender)
+            if answered is not None and answered.suspect_since is not None:
+                self._clear_suspicion(answered)
         probe = self._probe
         if packet.kind == "ack" and probe is not None and packet.probe == probe.id and packet.target == probe.target:
             # Direct (sender is the target) or relayed by a helper we asked.
             target = self._members.get(probe.target)
             if target is not None:
                 target.last_seen = now
-                if target.suspect_since is not None and sender == probe.target:
-                    self._clear_suspicion(target)
+                if sender == probe.target:
+                    target.knows_me = (packet.known_boot, packet.known_seq)
             self._probe = None
             self._health = max(0, self._health - 1)
         return events
@@ -572,7 +587,7 @@ class Membership:
             self._enqueue(Gossip("dead", g.peer_id, *inc), force=True)
         current = self._members.get(g.peer_id)
         if current is None:
-            if not self._make_room(g.peer_id, fresh.record, now, events):
+            if not self._make_room(g.peer_id, fresh.record, now, events, direct=sender == g.peer_id):
                 self._relay_unknown(g)  # not in our view, but others may hold it: pass it on once
                 return
             fresh.last_seen = now
@@ -727,6 +742,13 @@ class Membership:
         updates = self._piggyback()
         if about and about[0] not in updates:  # what we say about it goes to it first (a chance to refute)
             updates = (about[0], *updates[: self.config.max_piggyback - 1])
+        me = self._self
+        if (me is not None and self.announce and target.knows_me < me.incarnation
+                and self._members.get(target.record.peer_id) is target):
+            # Introduce ourselves to whom we probe: a full view admits a newcomer only on
+            # such direct contact, which keeps views (nearly) symmetric (see _make_room).
+            card = Gossip("alive", self.self_peer_id, *me.incarnation, me.signed_bytes)
+            updates = (card, *[u for u in updates if u.peer_id != self.self_peer_id][: self.config.max_piggyback - 1])
         packet = SwimPacket("ping", probe, target.record.peer_id, b, s, updates)
         return Send(target.record.peer_id, target.record.addrs, self._count(packet), timeout_s)
 
@@ -781,12 +803,23 @@ class Membership:
     def _protected(self, record: MemberRecord) -> bool:
         return bool(self._interest and (self._interest & (set(record.runs) | set(record.leads))))
 
-    def _make_room(self, peer_id: str, record: MemberRecord, now: float, events: list[MembershipEvent]) -> bool:
-        """Whether a newcomer enters the view; a full view swaps a random unprotected member half the time."""
+    def _make_room(self, peer_id: str, record: MemberRecord, now: float, events: list[MembershipEvent],
+                   *, direct: bool) -> bool:
+        """Whether a newcomer enters the view; a full view swaps out a random unprotected member
+        for a run-mate, or for a peer that contacted us itself (``direct``), and for no one else.
+
+        Why not also for peers we only heard of: a record that spreads swarm-wide (a
+        joiner, a refutation) then entered a share of *every* full view, evicting others at
+        random; in-degrees drifted apart (700 holders for one node, 14 for another, in a
+        2,000-node simulation), and a node few others hold is probed rarely, so its death
+        went unnoticed for a minute. Admitting on direct contact, with every ping carrying
+        the prober's record until the target holds it, keeps views nearly symmetric: each
+        node is held by about as many nodes as it holds, so it is probed about once a period.
+        """
         if len(self._members) < self.config.max_view:
             return True
         protected = self._protected(record)
-        if not protected and self.rng.random() < 0.5:
+        if not protected and not direct:
             return False
         victim = None
         members = list(self._members) if len(self._members) < 64 else None

@@ -404,7 +404,9 @@ class Node:
             if isinstance(ev, MemberJoined):
                 log.info("member joined: %s", ev.peer_id)
             elif isinstance(ev, MemberLeft):
-                log.info("member left: %s (%s, silent %.1f s)", ev.peer_id, ev.reason, ev.silent_s)
+                # an eviction from a full view is routine in a large swarm (it stays a member)
+                (log.debug if ev.reason == "evicted" else log.info)(
+                    "member left: %s (%s, silent %.1f s)", ev.peer_id, ev.reason, ev.silent_s)
 
     async def _swim_loop(self) -> None:
         """Tick the SWIM machine and carry out what it asks (probes, indirect probes, syncs)."""
