@@ -179,6 +179,40 @@ def test_full_view_is_bounded_and_run_mates_are_never_evicted() -> None:
     assert m.stats.evicted > 0
 
 
+def test_a_full_view_admits_those_who_contact_it_not_those_it_hears_of() -> None:
+    m = machine(max_view=4)
+    for _ in range(4):
+        ident = Identity.generate()
+        m.respond(ident.peer_id, SwimPacket("sync", updates=(alive(ident),)), 0.0)
+    assert len(m) - 1 == 4
+    heard_of, prober = Identity.generate(), Identity.generate()
+    m.respond(A.peer_id, SwimPacket("gossip", updates=(alive(heard_of),)), 1.0)  # a third party's news
+    assert heard_of.peer_id not in m and m.stats.evicted == 0
+    ack, _, _ = m.respond(prober.peer_id, SwimPacket("ping", 3, SELF.peer_id, updates=(alive(prober),)), 2.0)
+    assert prober.peer_id in m and len(m) - 1 == 4 and m.stats.evicted == 1
+    assert ack is not None and (ack.known_boot, ack.known_seq) == (1_000_000, 1)  # "I hold your record now"
+
+
+def test_a_ping_carries_our_record_until_the_target_holds_it_and_a_direct_ack_clears_suspicion() -> None:
+    m = machine(ping_timeout_s=1.0, probe_timeout_s=3.0)
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
+    m.settle()  # nothing queued to spread: what a ping carries is its own choice
+    effects, _ = m.tick(1.0)
+    ping = next(e for e in effects if isinstance(e, Send)).packet
+    assert ping.kind == "ping" and any(g.peer_id == SELF.peer_id and g.kind == "alive" for g in ping.updates)
+    m.receive(A.peer_id, SwimPacket("ack", ping.probe, A.peer_id, 1_000_000, 1), 1.1)  # A now holds us
+    effects, _ = m.tick(3.0)
+    ping = next(e for e in effects if isinstance(e, Send)).packet
+    assert not any(g.peer_id == SELF.peer_id for g in ping.updates)
+    m.tick(5.0)  # ping unanswered, then ping_req unanswered
+    effects, _ = m.tick(7.0)
+    assert m.get(A.peer_id).suspect_since is not None  # type: ignore[union-attr]
+    buddy = [e.packet for e in effects if isinstance(e, Send) and e.packet.kind == "ping"]
+    assert buddy  # the suspect is told at once
+    m.receive(A.peer_id, SwimPacket("ack", buddy[-1].probe, A.peer_id), 7.2)
+    assert m.get(A.peer_id).suspect_since is None  # type: ignore[union-attr]
+
+
 # -- many real machines on an in-memory network ------------------------------------------
 
 
