@@ -361,7 +361,8 @@ class Membership:
         if packet.kind == "ping" and packet.target != self.self_peer_id:
             raise MalformedMessage(f"swim: ping for {packet.target[-8:]} sent to {self.self_peer_id[-8:]}")
         self.stats.received += 1
-        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync")
+        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync",
+                              introduction=packet.kind == "ping")
         self._heard_from(sender, now)
         if packet.kind == "ping":
             updates = self._piggyback()
@@ -522,7 +523,8 @@ class Membership:
 
     # -- internals: gossip -------------------------------------------------------------
 
-    def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float, *, spread: bool = True) -> list[MembershipEvent]:
+    def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float, *, spread: bool = True,
+                introduction: bool = False) -> list[MembershipEvent]:
         """Apply piggybacked changes, each on its own.
 
         A bad update (forged, expired, malformed) is refused alone and kept in
@@ -537,7 +539,11 @@ class Membership:
             key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
             # In a sync, the sender introducing itself is news (a joiner's record
             # reaches the swarm through its bootstrap server); the rest is a sample.
-            self._spreading = (spread or g.peer_id == sender) and key not in self._seen
+            # A prober's own record in its ping introduces it to us alone: not news to
+            # spread (a new incarnation of it is spread by the prober itself).
+            own = g.peer_id == sender
+            news = not own if introduction else spread or own
+            self._spreading = news and key not in self._seen
             if self._spreading:
                 self._seen[key] = None
                 if len(self._seen) > 8 * self.config.max_queue:
