@@ -68,6 +68,10 @@ async def test_thirty_two_idle_nodes_stay_stable_for_five_minutes_and_a_killed_o
         before = _left_lines(swarm)
         await trio.sleep(300)  # the measured window itself, not a wait for an event
         views = await swarm.views(timeout=30)
+        for p in swarm.workers:  # 32 status calls at once can time out on 2 cores: ask those alone
+            if views.get(p.peer_id) is None:
+                views.update(await swarm.views([p], timeout=60))
+        assert None not in views.values(), "a node did not answer its status request"
         assert all(v == ids for v in views.values()), "a view changed during the idle window"
         assert _left_lines(swarm) == before, "a member left and came back (a flap) while idle"
         victim = swarm.workers[7]
