@@ -17,6 +17,7 @@ from pcp_p2p.compile import iree_compile
 from pcp_p2p.diloco import engine
 from pcp_p2p.diloco.election import FollowShepherd, StepDown
 from pcp_p2p.diloco.reputation import ReputationLedger
+from pcp_p2p.diloco.run_effects import SetUpEnded
 from pcp_p2p.diloco.run_machine import RunMachine
 from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import parse_spec
@@ -140,7 +141,7 @@ async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkey
             m = rt.machine
             rt._carry_out(m._run(1000.0, lambda: m._election(effects, 1000.0)))  # the election's effects
             ended = await rt._inbox.receive()
-            assert ended == ("setup_ended", 4)  # the set-up task ended
+            assert ended == SetUpEnded(4)  # the set-up task ended
             rt._dispatch(ended)
     assert await trio.to_thread.run_sync(stopped.wait, 10)  # and the build thread was told to stop
     assert rt._become_scope is None and not rt.machine.becoming

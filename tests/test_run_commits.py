@@ -11,6 +11,7 @@ import trio.testing
 from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.messages import CommitRecord, sign
 from pcp_p2p.diloco.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
+from pcp_p2p.diloco.run_effects import MessageIn
 from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.node.identity import Identity
@@ -104,7 +105,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
     with pytest.raises(NotElected):
         await rt.deliver(stranger.identity.peer_id, commit(stranger))
-    assert fetched == [] and inbox.receive_nowait()[0] == "msg"
+    assert fetched == [] and isinstance(inbox.receive_nowait(), MessageIn)
     # following the shepherd's term: a stranger's commit for it can never hold, refused outright
     rt, inbox = delivering_runtime(following(shepherd), set())
     rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
@@ -137,4 +138,4 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
 
     rt._replicate_checkpoint = fetched  # type: ignore[method-assign]
     await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
-    assert inbox.receive_nowait() == ("msg", shepherd.identity.peer_id, rec)
+    assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)

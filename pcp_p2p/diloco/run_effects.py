@@ -1,4 +1,11 @@
-"""What the run machine (:class:`~pcp_p2p.diloco.run_machine.RunMachine`) asks its pump to do.
+"""The run machine's typed inputs (events) and what it asks its pump to do (effects).
+
+Inputs: a pump posts one of the events below to its inbox when something happens
+(a message arrived, a fetch or an inner run ended, a lookup answered, the set-up
+of a term ended) and feeds each to :meth:`RunMachine.handle
+<pcp_p2p.diloco.run_machine.RunMachine.handle>` with the time.
+
+Effects:
 
 The round machines' effects (:mod:`~pcp_p2p.diloco.effects`) and the election's
 (:mod:`~pcp_p2p.diloco.election`) say what one machine needs; the run machine
@@ -16,9 +23,108 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from pcp_p2p.diloco.election import BecomeShepherd, Lease
 from pcp_p2p.diloco.messages import CommitRecord
+from pcp_p2p.errors import PcpError
 from pcp_p2p.wire import Message
+
+if TYPE_CHECKING:
+    from pcp_p2p.diloco.run_machine import Member
+    from pcp_p2p.diloco.shepherd import Shepherd
+    from pcp_p2p.diloco.worker import InnerResult
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MessageIn:
+    """``message`` from ``sender`` (authenticated by the transport), or an owner's record looked up."""
+
+    sender: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class BlobIn:
+    """The blob ``cid`` a ``Fetch`` for ``who`` asked for."""
+
+    who: str
+    cid: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class BlobFailed:
+    who: str
+    cid: str
+    error: PcpError
+
+
+@dataclass(frozen=True)
+class InnerDone:
+    result: InnerResult
+
+
+@dataclass(frozen=True)
+class InnerFailed:
+    round: int
+    attempt: int
+    error: PcpError
+
+
+@dataclass(frozen=True)
+class CommitLookedUp:
+    """What a ``LookUpCommit`` found (``None``: nothing, or the lookup failed)."""
+
+    record: CommitRecord | None
+    for_election: bool
+
+
+@dataclass(frozen=True)
+class LeaseLookedUp:
+    lease: Lease | None
+
+
+@dataclass(frozen=True)
+class MembersSeen:
+    """The live members now (a pump reports them about once a second)."""
+
+    members: list[Member]
+
+
+@dataclass(frozen=True)
+class Replicated:
+    """A ``ReplicateCommit`` ended: ``acked`` hold the checkpoint (empty: the timeout passed)."""
+
+    commit: CommitRecord
+    acked: list[str]
+
+
+@dataclass(frozen=True)
+class ShepherdBuilt:
+    """A ``SetUpShepherd`` built its shepherd."""
+
+    shepherd: Shepherd
+
+
+@dataclass(frozen=True)
+class SetUpEnded:
+    """The set-up of ``term`` is over (built, failed or cancelled)."""
+
+    term: int
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing happened: only wakes the pump's loop (the run ended)."""
+
+
+Event = (MessageIn | BlobIn | BlobFailed | InnerDone | InnerFailed | CommitLookedUp | LeaseLookedUp
+         | MembersSeen | Replicated | ShepherdBuilt | SetUpEnded | Wake)
+
+# --- effects ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,19 @@ from pcp_p2p.diloco.messages import CommitRecord, Join, Leave, RoundAnnouncement
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.run_effects import (
     Audit,
+    BlobFailed,
+    BlobIn,
+    CommitLookedUp,
+    Event,
+    InnerDone,
+    InnerFailed,
+    LeaseLookedUp,
+    MembersSeen,
+    MessageIn,
+    Replicated,
+    SetUpEnded,
+    ShepherdBuilt,
+    Wake,
     CancelSetUp,
     CommitAccepted,
     Fetch,
@@ -219,6 +232,33 @@ class RunMachine:
         return self.identity.peer_id
 
     # -- inputs ---------------------------------------------------------------------------
+
+    def handle(self, ev: Event, now: float) -> list[Any]:
+        """Feed one typed input (what a pump posts to its inbox) at ``now``; the effects."""
+        if isinstance(ev, MessageIn):
+            return self.on_message(ev.sender, ev.message, now)
+        if isinstance(ev, BlobIn):
+            return self.on_blob(ev.who, ev.cid, ev.data, now)
+        if isinstance(ev, BlobFailed):
+            return self.on_blob_failed(ev.who, ev.cid, ev.error, now)
+        if isinstance(ev, InnerDone):
+            return self.on_inner_done(ev.result, now)
+        if isinstance(ev, InnerFailed):
+            return self.on_inner_failed(ev.round, ev.attempt, ev.error, now)
+        if isinstance(ev, CommitLookedUp):
+            return self.on_commit_lookup(ev.record, ev.for_election, now)
+        if isinstance(ev, LeaseLookedUp):
+            return self.on_lease_lookup(ev.lease, now)
+        if isinstance(ev, MembersSeen):
+            return self.on_members(ev.members, now)
+        if isinstance(ev, Replicated):
+            return self.on_replicated(ev.commit, ev.acked, now)
+        if isinstance(ev, ShepherdBuilt):
+            return self.shepherd_built(ev.shepherd, now)
+        if isinstance(ev, SetUpEnded):
+            return self.setup_ended(ev.term, now)
+        assert isinstance(ev, Wake), ev
+        return []
 
     def restore(self, lease: Lease) -> None:
         """The lease this node accepted last before it stopped (its anchor); raises if it is bad."""
@@ -675,9 +715,14 @@ class RunMachine:
             first = next((i for i, e in enumerate(effects) if isinstance(e, Send)
                           and isinstance(e.message, CommitRecord) and e.to != self.peer_id), None)
             if first is not None:
+                commit = effects[first].message
+                # From the commit's own Committed on (its DHT record, our election's view of
+                # it): a commit held is nowhere, or a node reading the DHT would follow a
+                # commit whose checkpoint died with this node.
+                first = next((i for i, e in enumerate(effects[:first]) if isinstance(e, Committed)
+                              and e.record is commit), first)
                 self._round_now(who, effects[:first], now)
                 self._held = [effects[first:]]
-                commit = effects[first].message
                 peers = [e.to for e in self._held[0] if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
                 # Workers that just submitted to this round are the likeliest to be alive.

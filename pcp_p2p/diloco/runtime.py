@@ -53,6 +53,19 @@ from pcp_p2p.diloco.run_blobs import PINS_FILE, RunBlobs
 from pcp_p2p.diloco.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
 from pcp_p2p.diloco.run_effects import (
     Audit,
+    BlobFailed,
+    BlobIn,
+    CommitLookedUp,
+    Event,
+    InnerDone,
+    InnerFailed,
+    LeaseLookedUp,
+    MembersSeen,
+    MessageIn,
+    Replicated,
+    SetUpEnded,
+    ShepherdBuilt,
+    Wake,
     CancelSetUp,
     CommitAccepted,
     Fetch,
@@ -119,7 +132,7 @@ class RunRuntime:
         self.dataset: CharDataset | None = None
         self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
         self.finished = trio.Event()
-        self._send, self._inbox = trio.open_memory_channel[tuple](1000)
+        self._send, self._inbox = trio.open_memory_channel[Event](1000)
         self._nursery: trio.Nursery | None = None
         self._cancel: dict[tuple[int, int], threading.Event] = {}
         self._become_scope: trio.CancelScope | None = None  # cancels the set-up (the election went elsewhere)
@@ -181,7 +194,7 @@ class RunRuntime:
                 self.machine.vouch_commit(msg)  # refused outright (not acked) if it can never hold
             except HeldBack as exc:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
-                self._send.send_nowait(("msg", sender, msg))
+                self._send.send_nowait(MessageIn(sender, msg))
                 raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
@@ -190,7 +203,7 @@ class RunRuntime:
                 # nobody else holds must not become the round the next term starts from.
                 raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
                                 f"from {sender}; not accepted")
-        self._send.send_nowait(("msg", sender, msg))
+        self._send.send_nowait(MessageIn(sender, msg))
 
     def stop(self, order: StopOrder, now: float) -> None:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
@@ -256,7 +269,7 @@ class RunRuntime:
     async def _members_loop(self) -> None:
         """The membership view, once a second: the machine decides what follows from it."""
         while True:
-            self._send.send_nowait(("members",))
+            self._send.send_nowait(MembersSeen(self._members()))
             await trio.sleep(1.0)
 
     def _members(self) -> list[Member]:
@@ -264,33 +277,8 @@ class RunRuntime:
                        m.record.role == "worker", self.run_id in m.record.runs)
                 for m in self.node.membership.live()]
 
-    def _dispatch(self, item: tuple) -> None:
-        m, now, kind = self.machine, self.clock(), item[0]
-        if kind == "msg":
-            out = m.on_message(item[1], item[2], now)
-        elif kind == "blob":
-            out = m.on_blob(item[1], item[2], item[3], now)
-        elif kind == "blob_failed":
-            out = m.on_blob_failed(item[1], item[2], item[3], now)
-        elif kind == "inner_done":
-            out = m.on_inner_done(item[1], now)
-        elif kind == "inner_failed":
-            out = m.on_inner_failed(item[1], item[2], item[3], now)
-        elif kind == "commit_lookup":
-            out = m.on_commit_lookup(item[1], item[2], now)
-        elif kind == "lease_lookup":
-            out = m.on_lease_lookup(item[1], now)
-        elif kind == "members":
-            out = m.on_members(self._members(), now)
-        elif kind == "replicated":
-            out = m.on_replicated(item[1], item[2], now)
-        elif kind == "shepherd_built":
-            out = m.shepherd_built(item[1], now)
-        elif kind == "setup_ended":
-            out = m.setup_ended(item[1], now)
-        else:  # "stopped": only wakes the loop
-            out = []
-        self._carry_out(out)
+    def _dispatch(self, ev: Event) -> None:
+        self._carry_out(self.machine.handle(ev, self.clock()))
 
     # -- effects --------------------------------------------------------------------------
 
@@ -301,7 +289,7 @@ class RunRuntime:
                 log.debug("effect %s", _describe(e))
             if isinstance(e, Send):
                 if e.to == self.node.peer_id:
-                    self._send.send_nowait(("msg", self.node.peer_id, e.message))
+                    self._send.send_nowait(MessageIn(self.node.peer_id, e.message))
                 else:
                     n.start_soon(self.send_to, e.to, e.message)  # type: ignore[union-attr]
             elif isinstance(e, StoreBlob):
@@ -362,7 +350,7 @@ class RunRuntime:
         if e.final_theta_cid is not None:
             self.io.release_run_pins(e.final_theta_cid)
         self.finished.set()
-        self._send.send_nowait(("stopped",))  # wakes the main loop, which then ends
+        self._send.send_nowait(Wake())  # wakes the main loop, which then ends
 
     def reject(self, peer: str, exc: PcpError, counted: bool = False) -> None:
         if not counted:
@@ -432,7 +420,7 @@ class RunRuntime:
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await done.wait()
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
-        self._send.send_nowait(("replicated", commit, list(acked)))
+        self._send.send_nowait(Replicated(commit, list(acked)))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
         """Hold the latest committed checkpoints so any candidate can take over the run."""
@@ -455,15 +443,15 @@ class RunRuntime:
         await self.records.publish_lease(lease, self.spec.election.lease_s)
 
     async def _lookup_commit(self, for_election: bool) -> None:
-        self._send.send_nowait(("commit_lookup", await self.records.lookup_commit(), for_election))
+        self._send.send_nowait(CommitLookedUp(await self.records.lookup_commit(), for_election))
 
     async def _lookup_lease(self) -> None:
-        self._send.send_nowait(("lease_lookup", await self.records.lookup_lease()))
+        self._send.send_nowait(LeaseLookedUp(await self.records.lookup_lease()))
 
     async def _lookup_owner_record(self, kind: str) -> None:
         found = await self.records.lookup_owner_record(kind)
         if isinstance(found, OWNER_RECORDS[kind]):
-            self._send.send_nowait(("msg", self.run.owner, found))
+            self._send.send_nowait(MessageIn(self.run.owner, found))
 
     def state_bound(self, copies: int) -> int:
         """The most bytes ``copies`` fp32 copies of θ can weigh (θ or a Δ: 1; a checkpoint,
@@ -483,9 +471,9 @@ class RunRuntime:
             if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
-            self._send.send_nowait(("blob_failed", who, cid, exc))
+            self._send.send_nowait(BlobFailed(who, cid, exc))
             return
-        self._send.send_nowait(("blob", who, cid, data))
+        self._send.send_nowait(BlobIn(who, cid, data))
 
     def _is_artifact(self, cid: str) -> bool:
         w = self.machine.worker
@@ -525,11 +513,11 @@ class RunRuntime:
                 raise VerificationError("no verified artifact is loaded")
             result = await trio.to_thread.run_sync(self.engine.run, eff, cancel)
         except PcpError as exc:
-            self._send.send_nowait(("inner_failed", eff.round, eff.attempt, exc))
+            self._send.send_nowait(InnerFailed(eff.round, eff.attempt, exc))
             return
         finally:
             self._cancel.pop((eff.round, eff.attempt), None)
-        self._send.send_nowait(("inner_done", result))
+        self._send.send_nowait(InnerDone(result))
 
     # -- setting a term up (compiling) --------------------------------------------------------
 
@@ -610,7 +598,7 @@ class RunRuntime:
                 self._become_scope = None
             err = self.machine.setup_error
             self.node.state = f"{SETUP_FAILED}: {err}" if err else "training"
-            self._send.send_nowait(("setup_ended", eff.term))
+            self._send.send_nowait(SetUpEnded(eff.term))
 
     async def _become_with_retries(self, eff: BecomeShepherd) -> None:
         """Set up the term, up to three times while the term is still ours."""
@@ -618,7 +606,7 @@ class RunRuntime:
             try:
                 shepherd = await self._become_shepherd(eff)
                 self.machine.setup_failed(None)
-                self._send.send_nowait(("shepherd_built", shepherd))
+                self._send.send_nowait(ShepherdBuilt(shepherd))
                 break
             except PcpError as exc:
                 still_mine = self.machine.still_holds(eff.term)

@@ -1,0 +1,75 @@
+"""Five run machines over the in-memory network, through a kill at every phase of a round and an election.
+
+The machines are the real :class:`~pcp_p2p.diloco.run_machine.RunMachine` (real election,
+worker and shepherd, signatures, CIDs and codec); the pump is
+:mod:`pcp_p2p.testing.run_harness` on trio's ``MockClock``. Each kill strikes the first
+node to reach its phase, which restarts a few virtual seconds later from what it kept
+on disk; the run must still commit every round exactly once on one chain, and every
+live node must end on the final θ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pcp_p2p.diloco.spec import parse_spec
+from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill
+from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
+
+ROUNDS = 12
+SPEC = parse_spec(
+    f"""
+[inner]
+lr = 0.02
+batch_size = 4
+seq_len = 8
+[round]
+time_budget_s = 10.0
+deadline_s = 20.0
+max_inner_steps = 20
+rounds = {ROUNDS}
+min_quorum = 2
+[aggregation]
+score_tolerance = 0.25
+val_jump = 0.0
+"""
+)
+# One kill per phase, in the order a run meets them: the election's three first (the
+# first node to start, the first claimant, the first to compile), then one per round.
+KILLS = (
+    Kill("settling"), Kill("claimed"), Kill("compiling"),
+    *(Kill(phase, round=r) for r, phase in enumerate(KILL_PHASES[3:], start=1)),
+)
+
+
+def check(r: SwarmResult) -> None:
+    assert r.finished, f"not finished: chain {[(c.term, c.round) for c in r.chain]}, killed {r.killed}"
+    assert r.final is not None and r.final.round == ROUNDS - 1
+    assert [c.round for c in r.chain] == list(range(ROUNDS))  # every round once, on one chain
+    for a, b in zip(r.chain, r.chain[1:]):
+        assert b.prev_theta_cid == a.theta_cid and b.term >= a.term
+    assert set(r.theta_cids.values()) == {r.final.theta_cid}  # every live node on the final θ
+    assert set(r.ended.values()) == {"finished"}
+    assert r.val_losses[-1] < 0.5 * r.initial_val_loss  # training made progress across the kills
+
+
+def test_a_kill_at_every_phase_of_a_round_and_an_election() -> None:
+    assert {k.phase for k in KILLS} == set(KILL_PHASES)
+    r = run_swarm_sync(SwarmConfig(spec=SPEC, nodes=5, plan=FaultPlan(seed=1, kills=KILLS)))
+    check(r)
+    assert [phase for _, phase in r.killed] == [k.phase for k in KILLS]  # each struck, in order
+    assert r.restarts == len(KILLS)  # and each killed node came back and caught up
+    terms = {c.term for c in r.chain}
+    assert len(terms) >= 3  # the shepherd kills forced failovers
+
+
+def test_lossy_network_without_kills_commits_every_round() -> None:
+    plan = FaultPlan(seed=2, drop=0.05, duplicate=0.05, delay=(0.01, 0.3))
+    check(run_swarm_sync(SwarmConfig(spec=SPEC, nodes=5, plan=plan)))
+
+
+def test_a_kill_that_never_restarts_leaves_four_nodes_that_finish() -> None:
+    plan = FaultPlan(seed=3, kills=(Kill("replicating", round=2, restart_after=None),))
+    r = run_swarm_sync(dataclasses.replace(SwarmConfig(spec=SPEC), plan=plan))
+    check(r)
+    assert len(r.theta_cids) == 4 and r.restarts == 0
