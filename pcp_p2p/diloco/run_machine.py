@@ -21,8 +21,10 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   are refused.
 - **A lost term's set-up is cancelled** (``CancelSetUp``) as soon as another node
   holds it or this one steps down.
-- **No new term after the last round**: once the run's final commit is known, a
-  lapsed lease means nothing (``PublishLease``/``BecomeShepherd`` are dropped).
+- **No new term after the last round**: the election knows the run's length
+  (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
+  a lease or a term any input would still publish or set up is dropped here
+  (``PublishLease``/``BecomeShepherd``: a holder does not renew a finished run).
 - **The election's settling waits for its own lookups only**: a claim waits until
   every lease and commit lookup it asked for answered (``on_lookups_done``).
 - **Catch-up after a restart**: the run's last commit, which no live lease vouches
@@ -67,6 +69,7 @@ trio's ``MockClock``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -222,8 +225,9 @@ class RunMachine:
         target: str | None, tokens_per_s: float, started_at: float, config: ElectionConfig | None = None,
     ) -> RunMachine:
         """A machine for an already verified ``spec`` (the runtime verifies the signed spec itself)."""
+        config = election_config(spec) if config is None else dataclasses.replace(config, rounds=spec.round.rounds)
         return cls(spec=spec, run_id=run_id, owner=owner, identity=identity,
-                   election=Election(run_id, identity, config or election_config(spec)),
+                   election=Election(run_id, identity, config),
                    admission=Admission(run_id, owner, spec.admission, bans=ledger), ledger=ledger,
                    target=target, tokens_per_s=tokens_per_s, started_at=started_at)
 
@@ -809,4 +813,5 @@ def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig
         lease_s=e.lease_s, renew_every_s=e.renew_every_s, grace_s=e.grace_s,
         min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
         settle_s=settle_s, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(spec),
+        rounds=spec.round.rounds,
     ).validate()

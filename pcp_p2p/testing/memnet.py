@@ -58,6 +58,7 @@ class Kill:
     round: int = 0
     restart_after: float | None = 5.0
     node: int | None = None  # only this node (index); None: the first to reach the phase
+    hang_s: float = 0.0  # instead of dying, hang this long and resume as it was (a zombie)
 
 
 @dataclass(frozen=True)

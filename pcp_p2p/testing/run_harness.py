@@ -125,14 +125,20 @@ class MemNode:
     nursery: trio.Nursery | None = None
     lease: Lease | None = None  # its "disk": the last lease it accepted
     ended: str | None = None
-    dead_since: float | None = None
+    hung_until: float | None = None  # hung (alive, deaf and mute) until then; then a zombie
+    deferred: list[Any] | None = None  # the effects a hang interrupted: carried out when it wakes
+
+    @property
+    def up(self) -> bool:
+        """Running and answering (neither dead nor hung)."""
+        return self.alive and self.hung_until is None
 
     @property
     def peer_id(self) -> str:
         return self.identity.peer_id
 
     def post(self, ev: Event) -> None:
-        if self.alive and self.inbox is not None:
+        if self.alive and self.inbox is not None:  # a hung node finds it when it wakes
             self.inbox.send_nowait(ev)
 
 
@@ -161,6 +167,7 @@ class RunSwarm:
                       for i in range(cfg.nodes)]
         self.by_id = {n.peer_id: n for n in self.nodes}
         self.world: trio.Nursery | None = None
+        self._invisible_since: dict[tuple[str, str], float] = {}
 
     # --- nodes ---------------------------------------------------------------------------
 
@@ -178,7 +185,7 @@ class RunSwarm:
     async def node_loop(self, node: MemNode) -> None:
         send, recv = trio.open_memory_channel[Event](math.inf)
         now = trio.current_time()
-        node.inbox, node.alive, node.started_at, node.dead_since, node.ended = send, True, now, None, None
+        node.inbox, node.alive, node.started_at, node.ended, node.hung_until = send, True, now, None, None
         self.blobs.alive.add(node.peer_id)
         self.blobs.put(node.peer_id, self.artifact_cid, SIM_ARTIFACT)  # every node built the artifact
         m = node.machine = self._machine(node, now)
@@ -186,10 +193,20 @@ class RunSwarm:
             node.scope = scope
             async with trio.open_nursery() as nursery:
                 node.nursery = nursery
-                if self._carry_out(node, m.start(now), None):
+                if self._carry_out(node, m.start(now), None) == "kill":
                     return
                 nursery.start_soon(self._members_loop, node)
                 while not m.finished:
+                    if node.hung_until is not None:
+                        await trio.sleep_until(node.hung_until)
+                        node.hung_until = None
+                        self.blobs.alive.add(node.peer_id)
+                        # it wakes inside its machines: finishes what it was doing and acts on
+                        # the passed deadlines before it hears anything (what fencing must stop)
+                        deferred, node.deferred = node.deferred or [], None
+                        if self._carry_out(node, deferred + m.tick(trio.current_time()), None) == "kill":
+                            return
+                        continue
                     wake = m.next_wakeup
                     now = trio.current_time()
                     # a wakeup already past (a worker training) must not spin: look again in 0.5 s
@@ -198,25 +215,52 @@ class RunSwarm:
                     with trio.move_on_at(at):
                         ev = await recv.receive()
                     now = trio.current_time()
-                    if self._carry_out(node, m.handle(ev, now) if ev is not None else m.tick(now), ev):
+                    if self._carry_out(node, m.handle(ev, now) if ev is not None else m.tick(now), ev) == "kill":
                         return
                     self._check_done()
                 nursery.cancel_scope.cancel()  # the run is over here; the node stays up (its blobs)
 
     async def _members_loop(self, node: MemNode) -> None:
         while True:
-            node.post(MembersSeen(self._view(trio.current_time())))
+            if node.up:
+                node.post(MembersSeen(self.view_of(node, trio.current_time())))
             await trio.sleep(1.0)
 
-    def _view(self, now: float) -> list[Member]:
-        lag = self.cfg.membership_lag_s
-        return [Member(n.peer_id, n.started_at) for n in self.nodes
-                if n.alive or (n.dead_since is not None and now - n.dead_since < lag)]
+    def view_of(self, node: MemNode, now: float) -> list[Member]:
+        """The members ``node`` sees: each peer up and reachable, and for ``membership_lag_s``
+        after it stops being so (a member record's suspicion and lifetime)."""
+        out = []
+        for other in self.nodes:
+            key = (node.peer_id, other.peer_id)
+            if other.up and self.net.reachable(node.peer_id, other.peer_id):
+                self._invisible_since.pop(key, None)
+            elif now - self._invisible_since.setdefault(key, now) >= self.cfg.membership_lag_s:
+                continue
+            out.append(Member(other.peer_id, other.started_at))
+        return out
 
     # --- the pump ------------------------------------------------------------------------
 
-    def _carry_out(self, node: MemNode, effects: list[Any], ev: Event | None) -> bool:
-        """Carry ``effects`` out; True if a planned kill struck this node here."""
+    def _carry_out(self, node: MemNode, effects: list[Any], ev: Event | None) -> str | None:
+        """Carry ``effects`` out, unless a planned fault strikes this node here: then only those
+        before its cut, and the fault's action (``"kill"``, ``"hang"``)."""
+        cut, fault = self.fault(node, effects, ev)
+        if fault is not None and fault.hang_s:  # paused mid-input: the rest waits for the wake
+            self._carry_out_now(node, effects[:cut])
+            node.deferred = effects[cut:]
+        else:
+            self._carry_out_now(node, effects if fault is None else effects[:cut])
+        if fault is None:
+            return None
+        self.killed.append((node.peer_id, fault.phase))
+        if fault.hang_s:
+            node.hung_until = trio.current_time() + fault.hang_s
+            self.blobs.alive.discard(node.peer_id)
+            return "hang"
+        self.kill(node, fault.restart_after)
+        return "kill"
+
+    def _carry_out_now(self, node: MemNode, effects: list[Any]) -> None:
         n = node.nursery
         assert n is not None and self.world is not None
         me = node.peer_id
@@ -259,7 +303,6 @@ class RunSwarm:
                 self.rejected.append((me, e.peer, e.error))
             # Leads, ReleasePins, CommitAccepted, CancelInner (a superseded result is ignored by
             # the worker), Audit, LookUpOwnerRecord, Stopped: nothing to do in memory
-        return self._strike(node, effects, ev)
 
     def send(self, src: str, dst: str, msg: Message) -> None:
         assert self.world is not None
@@ -274,6 +317,9 @@ class RunSwarm:
         """What the runtime's ``deliver`` does before the messenger acks; True: acknowledged."""
         node = self.by_id[dst]
         if not node.alive or node.machine is None or not self.net.reachable(sender, dst):
+            return False
+        if node.hung_until is not None:
+            node.post(MessageIn(sender, msg))  # read when it wakes; nobody acks meanwhile
             return False
         if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
             try:
@@ -349,13 +395,14 @@ class RunSwarm:
 
     # --- faults --------------------------------------------------------------------------
 
-    def _strike(self, node: MemNode, effects: list[Any], ev: Event | None) -> bool:
+    def fault(self, node: MemNode, effects: list[Any], ev: Event | None) -> tuple[int, Kill | None]:
+        """The planned fault that strikes ``node`` on ``effects`` (from ``ev``), if any, and how many
+        of the effects happen first (a :class:`Kill` strikes after all of them)."""
         for k in list(self.kills):
             if (k.node is None or k.node == node.index) and self.phase_hits(node, k, effects, ev):
                 self.kills.remove(k)
-                self.kill(node, k)
-                return True
-        return False
+                return len(effects), k
+        return len(effects), None
 
     def phase_hits(self, node: MemNode, k: Kill, effects: list[Any], ev: Event | None) -> bool:
         """Whether ``node``, having just produced ``effects`` from ``ev``, is at ``k.phase``."""
@@ -390,14 +437,13 @@ class RunSwarm:
                        for e in effects)
         return False
 
-    def kill(self, node: MemNode, k: Kill) -> None:
+    def kill(self, node: MemNode, restart_after: float | None) -> None:
         assert node.scope is not None and self.world is not None
-        self.killed.append((node.peer_id, k.phase))
-        node.alive, node.dead_since, node.setup_scope = False, trio.current_time(), None
+        node.alive, node.setup_scope = False, None
         self.blobs.alive.discard(node.peer_id)
         node.scope.cancel()
-        if k.restart_after is not None:
-            self.world.start_soon(self._restart, node, k.restart_after)
+        if restart_after is not None:
+            self.world.start_soon(self._restart, node, restart_after)
 
     async def _restart(self, node: MemNode, after: float) -> None:
         await trio.sleep(after)
