@@ -19,6 +19,7 @@ from pcp_p2p.diloco.election import FollowShepherd, StepDown
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.run_effects import SetUpEnded
 from pcp_p2p.diloco.run_machine import RunMachine
+from pcp_p2p.diloco.run_setup import TermSetUp
 from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import parse_spec
 from pcp_p2p.errors import CompileCancelled, CompileError
@@ -108,7 +109,7 @@ def becoming_runtime() -> RunRuntime:
                                      ledger=ReputationLedger(Path("/nonexistent/ledger.json"), "run"),
                                      target=None, tokens_per_s=1.0, started_at=1000.0)
     rt.machine.becoming, rt.machine.becoming_term = True, 4  # as after BecomeShepherd(term=4)
-    rt._become_scope = None
+    rt.setup = TermSetUp(rt)
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
     return rt
 
@@ -127,13 +128,13 @@ async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkey
     rt = becoming_runtime()
 
     async def set_up(eff) -> None:  # type: ignore[no-untyped-def]
-        await rt._build_artifacts(["x86_64-v3"])
+        await rt.setup.build_artifacts(["x86_64-v3"])
         raise AssertionError("the set-up went on after the term was lost")
 
-    monkeypatch.setattr(rt, "_become_shepherd", set_up)
+    monkeypatch.setattr(rt.setup, "build", set_up)
     async with trio.open_nursery() as nursery:
         rt._nursery = nursery
-        nursery.start_soon(rt._run_become_shepherd, SimpleNamespace(term=4))
+        nursery.start_soon(rt.setup.run, SimpleNamespace(term=4))
         await trio.to_thread.run_sync(started.wait, 10)
         other = Identity.generate().peer_id
         effects = [StepDown(4, "deposed")] if lost == "deposed" else [FollowShepherd(4, other, 0, "")]
@@ -144,4 +145,4 @@ async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkey
             assert ended == SetUpEnded(4)  # the set-up task ended
             rt._dispatch(ended)
     assert await trio.to_thread.run_sync(stopped.wait, 10)  # and the build thread was told to stop
-    assert rt._become_scope is None and not rt.machine.becoming
+    assert rt.setup.scope is None and not rt.machine.becoming

@@ -38,15 +38,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
-from pcp_p2p.diloco.audit_desk import AuditDesk
-from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.departures import make_leave
 from pcp_p2p.diloco.effects import CancelInner, Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.election import BecomeShepherd, Election, Lease, PublishLease
-from pcp_p2p.diloco.lifecycle import COMPILING, SETUP_FAILED, STOP_FILE, STOP_KIND, STOPPED, StopOrder
+from pcp_p2p.diloco.election import Election, Lease, PublishLease
+from pcp_p2p.diloco.lifecycle import STOP_FILE, STOP_KIND, STOPPED, StopOrder
 from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, verify
-from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.run_audits import AuditClerk
 from pcp_p2p.diloco.run_blobs import PINS_FILE, RunBlobs
@@ -63,8 +60,6 @@ from pcp_p2p.diloco.run_effects import (
     MembersSeen,
     MessageIn,
     Replicated,
-    SetUpEnded,
-    ShepherdBuilt,
     Wake,
     CancelSetUp,
     CommitAccepted,
@@ -83,10 +78,9 @@ from pcp_p2p.diloco.run_effects import (
     Stopped,
 )
 from pcp_p2p.diloco.run_machine import Member, RunMachine, election_config
+from pcp_p2p.diloco.run_setup import TermSetUp
 from pcp_p2p.diloco.run_status import run_status
 from pcp_p2p.diloco.runs import KnownRun
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
 from pcp_p2p.wire import Message, decode, encode
 
@@ -135,10 +129,8 @@ class RunRuntime:
         self._send, self._inbox = trio.open_memory_channel[Event](1000)
         self._nursery: trio.Nursery | None = None
         self._cancel: dict[tuple[int, int], threading.Event] = {}
-        self._become_scope: trio.CancelScope | None = None  # cancels the set-up (the election went elsewhere)
-        self._evaluate: Any = None
+        self.setup = TermSetUp(self)  # compiling, when this node wins a term
         self._prewarmed = False
-        self._standby: list[Any] = []  # artifacts built and signed ahead of a takeover
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
 
     # -- what others read -----------------------------------------------------------------
@@ -194,7 +186,7 @@ class RunRuntime:
                 self.machine.vouch_commit(msg)  # refused outright (not acked) if it can never hold
             except HeldBack as exc:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
-                self._send.send_nowait(MessageIn(sender, msg))
+                self.post(MessageIn(sender, msg))
                 raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
@@ -203,7 +195,7 @@ class RunRuntime:
                 # nobody else holds must not become the round the next term starts from.
                 raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
                                 f"from {sender}; not accepted")
-        self._send.send_nowait(MessageIn(sender, msg))
+        self.post(MessageIn(sender, msg))
 
     def stop(self, order: StopOrder, now: float) -> None:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
@@ -269,13 +261,17 @@ class RunRuntime:
     async def _members_loop(self) -> None:
         """The membership view, once a second: the machine decides what follows from it."""
         while True:
-            self._send.send_nowait(MembersSeen(self._members()))
+            self.post(MembersSeen(self._members()))
             await trio.sleep(1.0)
 
     def _members(self) -> list[Member]:
         return [Member(m.record.peer_id, m.record.started_at, m.record.capabilities.can_compile,
                        m.record.role == "worker", self.run_id in m.record.runs)
                 for m in self.node.membership.live()]
+
+    def post(self, ev: Event) -> None:
+        """Queue an input for the machine (from an effect's task, or the network)."""
+        self._send.send_nowait(ev)
 
     def _dispatch(self, ev: Event) -> None:
         self._carry_out(self.machine.handle(ev, self.clock()))
@@ -289,7 +285,7 @@ class RunRuntime:
                 log.debug("effect %s", _describe(e))
             if isinstance(e, Send):
                 if e.to == self.node.peer_id:
-                    self._send.send_nowait(MessageIn(self.node.peer_id, e.message))
+                    self.post(MessageIn(self.node.peer_id, e.message))
                 else:
                     n.start_soon(self.send_to, e.to, e.message)  # type: ignore[union-attr]
             elif isinstance(e, StoreBlob):
@@ -319,9 +315,9 @@ class RunRuntime:
             elif isinstance(e, ReplicateCheckpoint):
                 n.start_soon(self._replicate_checkpoint, e.cid)  # type: ignore[union-attr]
             elif isinstance(e, SetUpShepherd):
-                n.start_soon(self._run_become_shepherd, e.become)  # type: ignore[union-attr]
+                n.start_soon(self.setup.run, e.become)  # type: ignore[union-attr]
             elif isinstance(e, CancelSetUp):
-                self._cancel_become(e.why)
+                self.setup.cancel(e.why)
             elif isinstance(e, Leads):
                 (self.node.leads.add if e.leading else self.node.leads.discard)(self.run_id)
             elif isinstance(e, SaveLease):
@@ -332,7 +328,7 @@ class RunRuntime:
                 if (not self._prewarmed and self.dataset is not None and self.machine.shepherd is None
                         and self.node.capabilities.can_compile and n is not None):
                     self._prewarmed = True  # after the first commit: training is under way
-                    n.start_soon(self._prewarm)
+                    n.start_soon(self.setup.prewarm)
             elif isinstance(e, Audit):
                 self.audits.on_message(e.sender, e.message, n)  # type: ignore[arg-type]
             elif isinstance(e, Rejected):
@@ -350,7 +346,7 @@ class RunRuntime:
         if e.final_theta_cid is not None:
             self.io.release_run_pins(e.final_theta_cid)
         self.finished.set()
-        self._send.send_nowait(Wake())  # wakes the main loop, which then ends
+        self.post(Wake())  # wakes the main loop, which then ends
 
     def reject(self, peer: str, exc: PcpError, counted: bool = False) -> None:
         if not counted:
@@ -420,7 +416,7 @@ class RunRuntime:
             with trio.move_on_after(REPLICATE_TIMEOUT_S):
                 await done.wait()
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
-        self._send.send_nowait(Replicated(commit, list(acked)))
+        self.post(Replicated(commit, list(acked)))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
         """Hold the latest committed checkpoints so any candidate can take over the run."""
@@ -443,15 +439,15 @@ class RunRuntime:
         await self.records.publish_lease(lease, self.spec.election.lease_s)
 
     async def _lookup_commit(self, for_election: bool) -> None:
-        self._send.send_nowait(CommitLookedUp(await self.records.lookup_commit(), for_election))
+        self.post(CommitLookedUp(await self.records.lookup_commit(), for_election))
 
     async def _lookup_lease(self) -> None:
-        self._send.send_nowait(LeaseLookedUp(await self.records.lookup_lease()))
+        self.post(LeaseLookedUp(await self.records.lookup_lease()))
 
     async def _lookup_owner_record(self, kind: str) -> None:
         found = await self.records.lookup_owner_record(kind)
         if isinstance(found, OWNER_RECORDS[kind]):
-            self._send.send_nowait(MessageIn(self.run.owner, found))
+            self.post(MessageIn(self.run.owner, found))
 
     def state_bound(self, copies: int) -> int:
         """The most bytes ``copies`` fp32 copies of θ can weigh (θ or a Δ: 1; a checkpoint,
@@ -471,9 +467,9 @@ class RunRuntime:
             if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
-            self._send.send_nowait(BlobFailed(who, cid, exc))
+            self.post(BlobFailed(who, cid, exc))
             return
-        self._send.send_nowait(BlobIn(who, cid, data))
+        self.post(BlobIn(who, cid, data))
 
     def _is_artifact(self, cid: str) -> bool:
         w = self.machine.worker
@@ -513,13 +509,13 @@ class RunRuntime:
                 raise VerificationError("no verified artifact is loaded")
             result = await trio.to_thread.run_sync(self.engine.run, eff, cancel)
         except PcpError as exc:
-            self._send.send_nowait(InnerFailed(eff.round, eff.attempt, exc))
+            self.post(InnerFailed(eff.round, eff.attempt, exc))
             return
         finally:
             self._cancel.pop((eff.round, eff.attempt), None)
-        self._send.send_nowait(InnerDone(result))
+        self.post(InnerDone(result))
 
-    # -- setting a term up (compiling) --------------------------------------------------------
+    # -- the executor -----------------------------------------------------------------------
 
     def _speed_estimate(self, gflops: float) -> float:
         """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
@@ -532,156 +528,6 @@ class RunRuntime:
 
         n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))
         return max(1.0, 2 * gflops * 1e9 / (6 * n))
-
-    def _wanted_targets(self) -> list[str]:
-        """The best allowed CPU target of each member taking part in the run."""
-        from pcp_p2p.node.cpu import cpu_of, runnable_cpu_targets
-
-        wanted: set[str] = set()
-        for m in self.node.membership.live():
-            if self.run_id not in m.record.runs:
-                continue
-            caps = m.record.capabilities
-            runnable = [t.name for t in runnable_cpu_targets(cpu_of(caps.cpu_arch, caps.cpu_flags))]
-            allowed = [t for t in runnable if t in self.spec.targets]
-            if allowed:
-                wanted.add(allowed[0])
-        return sorted(wanted)
-
-    async def _build_artifacts(self, targets: list[str]) -> list[Any]:
-        """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
-        this task's cancellation stops at once: the thread is abandoned and the compiler
-        process it runs is killed (``CompileCancelled`` there)."""
-        from pcp_p2p.diloco import engine
-
-        assert self.dataset is not None
-        cancel = threading.Event()
-        try:
-            return await trio.to_thread.run_sync(
-                lambda: engine.build_train_artifacts(
-                    self.spec, self.dataset.vocab_size, targets, self.node.identity,  # type: ignore[union-attr]
-                    self.node.config.data_dir / "artifact-cache", cancel=cancel),
-                abandon_on_cancel=True,
-            )
-        finally:
-            cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
-
-    def _cancel_become(self, why: str) -> None:
-        scope = self._become_scope
-        if scope is not None and not scope.cancel_called:
-            log.info("run %s: %s; the shepherd's set-up (compile) is cancelled", self.run_id[:16], why)
-            scope.cancel()
-
-    async def _prewarm(self) -> None:
-        """Hot standby: build the artifacts into the cache and the evaluator now, off the
-        critical path, so that taking over a term (failover, rotation) costs a cache hit."""
-        from pcp_p2p.diloco import engine
-
-        assert self.dataset is not None
-        try:
-            self._standby = await self._build_artifacts(self._wanted_targets())
-            if self._evaluate is None:
-                self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
-            log.info("run %s: standby ready (artifacts cached, evaluator built)", self.run_id[:16])
-        except PcpError as exc:
-            self.node.log_once("self", exc, "standby build failed")
-
-    async def _run_become_shepherd(self, eff: BecomeShepherd) -> None:
-        self.node.state = COMPILING  # what the workers show until the first round is announced
-        scope = trio.CancelScope()
-        self._become_scope = scope
-        try:
-            with scope:
-                await self._become_with_retries(eff)
-        finally:
-            if self._become_scope is scope:
-                self._become_scope = None
-            err = self.machine.setup_error
-            self.node.state = f"{SETUP_FAILED}: {err}" if err else "training"
-            self._send.send_nowait(SetUpEnded(eff.term))
-
-    async def _become_with_retries(self, eff: BecomeShepherd) -> None:
-        """Set up the term, up to three times while the term is still ours."""
-        for attempt in range(3):
-            try:
-                shepherd = await self._become_shepherd(eff)
-                self.machine.setup_failed(None)
-                self._send.send_nowait(ShepherdBuilt(shepherd))
-                break
-            except PcpError as exc:
-                still_mine = self.machine.still_holds(eff.term)
-                log.error("run %s: could not take up term %d (attempt %d): %s",
-                          self.run_id[:16], eff.term, attempt + 1, exc)
-                # Shown as the run's phase here and, through the member record, on every worker.
-                err = " ".join(str(exc).split())[:160] or type(exc).__name__
-                self.machine.setup_failed(err)
-                self.node.state = f"{SETUP_FAILED}: {err}"
-                if not still_mine:
-                    break
-                await trio.sleep(2.0 * (attempt + 1))
-
-    async def _become_shepherd(self, eff: BecomeShepherd) -> Shepherd:
-        """Build the artifacts and the term's starting state (the lease names the checkpoint)."""
-        from pcp_p2p.diloco import engine
-        from pcp_p2p.diloco.data import encode_dataset
-
-        # The shepherd reads and tokenises the corpus; workers get it as a blob.
-        if self.dataset is None:
-            self.dataset = await trio.to_thread.run_sync(CharDataset.load, self.spec.dataset)
-        dataset_cid = await self.io.keep(await trio.to_thread.run_sync(encode_dataset, self.dataset), for_run=True)
-        self.io.pins.for_dataset(dataset_cid)
-        wanted = self._wanted_targets()
-        standby = self._standby if self._standby and sorted(a.manifest.target for a in self._standby) == wanted else None
-        log.info("run %s: term %d: compiling the train program for %s", self.run_id[:16], eff.term,
-                 ", ".join(sorted(wanted)))
-        arts = standby or await self._build_artifacts(sorted(wanted))
-        artifacts: dict[str, str] = {}
-        self.artifacts.clear()
-        for art in arts:
-            if art.cached:
-                log.info("run %s: artifact for %s rebuilt byte-identically from the cache (%s)",
-                         self.run_id[:16], art.manifest.target, art.cid)
-            self.artifacts.append({"target": art.manifest.target, "cid": art.cid,
-                                   "size": len(art.vmfb), "cache_hit": art.cached})
-            await self.io.keep(art.vmfb, for_run=True)
-            artifacts[art.manifest.target] = await self.io.keep(encode(art.manifest), for_run=True)
-        if self._evaluate is None:
-            self._evaluate = await trio.to_thread.run_sync(engine.Evaluator, self.spec, self.dataset)
-        state = OuterState.initial(engine.initial_theta(self.spec, self.dataset.vocab_size))
-        if eff.checkpoint_cid:
-            state = await self._starting_state(eff)
-        rate = self.spec.aggregation.audit_rate
-        m = self.machine
-        return Shepherd(
-            spec=self.spec, run_id=self.run_id, identity=self.node.identity, term=eff.term,
-            state=state, artifacts=artifacts, evaluate=self._evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round, admit=m.admission.why_not, score=self._evaluate.score,
-            audits=AuditDesk(self.run_id, self.node.identity, rate) if rate > 0 else None,
-        )
-
-    async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
-        """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
-
-        Workers replicate every committed checkpoint, so the first path is the normal one;
-        the second loses only the outer momentum, never a round.
-        """
-        try:
-            ckpt = decode_checkpoint(await self.io.fetch_bytes(eff.checkpoint_cid, max_size=self.state_bound(2)))
-            if ckpt.run_id != self.run_id:
-                raise VerificationError("the lease names a checkpoint of another run")
-            log.info("run %s: term %d continues from round %d (checkpoint %s)", self.run_id[:16], eff.term,
-                     ckpt.state.round + 1, eff.checkpoint_cid[-12:])
-            return ckpt.state
-        except PcpError as exc:
-            lease = self.machine.election.lease
-            if lease is None or not lease.from_theta_cid:
-                raise
-            log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
-                        "zero outer momentum", self.run_id[:16], eff.checkpoint_cid, exc)
-            theta = unpack_tensors(await self.io.fetch_bytes(lease.from_theta_cid, max_size=self.state_bound(1)))
-            fresh = OuterState.initial(theta)
-            return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
-
 
 def _describe(x: Any) -> str:
     """A short one-line description of an effect, for debug logs."""
