@@ -767,8 +767,10 @@ class RunMachine:
             elif isinstance(e, Discarded):
                 log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round + 1,
                             e.attempt, e.error)
+                self._out.append(e)  # (for a simulator's record; a node only logs it)
             elif isinstance(e, Finished):
                 log.info("run %s finished at round %d (θ %s)", self.run_id[:16], e.round, e.theta_cid)
+                self._out.append(e)
                 if self.worker is None and not self.finished:
                     self.phase = "finished"
                     self.finished = True

@@ -11,7 +11,7 @@ a rule would test itself.
 
 What differs from a node, on purpose:
 
-- the inner loop is :class:`~pcp_p2p.diloco.sim.Quadratic`'s AdamW on a
+- the inner loop is :class:`~pcp_p2p.diloco.quadratic.Quadratic`'s AdamW on a
   per-shard quadratic, taking ``steps · tokens_per_step / tokens_per_s`` of
   virtual time; a term's set-up (compiling) takes ``compile_s``;
 - a message is acknowledged the way the runtime's ``deliver`` acknowledges it:
@@ -38,7 +38,7 @@ import numpy as np
 import trio
 
 from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco.effects import Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.effects import Discarded, Finished, Rejected, RunInner, Send, StoreBlob
 from pcp_p2p.diloco.election import ElectionConfig, Lease, PublishLease, commit_key
 from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, Submission
 from pcp_p2p.diloco.outer import OuterState
@@ -68,9 +68,9 @@ from pcp_p2p.diloco.run_effects import (
 )
 from pcp_p2p.diloco.run_machine import Member, RunMachine
 from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.sim import SIM_ARTIFACT, Quadratic
+from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.diloco.spec import RunSpec, run_id_of, sign_spec
-from pcp_p2p.diloco.worker import WorkerPhase
+from pcp_p2p.diloco.worker import InnerResult, WorkerPhase
 from pcp_p2p.errors import BlobNotFound, HeldBack, PcpError
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.testing.memnet import FaultPlan, Kill, MemBlobs, MemDht, MemNetwork
@@ -161,6 +161,8 @@ class RunSwarm:
         self.killed: list[tuple[str, str]] = []
         self.restarts = 0
         self.rejected: list[tuple[str, str | None, PcpError]] = []
+        self.discarded: list[tuple[int, int]] = []
+        self.finished_cid: str | None = None  # what the shepherd's Finished named
         self.done = trio.Event()
         self._tmp = tempfile.TemporaryDirectory(prefix="pcp-swarm-")
         self.nodes = [MemNode(i, Identity(self.rng.randbytes(32)), Path(self._tmp.name) / str(i))
@@ -169,6 +171,35 @@ class RunSwarm:
         self.world: trio.Nursery | None = None
         self._invisible_since: dict[tuple[str, str], float] = {}
 
+    # --- what a scenario may vary per node (override) ---------------------------------------
+
+    def start_at(self, node: MemNode) -> float:
+        """When ``node`` first starts (virtual seconds)."""
+        return 0.0
+
+    def target_of(self, node: MemNode) -> str | None:
+        """The target ``node`` trains for (``None``: it trains nothing, only leads or follows)."""
+        return self.target
+
+    def can_compile(self, node: MemNode) -> bool:
+        """Whether ``node`` is a candidate to lead (what its member record says)."""
+        return True
+
+    def tokens_per_s(self, node: MemNode) -> float:
+        return self.cfg.tokens_per_s
+
+    def inner_result(self, node: MemNode, run: RunInner, honest: InnerResult) -> InnerResult:
+        """What ``node``'s executor hands its worker (a Byzantine scenario lies here)."""
+        return honest
+
+    def extra_sends(self, node: MemNode, send: Send) -> list[Message]:
+        """Messages ``node`` sends along with ``send`` (a replaying scenario adds them here)."""
+        return []
+
+    def shepherd_kwargs(self, node: MemNode) -> dict[str, Any]:
+        """Extra keyword arguments of the shepherd ``node`` builds (``score``, ...)."""
+        return {}
+
     # --- nodes ---------------------------------------------------------------------------
 
     def _machine(self, node: MemNode, now: float) -> RunMachine:
@@ -176,7 +207,8 @@ class RunSwarm:
         m = RunMachine.for_spec(
             self.cfg.spec, run_id=self.run_id, owner=self.owner, identity=node.identity,
             ledger=ReputationLedger(node.ledger_dir / "reputation.json", self.run_id),
-            target=self.target, tokens_per_s=self.cfg.tokens_per_s, started_at=now, config=self.cfg.election,
+            target=self.target_of(node), tokens_per_s=self.tokens_per_s(node), started_at=now,
+            config=self.cfg.election,
         )
         if node.lease is not None:
             m.restore(node.lease)
@@ -236,7 +268,7 @@ class RunSwarm:
                 self._invisible_since.pop(key, None)
             elif now - self._invisible_since.setdefault(key, now) >= self.cfg.membership_lag_s:
                 continue
-            out.append(Member(other.peer_id, other.started_at))
+            out.append(Member(other.peer_id, other.started_at, self.can_compile(other)))
         return out
 
     # --- the pump ------------------------------------------------------------------------
@@ -268,6 +300,8 @@ class RunSwarm:
         for e in effects:
             if isinstance(e, Send):
                 self.send(me, e.to, e.message)
+                for extra in self.extra_sends(node, e):
+                    self.send(me, e.to, extra)
             elif isinstance(e, StoreBlob):
                 self.blobs.put(me, e.cid, e.data)
             elif isinstance(e, Fetch):
@@ -301,6 +335,10 @@ class RunSwarm:
                 node.ended = e.phase
             elif isinstance(e, Rejected):
                 self.rejected.append((me, e.peer, e.error))
+            elif isinstance(e, Discarded):
+                self.discarded.append((e.round, e.attempt))
+            elif isinstance(e, Finished):
+                self.finished_cid = e.theta_cid
             # Leads, ReleasePins, CommitAccepted, CancelInner (a superseded result is ignored by
             # the worker), Audit, LookUpOwnerRecord, Stopped: nothing to do in memory
 
@@ -345,11 +383,11 @@ class RunSwarm:
         node.post(BlobIn(e.who, e.cid, data) if data is not None else BlobFailed(e.who, e.cid, BlobNotFound(e.cid)))
 
     async def _inner(self, node: MemNode, run: RunInner) -> None:
-        spec = self.cfg.spec
-        by_time = int(self.cfg.tokens_per_s * run.time_budget_s // spec.tokens_per_step)
+        spec, speed = self.cfg.spec, self.tokens_per_s(node)
+        by_time = int(speed * run.time_budget_s // spec.tokens_per_step)
         steps = max(1, min(run.assignment.max_steps, by_time))
-        await trio.sleep(steps * spec.tokens_per_step / self.cfg.tokens_per_s)
-        node.post(InnerDone(self.problem.inner(run, steps, spec)))
+        await trio.sleep(steps * spec.tokens_per_step / speed)
+        node.post(InnerDone(self.inner_result(node, run, self.problem.inner(run, steps, spec))))
 
     async def _replicate(self, node: MemNode, e: ReplicateCommit) -> None:
         acked: list[str] = []
@@ -379,7 +417,7 @@ class RunSwarm:
             kw: dict[str, Any] = dict(
                 spec=self.cfg.spec, run_id=self.run_id, identity=node.identity, term=become.term,
                 artifacts={self.target: self.artifact_cid}, evaluate=self.problem.loss,
-                end_round=become.end_round, admit=m.admission.why_not,
+                end_round=become.end_round, admit=m.admission.why_not, **self.shepherd_kwargs(node),
             )
             if become.checkpoint_cid is None:
                 node.post(ShepherdBuilt(Shepherd(state=OuterState.initial(self.problem.initial()), **kw)))
@@ -445,6 +483,10 @@ class RunSwarm:
         if restart_after is not None:
             self.world.start_soon(self._restart, node, restart_after)
 
+    async def _start_node(self, node: MemNode) -> None:
+        await trio.sleep(self.start_at(node))
+        await self.node_loop(node)
+
     async def _restart(self, node: MemNode, after: float) -> None:
         await trio.sleep(after)
         self.restarts += 1
@@ -478,7 +520,7 @@ class RunSwarm:
             async with trio.open_nursery() as world:
                 self.world = world
                 for node in self.nodes:
-                    world.start_soon(self.node_loop, node)
+                    world.start_soon(self._start_node, node)
                 if cfg.plan.partition is not None:
                     world.start_soon(self._partition)
                 with trio.move_on_after(cfg.time_limit):
