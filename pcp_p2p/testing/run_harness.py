@@ -164,7 +164,9 @@ class RunSwarm:
         self.discarded: list[tuple[int, int]] = []
         self.finished_cid: str | None = None  # what the shepherd's Finished named
         self.done = trio.Event()
-        self._tmp = tempfile.TemporaryDirectory(prefix="pcp-swarm-")
+        # the nodes' reputation ledgers (saved on every commit): in memory where the OS offers it
+        shm = Path("/dev/shm")
+        self._tmp = tempfile.TemporaryDirectory(prefix="pcp-swarm-", dir=shm if shm.is_dir() else None)
         self.nodes = [MemNode(i, Identity(self.rng.randbytes(32)), Path(self._tmp.name) / str(i))
                       for i in range(cfg.nodes)]
         self.by_id = {n.peer_id: n for n in self.nodes}
