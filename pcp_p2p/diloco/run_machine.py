@@ -109,32 +109,32 @@ from pcp_p2p.diloco.run_effects import (
     Audit,
     BlobFailed,
     BlobIn,
-    CommitLookedUp,
-    Event,
-    InnerDone,
-    InnerFailed,
-    LeaseLookedUp,
-    MembersSeen,
-    MessageIn,
-    Replicated,
-    SetUpEnded,
-    ShepherdBuilt,
-    Wake,
     CancelSetUp,
     CommitAccepted,
+    CommitLookedUp,
+    Event,
     Fetch,
+    InnerDone,
+    InnerFailed,
     Leads,
+    LeaseLookedUp,
     LookUpCommit,
     LookUpLease,
     LookUpOwnerRecord,
+    MembersSeen,
+    MessageIn,
     PublishCommit,
     ReleasePins,
     ReplicateCheckpoint,
     ReplicateCommit,
+    Replicated,
     RunEnded,
     SaveLease,
+    SetUpEnded,
     SetUpShepherd,
+    ShepherdBuilt,
     Stopped,
+    Wake,
 )
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.spec import RunSpec
@@ -185,7 +185,7 @@ class RunMachine:
     def __init__(
         self, *, spec: RunSpec, run_id: str, owner: str, identity: Identity, election: Election,
         admission: Admission, ledger: ReputationLedger, target: str | None, tokens_per_s: float,
-        started_at: float, audit_chunk_steps: Callable[[], int] | None = None,
+        started_at: float,
     ) -> None:
         """``target``: the best of the run's targets this machine runs (``None``: it trains nothing,
         and only follows the election). ``started_at``: when this node took the run up."""
@@ -201,14 +201,13 @@ class RunMachine:
         self.worker: Worker | None = None
         self.shepherd: Shepherd | None = None
         self.shepherd_peer: str | None = None
-        self.phase = "starting" if target is not None else "idle: no allowed target for this machine"
+        self.phase = "starting"
         self.finished = False
         self.stats = RunStats()
         self.becoming = False  # a term is being set up (compiling)
         self.becoming_term: int | None = None
         self.setup_error: str | None = None  # why this node, elected, could not set the run up
         self.members: list[Member] = []  # the latest view of live members (on_members)
-        self._audit_chunk_steps = audit_chunk_steps
         self._now = started_at
         self._out: list[Any] = []
         self._early: list[tuple[str, Message]] = []  # joins kept while compiling
@@ -270,8 +269,7 @@ class RunMachine:
         self._saved_term = lease.term
 
     def start(self, now: float) -> list[Any]:
-        if self.target is not None:
-            self.phase = "electing"
+        self.phase = "electing"
         self._last_catch_up = now
         return self._run(now, lambda: self._election(self.election.start(now), now))
 
@@ -462,9 +460,6 @@ class RunMachine:
                 # lease has expired, so the chain is checked from this node's anchor
                 self._check_final(payload, now)
 
-    def final_committed(self) -> bool:
-        return self._final_committed()
-
     # -- the combining rules --------------------------------------------------------------
 
     def _run(self, now: float, go: Callable[[], Any]) -> list[Any]:
@@ -580,22 +575,16 @@ class RunMachine:
     def _on_evidence(self, sender: str, ev: Evidence, now: float) -> None:
         """A ban another node's shepherd recorded: checked here in full before it counts."""
         from pcp_p2p.diloco.audit import verify_evidence
+        from pcp_p2p.diloco.engine import CHUNK_STEPS
 
         try:
             offender = verify_evidence(ev, rate=self.spec.aggregation.audit_rate, is_shepherd=self.holds_term,
-                                       chunk_steps=self._chunk_steps())
+                                       chunk_steps=CHUNK_STEPS)
         except PcpError as exc:
             self._reject(sender, exc)
             return
         if not self.ledger.banned(offender):
             self.ledger.ban(offender, encode_evidence(ev), f"audit evidence from {sender:.16}", now)
-
-    def _chunk_steps(self) -> int:
-        if self._audit_chunk_steps is not None:
-            return self._audit_chunk_steps()
-        from pcp_p2p.diloco.engine import CHUNK_STEPS
-
-        return CHUNK_STEPS
 
     def _on_commit(self, rec: CommitRecord, now: float) -> None:
         """A commit record (message or lookup): the election checks its authority first; the worker
