@@ -11,9 +11,12 @@ live node must end on the final θ.
 from __future__ import annotations
 
 import dataclasses
+import random
+
+import pytest
 
 from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill
+from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill, Partition
 from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
 
 ROUNDS = 12
@@ -73,3 +76,18 @@ def test_a_kill_that_never_restarts_leaves_four_nodes_that_finish() -> None:
     r = run_swarm_sync(dataclasses.replace(SwarmConfig(spec=SPEC), plan=plan))
     check(r)
     assert len(r.theta_cids) == 4 and r.restarts == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_many_seeds_kills_loss_rotation_and_a_partition(seed: int) -> None:
+    """Seven machines, 15% loss, 10% duplicates, up to 1 s delays, four kills at random phases
+    (some never restart), rotation or not, and sometimes a partition that heals mid-run."""
+    rng = random.Random(seed)
+    kills = sorted((Kill(rng.choice(KILL_PHASES), round=rng.randrange(0, 10),
+                         restart_after=rng.choice([3.0, 20.0, 60.0, None])) for _ in range(4)), key=lambda k: k.round)
+    base = SwarmConfig(spec=SPEC)
+    partition = Partition(40.0, 90.0, frozenset({0, 1})) if rng.random() < 0.3 else None
+    plan = FaultPlan(seed=seed, drop=0.15, duplicate=0.1, delay=(0.01, 1.0), kills=tuple(kills), partition=partition)
+    check(run_swarm_sync(dataclasses.replace(
+        base, nodes=7, plan=plan, election=dataclasses.replace(base.election, rotate_every=rng.choice([0, 3])))))

@@ -20,7 +20,10 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   replayed once the set-up ends; afterwards, to a node that does not lead, they
   are refused.
 - **A lost term's set-up is cancelled** (``CancelSetUp``) as soon as another node
-  holds it or this one steps down.
+  holds it or this one steps down; **a term whose set-up failed** (three attempts on
+  a node: no checkpoint, no θ, a compile error) is not renewed, so its lease lapses
+  and the next term is claimed instead of the run stalling behind a holder that
+  cannot lead.
 - **No new term after the last round**: the election knows the run's length
   (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
   a lease or a term any input would still publish or set up is dropped here
@@ -217,6 +220,7 @@ class RunMachine:
         self._saved_term: int | None = None
         self._last_lookup: dict[str, float] = {}
         self._last_catch_up: float | None = None
+        self._cannot_lead: int | None = None  # a term held here whose set-up failed for good
 
     @classmethod
     def for_spec(
@@ -371,6 +375,12 @@ class RunMachine:
             if self.becoming_term == term:
                 self.becoming_term = None
             self.becoming = False
+            if self.still_holds(term) and (self.shepherd is None or self.shepherd.term != term):
+                # Held, and nobody leads it: stop renewing the lease so that it lapses and the
+                # next term is claimed (by whoever ranks first for it, with what it holds).
+                log.warning("run %s: term %d could not be set up here (%s); letting its lease lapse",
+                            self.run_id[:16], term, self.setup_error)
+                self._cannot_lead = term
             early, self._early = self._early, []
             for sender, msg in early:
                 self._message(sender, msg, now)
@@ -644,6 +654,8 @@ class RunMachine:
             effects = [e for e in effects if not isinstance(e, (PublishLease, BecomeShepherd))]
         for e in effects:
             if isinstance(e, PublishLease):
+                if e.renewal and e.lease.term == self._cannot_lead:
+                    continue  # a term this node cannot lead lapses (see ``setup_ended``)
                 self._out.append(e)
                 if not e.renewal:
                     log.info("run %s: this node claims term %d", self.run_id[:16], e.lease.term)
