@@ -15,7 +15,12 @@ import random
 
 import pytest
 
+from pcp_p2p.diloco.election import PublishLease
+from pcp_p2p.diloco.reputation import ReputationLedger
+from pcp_p2p.diloco.run_effects import SetUpShepherd
+from pcp_p2p.diloco.run_machine import Member, RunMachine
 from pcp_p2p.diloco.spec import parse_spec
+from pcp_p2p.node.identity import Identity
 from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill, Partition
 from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
 
@@ -91,3 +96,30 @@ def test_many_seeds_kills_loss_rotation_and_a_partition(seed: int) -> None:
     plan = FaultPlan(seed=seed, drop=0.15, duplicate=0.1, delay=(0.01, 1.0), kills=tuple(kills), partition=partition)
     check(run_swarm_sync(dataclasses.replace(
         base, nodes=7, plan=plan, election=dataclasses.replace(base.election, rotate_every=rng.choice([0, 3])))))
+
+
+def lone_machine(tmp_path) -> RunMachine:  # type: ignore[no-untyped-def]
+    """One machine, alone in its run, that has claimed term 0 and is setting it up."""
+    me, owner = Identity.generate(), Identity.generate()
+    m = RunMachine.for_spec(SPEC, run_id="run", owner=owner.peer_id, identity=me,
+                            ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
+                            tokens_per_s=64.0, started_at=0.0, config=SwarmConfig(spec=SPEC).election)
+    m.start(0.0)
+    m.on_lease_lookup(None, 0.1)
+    out = m.on_commit_lookup(None, True, 0.1) + m.on_members([Member(me.peer_id, 0.0)], 1.5)
+    assert [e.become.term for e in out if isinstance(e, SetUpShepherd)] == [0] and m.becoming
+    return m
+
+
+def renewals(effects: list) -> list:
+    return [e for e in effects if isinstance(e, PublishLease) and e.renewal]
+
+
+def test_a_term_whose_set_up_failed_is_not_renewed_so_it_lapses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    compiling, failed = lone_machine(tmp_path / "a"), lone_machine(tmp_path / "b")
+    failed.setup_failed("the lease's checkpoint is held by no live node")
+    failed.setup_ended(0, 2.0)
+    assert not failed.becoming and failed.still_holds(0)
+    at = failed.election.next_wakeup
+    assert renewals(failed.tick(at)) == []  # the holder that cannot lead lets its lease lapse
+    assert renewals(compiling.tick(at))  # while the set-up is still under way, the lease is renewed
