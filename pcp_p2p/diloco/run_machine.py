@@ -312,12 +312,16 @@ class RunMachine:
         return self._run(now, go)
 
     def on_inner_done(self, result: InnerResult, now: float) -> list[Any]:
-        return self._run(now, lambda: self.worker is not None
-                         and self._round(WORKER, self.worker.on_inner_done(result, now), now))
+        def go() -> None:
+            if self.worker is not None:
+                self._round(WORKER, self.worker.on_inner_done(result, now), now)
+        return self._run(now, go)
 
     def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Any]:
-        return self._run(now, lambda: self.worker is not None
-                         and self._round(WORKER, self.worker.on_inner_failed(round_, attempt, error, now), now))
+        def go() -> None:
+            if self.worker is not None:
+                self._round(WORKER, self.worker.on_inner_failed(round_, attempt, error, now), now)
+        return self._run(now, go)
 
     def on_commit_lookup(self, rec: CommitRecord | None, for_election: bool, now: float) -> list[Any]:
         def go() -> None:
@@ -381,6 +385,7 @@ class RunMachine:
                 log.warning("run %s: term %d could not be set up here (%s); letting its lease lapse",
                             self.run_id[:16], term, self.setup_error)
                 self._cannot_lead = term
+                self._out.append(Leads(False))
             early, self._early = self._early, []
             for sender, msg in early:
                 self._message(sender, msg, now)
@@ -412,7 +417,10 @@ class RunMachine:
             raise StaleMessage("the run has already finished here")
         self.stop_latch.apply(order, now)
         log.warning("run %s stopped by its owner%s", self.run_id[:16], f": {order.reason}" if order.reason else "")
-        return self._run(now, lambda: (self._out.append(Stopped(order)), self._end_stopped()))
+        def go() -> None:
+            self._out.append(Stopped(order))
+            self._end_stopped()
+        return self._run(now, go)
 
     def stopped_before(self, order: StopOrder, now: float) -> list[Any]:
         """The stop order this node kept before it restarted: the run ends at once (raises if bad)."""
