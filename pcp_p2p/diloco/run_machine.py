@@ -193,6 +193,7 @@ class RunMachine:
         """``target``: the best of the run's targets this machine runs (``None``: it trains nothing,
         and only follows the election). ``started_at``: when this node took the run up."""
         self.spec, self.run_id, self.owner, self.identity = spec, run_id, owner, identity
+        self.peer_id = identity.peer_id  # once: ``Identity.peer_id`` derives it from the key on every read
         self.election = election
         self.admission = admission
         self.ledger = ledger
@@ -233,10 +234,6 @@ class RunMachine:
                    election=Election(run_id, identity, config),
                    admission=Admission(run_id, owner, spec.admission, bans=ledger), ledger=ledger,
                    target=target, tokens_per_s=tokens_per_s, started_at=started_at)
-
-    @property
-    def peer_id(self) -> str:
-        return self.identity.peer_id
 
     # -- inputs ---------------------------------------------------------------------------
 

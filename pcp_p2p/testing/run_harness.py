@@ -129,14 +129,13 @@ class MemNode:
     hung_until: float | None = None  # hung (alive, deaf and mute) until then; then a zombie
     deferred: list[Any] | None = None  # the effects a hang interrupted: carried out when it wakes
 
+    def __post_init__(self) -> None:
+        self.peer_id = self.identity.peer_id  # once: ``Identity.peer_id`` derives it from the key on every read
+
     @property
     def up(self) -> bool:
         """Running and answering (neither dead nor hung)."""
         return self.alive and self.hung_until is None
-
-    @property
-    def peer_id(self) -> str:
-        return self.identity.peer_id
 
     def post(self, ev: Event) -> None:
         if self.alive and self.inbox is not None:  # a hung node finds it when it wakes
