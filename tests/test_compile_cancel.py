@@ -18,7 +18,12 @@ from pcp_p2p.compile import iree_compile, pipeline
 from pcp_p2p.compile.cache import ArtifactCache
 from pcp_p2p.diloco import engine
 from pcp_p2p.diloco.election import FollowShepherd, StepDown
+from pcp_p2p.diloco.reputation import ReputationLedger
+from pcp_p2p.diloco.run_effects import SetUpEnded
+from pcp_p2p.diloco.run_machine import RunMachine
+from pcp_p2p.diloco.run_setup import TermSetUp
 from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.diloco.spec import parse_spec
 from pcp_p2p.errors import CompileCancelled, CompileError
 from pcp_p2p.node.identity import Identity
 
@@ -137,22 +142,21 @@ def test_lowering_in_a_child_gives_the_same_text_and_the_cache_keeps_it(
     assert again.stablehlo_hash == there.stablehlo_hash
 
 
-class _Election:
-    def __init__(self) -> None:
-        self.best_commit = self.lease = None
-
-
 def becoming_runtime() -> RunRuntime:
-    """A runtime with just what the shepherd's set-up and the election's effects touch."""
+    """A runtime with just what the shepherd's set-up and the election's effects touch, and a
+    real run machine that is setting up term 4."""
     rt = RunRuntime.__new__(RunRuntime)
     ident = Identity.generate()
     rt.node = SimpleNamespace(peer_id=ident.peer_id, identity=ident, leads=set(),  # type: ignore[assignment]
                               config=SimpleNamespace(data_dir=Path("/nonexistent")))
-    rt.run_id, rt.spec = "run", SimpleNamespace(round=SimpleNamespace(rounds=10))  # type: ignore[assignment]
+    rt.run_id, rt.clock = "run", lambda: 1000.0
+    rt.spec = parse_spec("[round]\nrounds = 10\n")
     rt.dataset = SimpleNamespace(vocab_size=65)  # type: ignore[assignment]
-    rt.election = _Election()  # type: ignore[assignment]
-    rt.shepherd, rt._becoming, rt._become_scope, rt._becoming_term = None, True, None, None
-    rt._setup_error = None
+    rt.machine = RunMachine.for_spec(rt.spec, run_id="run", owner=ident.peer_id, identity=ident,
+                                     ledger=ReputationLedger(Path("/nonexistent/ledger.json"), "run"),
+                                     target=None, tokens_per_s=1.0, started_at=1000.0)
+    rt.machine.becoming, rt.machine.becoming_term = True, 4  # as after BecomeShepherd(term=4)
+    rt.setup = TermSetUp(rt)
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
     return rt
 
@@ -171,19 +175,21 @@ async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkey
     rt = becoming_runtime()
 
     async def set_up(eff) -> None:  # type: ignore[no-untyped-def]
-        await rt._build_artifacts(["x86_64-v3"])
+        await rt.setup.build_artifacts(["x86_64-v3"])
         raise AssertionError("the set-up went on after the term was lost")
 
-    monkeypatch.setattr(rt, "_become_shepherd", set_up)
+    monkeypatch.setattr(rt.setup, "build", set_up)
     async with trio.open_nursery() as nursery:
         rt._nursery = nursery
-        nursery.start_soon(rt._run_become_shepherd, SimpleNamespace(term=4))
+        nursery.start_soon(rt.setup.run, SimpleNamespace(term=4))
         await trio.to_thread.run_sync(started.wait, 10)
         other = Identity.generate().peer_id
         effects = [StepDown(4, "deposed")] if lost == "deposed" else [FollowShepherd(4, other, 0, "")]
-        monkeypatch.setattr(rt, "_follow", lambda e, now: None)
         with trio.fail_after(10):  # not the 30 s the build would take
-            rt._carry_out_election(effects)
-            assert (await rt._inbox.receive())[0] == "shepherd_ready"  # the set-up task ended
+            m = rt.machine
+            rt._carry_out(m._run(1000.0, lambda: m._election(effects, 1000.0)))  # the election's effects
+            ended = await rt._inbox.receive()
+            assert ended == SetUpEnded(4)  # the set-up task ended
+            rt._dispatch(ended)
     assert await trio.to_thread.run_sync(stopped.wait, 10)  # and the build thread was told to stop
-    assert rt._become_scope is None and not rt._becoming
+    assert rt.setup.scope is None and not rt.machine.becoming

@@ -10,7 +10,9 @@ import trio.testing
 
 from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.messages import CommitRecord, sign
-from pcp_p2p.diloco.runtime import COMMIT_PUT_ATTEMPTS, RunRuntime
+from pcp_p2p.diloco.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
+from pcp_p2p.diloco.run_effects import MessageIn
+from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.node.identity import Identity
 
@@ -34,10 +36,8 @@ class FlakyDht:
         self.logged.append(what)
 
 
-def runtime(node: FlakyDht) -> RunRuntime:
-    rt = RunRuntime.__new__(RunRuntime)
-    rt.node, rt.run_id = node, RUN  # type: ignore[assignment]
-    return rt
+def records(node: FlakyDht) -> RunRecords:
+    return RunRecords(node, RUN)  # type: ignore[arg-type]
 
 
 def commit(node: FlakyDht) -> CommitRecord:
@@ -48,14 +48,14 @@ def commit(node: FlakyDht) -> CommitRecord:
 
 async def test_a_commit_put_that_times_out_is_retried(autojump_clock: trio.testing.MockClock) -> None:
     node = FlakyDht(fails=2)
-    await runtime(node)._publish_commit(commit(node))
+    await records(node).publish_commit(commit(node))
     assert len(node.puts) == 3 and not node.logged  # stored on the third try
     assert [round(b - a) for a, b in zip(node.puts, node.puts[1:])] == [2, 4]  # backing off
 
 
 async def test_a_commit_put_that_keeps_failing_gives_up_and_says_so(autojump_clock: trio.testing.MockClock) -> None:
     node = FlakyDht(fails=100)
-    await runtime(node)._publish_commit(commit(node))
+    await records(node).publish_commit(commit(node))
     assert len(node.puts) == COMMIT_PUT_ATTEMPTS and node.logged == ["storing the commit record failed"]
 
 
@@ -85,8 +85,9 @@ def of_type(effects: list, kind: type) -> list:
 def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRuntime, trio.MemoryReceiveChannel]:
     rt = RunRuntime.__new__(RunRuntime)
     send, inbox = trio.open_memory_channel[tuple](10)
-    rt.run_id, rt.blobs, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
-    rt.election = election
+    rt.run_id, rt.io, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
+    rt.started = election is not None
+    rt.machine = SimpleNamespace(vouch_commit=election.check_commit if election else None)  # type: ignore[assignment]
     return rt, inbox
 
 
@@ -104,7 +105,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
     with pytest.raises(NotElected):
         await rt.deliver(stranger.identity.peer_id, commit(stranger))
-    assert fetched == [] and inbox.receive_nowait()[0] == "msg"
+    assert fetched == [] and isinstance(inbox.receive_nowait(), MessageIn)
     # following the shepherd's term: a stranger's commit for it can never hold, refused outright
     rt, inbox = delivering_runtime(following(shepherd), set())
     rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
@@ -137,4 +138,4 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
 
     rt._replicate_checkpoint = fetched  # type: ignore[method-assign]
     await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
-    assert inbox.receive_nowait() == ("msg", shepherd.identity.peer_id, rec)
+    assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)

@@ -16,7 +16,7 @@ from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.diloco.pins import RunPins
-from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.diloco.run_blobs import RunBlobs
 from pcp_p2p.node.identity import Identity
 
 CS = 64 * 1024
@@ -34,12 +34,9 @@ async def _service(stack: AsyncExitStack, root: Path, routing: MemoryRouting, **
     return svc
 
 
-def _runtime(blobs: BlobService, nursery: trio.Nursery, work_dir: Path) -> RunRuntime:
-    """Just enough of a runtime for its fetch path (no node, no run)."""
-    rt = RunRuntime.__new__(RunRuntime)
-    rt.blobs, rt._storing, rt.shepherd_peer, rt._nursery = blobs, {}, None, nursery
-    rt.pins, rt.work_dir = RunPins(), work_dir
-    return rt
+def _runtime(blobs: BlobService, nursery: trio.Nursery, work_dir: Path) -> RunBlobs:
+    """A run's blob side (no node, no run)."""
+    return RunBlobs(None, blobs, work_dir, nursery)
 
 
 async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: Path) -> None:
@@ -51,13 +48,13 @@ async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: P
         cids = [await worker.publish(b) for b in (delta, theta, big)]
         nursery = await stack.enter_async_context(trio.open_nursery())
         rt = _runtime(shepherd, nursery, tmp_path)
-        assert await rt._fetch_bytes(cids[0], keep=False) == delta
+        assert await rt.fetch_bytes(cids[0], keep=False) == delta
         assert not shepherd.store.has(cids[0]) and cids[0] not in rt.pins  # not written, pinned or announced
         assert shepherd.peer_id not in routing.table[cids[0]]
-        assert await rt._fetch_bytes(cids[1]) == theta  # everything else is kept and pinned
+        assert await rt.fetch_bytes(cids[1]) == theta  # everything else is kept and pinned
         assert shepherd.store.has(cids[1]) and cids[1] in shepherd.store.pinned() and cids[1] in rt.pins
         assert cids[1] in RunPins.load(tmp_path / "pins.json")  # the ledger is saved
         # a Δ above the in-memory limit goes through the store after all
-        assert await rt._fetch_bytes(cids[2], keep=False) == big
+        assert await rt.fetch_bytes(cids[2], keep=False) == big
         assert shepherd.store.has(cids[2])
 

@@ -27,7 +27,11 @@ from pcp_p2p.diloco.lifecycle import (
     stop_record,
 )
 from pcp_p2p.diloco.pins import RunPins
+from pcp_p2p.diloco.reputation import ReputationLedger
+from pcp_p2p.diloco.run_blobs import RunBlobs
+from pcp_p2p.diloco.run_machine import RunMachine
 from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.diloco.spec import parse_spec
 from pcp_p2p.errors import BadSignature, ConfigError, ExpiredRecord, PcpError, StaleMessage, VerificationError
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import encode
@@ -166,18 +170,21 @@ class Store:
 
 
 def stopped_runtime(work_dir: Path) -> RunRuntime:
-    """A runtime with only what stopping touches (no node, no network)."""
+    """A runtime with only what stopping touches (no node, no network): a real run machine."""
     rt = RunRuntime.__new__(RunRuntime)
-    rt.run_id, rt.work_dir = RUN, work_dir
+    rt.run_id, rt.work_dir, rt.clock = RUN, work_dir, lambda: NOW
     rt.run = SimpleNamespace(owner=OWNER.peer_id)  # type: ignore[assignment]
     rt.node = SimpleNamespace(leads={RUN}, log_once=lambda *a: None)  # type: ignore[assignment]
-    rt.blobs = SimpleNamespace(store=Store())  # type: ignore[assignment]
-    rt.stop_latch = StopLatch(RUN, OWNER.peer_id)
-    rt.pins = RunPins()
-    rt.pins.for_run("artifact")
-    rt.pins.for_dataset("dataset")
-    rt._cancel, rt.shepherd, rt.worker, rt.phase = {}, object(), None, "training"  # type: ignore[assignment]
+    rt.io = RunBlobs(None, SimpleNamespace(store=Store()), work_dir)  # type: ignore[arg-type]
+    rt.io.pins.for_run("artifact")
+    rt.io.pins.for_dataset("dataset")
+    rt.machine = RunMachine.for_spec(parse_spec(""), run_id=RUN, owner=OWNER.peer_id, identity=Identity.generate(),
+                                     ledger=ReputationLedger(work_dir / "ledger.json", RUN), target="cpu",
+                                     tokens_per_s=1.0, started_at=NOW)
+    rt.machine.shepherd, rt.machine.phase = object(), "training"  # type: ignore[assignment]
+    rt._cancel = {}
     rt.finished = trio.Event()
+    rt._nursery = None
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
     return rt
 
@@ -194,17 +201,17 @@ async def test_a_stopped_run_releases_its_pins_and_stays_stopped_after_a_restart
 
     rt.stop(sign_stop(OWNER, RUN, now=NOW), NOW)
     assert rt.finished.is_set() and rt.phase == "stopped" and rt.shepherd is None and inner.is_set()
-    assert rt.blobs.store.unpinned == ["artifact"] and rt.pins.finished  # the dataset is kept, as on run end
+    assert rt.io.store.unpinned == ["artifact"] and rt.io.pins.finished  # the dataset is kept, as on run end
     assert RUN not in rt.node.leads and (tmp_path / STOP_FILE).exists()
 
     with pytest.raises(StaleMessage):  # a replay
         rt.stop(sign_stop(OWNER, RUN, now=NOW), NOW)
     done = stopped_runtime(tmp_path / "done")
     (tmp_path / "done").mkdir()
-    done.finished.set()  # finished by itself: a later stop changes nothing
+    done.machine.finished = True  # finished by itself: a later stop changes nothing
     with pytest.raises(StaleMessage):
         done.stop(sign_stop(OWNER, RUN, now=NOW), NOW)
-    assert done.phase == "training" and not done.pins.finished
+    assert done.phase == "training" and not done.io.pins.finished
 
     again = stopped_runtime(tmp_path)  # the node restarted: the kept order ends the run at once
     assert again._stopped_before() and again.finished.is_set() and again.phase == "stopped"

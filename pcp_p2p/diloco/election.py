@@ -183,6 +183,9 @@ class ElectionConfig:
     term can honestly last; bounds how far back a claim may be dated."""
     max_held: int = 16
     """Leases and commits held back (not yet checkable), at most; the oldest go first."""
+    rounds: int | None = None
+    """The run's number of rounds: once a commit of the last one is known, no term is claimed
+    (``None``: the run never ends, as far as the election knows)."""
 
     def validate(self) -> ElectionConfig:
         if not (0 < self.renew_every_s < self.lease_s):
@@ -861,6 +864,8 @@ class Election:
     def _claim(self, term: int, now: float) -> list[ElectionEffect]:
         best = self.best_commit
         c = self.config
+        if c.rounds is not None and best is not None and best.round + 1 >= c.rounds:
+            return []  # the run is over: nothing to lead (a lapsed lease now means nothing)
         lease = sign(
             Lease(
                 run_id=self.run_id, term=term, holder=self.peer_id, claimed_at=now, issued=now,

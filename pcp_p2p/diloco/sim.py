@@ -1,11 +1,13 @@
-"""An in-memory DiLoCo swarm on trio, with seeded fault injection.
+"""An in-memory DiLoCo swarm on trio, with seeded fault injection: one shepherd, many workers.
 
-This is the round protocol's test bench: the real :class:`Shepherd` and
-:class:`Worker` state machines, the real wire codec (every message is encoded
-and decoded on its way), real Ed25519 signatures and CIDs — but an in-memory
-network and blob store instead of libp2p, and a cheap numpy objective instead
-of the IREE executor, so a ten-round swarm with faults runs in well under a
-second of wall time on trio's ``MockClock``.
+The round protocol's test bench, and a thin user of :mod:`pcp_p2p.testing.run_harness`:
+every node runs the production :class:`~pcp_p2p.diloco.run_machine.RunMachine`
+(its election, worker and shepherd, real Ed25519 signatures, CIDs and the wire
+codec) over the harness's in-memory network, DHT and blob stores, with
+:class:`~pcp_p2p.diloco.quadratic.Quadratic` for the inner loop, so a ten-round
+swarm with faults runs in about a second of wall time on trio's ``MockClock``.
+Node 0 is the shepherd: the only member that can compile, so the only candidate;
+it trains nothing. The workers are the :class:`WorkerPlan`\\ s.
 
 Faults, all drawn from one ``random.Random(seed)`` so a failing seed replays:
 
@@ -14,52 +16,33 @@ Faults, all drawn from one ``random.Random(seed)`` so a failing seed replays:
   ``kill_at=(round, phase)``, phase one of :data:`KILL_PHASES`);
 - a worker can join late (``join_at``) and have a different speed;
 - a worker can be Byzantine (``attack``, one of :data:`ATTACKS`): it runs the
-  honest protocol but lies about its Δ or its work (see :meth:`World._attack`).
-
-The inner loop is AdamW on a per-shard quadratic ``½·Σ a⊙(θ − θ*_k)²`` with
-gradient noise seeded by the data assignment: each shard pulls towards its own
-optimum, so averaging matters, and the validation loss (distance to the global
-optimum θ*) falls only if the protocol really combines the workers. The
-shepherd's held-out ``score`` is the same loss on a fixed quarter of the
-coordinates (a small held-out batch stands in for the validation set).
+  honest protocol but lies about its Δ or its work (see :meth:`World.inner_result`).
 """
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import trio
 
-from pcp_p2p.cid import cid_of
 from pcp_p2p.diloco.aggregate import delta_norm_bound
-from pcp_p2p.diloco.effects import (
-    CancelInner,
-    Committed,
-    Discarded,
-    Effect,
-    FetchBlob,
-    Finished,
-    LookupCommit,
-    Rejected,
-    RunInner,
-    Send,
-    StoreBlob,
-)
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
-from pcp_p2p.diloco.spec import RunSpec, sign_spec, run_id_of
+from pcp_p2p.diloco.effects import RunInner, Send
+from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, Submission
+from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
+from pcp_p2p.diloco.run_effects import CommitLookedUp, Event, MessageIn
+from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, global_norm
-from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.errors import BlobNotFound, PcpError, ProtocolError
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.wire import Message, decode, encode
+from pcp_p2p.diloco.worker import InnerResult
+from pcp_p2p.errors import PcpError
+from pcp_p2p.testing.memnet import FaultPlan, Kill
+from pcp_p2p.testing.run_harness import MemNode, RunSwarm, SwarmConfig
+from pcp_p2p.wire import Message
 
-SIM_ARTIFACT = b"stands in for a compiled .vmfb"
+__all__ = ["ATTACKS", "KILL_PHASES", "SIM_ARTIFACT", "Faults", "Quadratic", "SimConfig", "SimResult", "World",
+           "WorkerPlan", "simulate", "simulate_sync"]
+
 KILL_PHASES = ("announced", "fetching", "training", "submitted", "committed")
 ATTACKS = ("random", "sign_flip", "scale10", "lazy", "stale")
 """Byzantine workers: a random Δ just under the absolute norm bound; the honest Δ
@@ -113,211 +96,70 @@ class SimResult:
     byzantine: set[str]  # the workers with an attack
 
 
-# --- the cheap objective ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Quadratic:
-    """``½·mean(a⊙(θ − θ*_k)²)`` with shard optima spread around the global θ*."""
-
-    curvature: Params
-    optimum: Params
-    spread: Params
-    held_out: Params  # 0/1 masks: the coordinates the held-out score looks at
-    floor: float = 0.0  # added to every loss, like a language model's irreducible entropy
-
-    @classmethod
-    def make(cls, rng: np.random.Generator, shape: tuple[int, int], spread: float = 0.5, floor: float = 0.0) -> Quadratic:
-        names = {"w": shape, "b": (shape[1],)}
-        return cls(
-            curvature={k: rng.uniform(0.5, 2.0, s).astype(np.float32) for k, s in names.items()},
-            optimum={k: rng.normal(0, 1, s).astype(np.float32) for k, s in names.items()},
-            spread={k: rng.normal(0, spread, s).astype(np.float32) for k, s in names.items()},
-            held_out={k: (rng.random(s) < 0.25).astype(np.float32) for k, s in names.items()},
-            floor=floor,
-        )
-
-    def initial(self) -> Params:
-        return {k: np.zeros_like(v) for k, v in self.optimum.items()}
-
-    def shard_optimum(self, shard: int, num_shards: int) -> Params:
-        # shard offsets sum to zero over the shards, so the mean optimum is θ*
-        phase = 2 * math.pi * shard / max(1, num_shards)
-        c = math.cos(phase) if num_shards > 1 else 0.0
-        return {k: v + c * self.spread[k] for k, v in self.optimum.items()}
-
-    def loss(self, theta: Params, target: Params | None = None) -> float:
-        target = self.optimum if target is None else target
-        tot = sum(float(np.sum(self.curvature[k] * (theta[k] - target[k]) ** 2)) for k in theta)
-        n = sum(v.size for v in theta.values())
-        return self.floor + 0.5 * tot / n
-
-    def score(self, theta: Params) -> float:
-        """The loss on the held-out coordinates only: cheaper and noisier than :meth:`loss`."""
-        tot = sum(float(np.sum(self.held_out[k] * self.curvature[k] * (theta[k] - self.optimum[k]) ** 2)) for k in theta)
-        n = sum(float(m.sum()) for m in self.held_out.values())
-        return self.floor + 0.5 * tot / max(1.0, n)
-
-    def inner(self, run: RunInner, steps: int, spec: RunSpec) -> InnerResult:
-        """``steps`` AdamW steps from ``run.theta`` on the assigned shard (moments kept)."""
-        i = spec.inner
-        a = run.assignment
-        rng = np.random.default_rng(a.seed)
-        target = self.shard_optimum(a.shard, a.num_shards)
-        theta = {k: v.astype(np.float32).copy() for k, v in run.theta.items()}
-        state = run.inner_state or {
-            "m": {k: np.zeros_like(v) for k, v in theta.items()},
-            "v": {k: np.zeros_like(v) for k, v in theta.items()},
-            "t": 0,
-        }
-        m, v, t = state["m"], state["v"], state["t"]
-        losses = []
-        for _ in range(steps):
-            t += 1
-            losses.append(self.loss(theta, target))
-            for k in theta:
-                g = self.curvature[k] * (theta[k] - target[k]) + rng.normal(0, 0.1, theta[k].shape)
-                m[k] = i.beta1 * m[k] + (1 - i.beta1) * g
-                v[k] = i.beta2 * v[k] + (1 - i.beta2) * g * g
-                mh = m[k] / (1 - i.beta1**t)
-                vh = v[k] / (1 - i.beta2**t)
-                theta[k] = (theta[k] - i.lr * (mh / (np.sqrt(vh) + 1e-8) + i.weight_decay * theta[k])).astype(
-                    np.float32
-                )
-        return InnerResult(run.round, run.attempt, theta, steps, tuple(losses), {"m": m, "v": v, "t": t})
-
-
-# --- the in-memory world ----------------------------------------------------
-
-
-class InMemoryNetwork:
-    """Delivers encoded messages between inboxes, dropping/duplicating/delaying them."""
-
-    def __init__(self, nursery: trio.Nursery, rng: random.Random, faults: Faults) -> None:
-        self.nursery = nursery
-        self.rng = rng
-        self.faults = faults
-        self.inboxes: dict[str, trio.MemorySendChannel[tuple[Any, ...]]] = {}
-        self.sent = 0
-        self.dropped = 0
-
-    def send(self, dst: str, msg: Message) -> None:
-        data = encode(msg)
-        self.sent += 1
-        f = self.faults
-        if self.rng.random() < f.drop:
-            self.dropped += 1
-            return
-        copies = 2 if self.rng.random() < f.duplicate else 1
-        for _ in range(copies):
-            self.nursery.start_soon(self._deliver, dst, data, self.rng.uniform(*f.delay))
-
-    async def _deliver(self, dst: str, data: bytes, delay: float) -> None:
-        await trio.sleep(delay)
-        inbox = self.inboxes.get(dst)
-        if inbox is not None:
-            inbox.send_nowait(("msg", data))
-
-
-class World:
-    """One simulated run: a shepherd, workers, a network, a blob store, a commit board."""
+class World(RunSwarm):
+    """One simulated run: node 0 leads, the others work as their plans say."""
 
     def __init__(self, cfg: SimConfig) -> None:
-        self.cfg = cfg
-        self.rng = random.Random(cfg.seed)
+        f = cfg.faults
+        super().__init__(SwarmConfig(
+            spec=cfg.spec, nodes=1 + len(cfg.workers), compile_s=0.0, shape=cfg.shape, time_limit=cfg.time_limit,
+            plan=FaultPlan(seed=cfg.seed, drop=f.drop, duplicate=f.duplicate, delay=f.delay, fetch_delay=f.fetch_delay),
+        ))
+        self.sim = cfg
         self.problem = Quadratic.make(np.random.default_rng(cfg.seed), cfg.shape, cfg.spread, cfg.floor)
-        self.blobs: dict[str, bytes] = {}
-        self.board: CommitRecord | None = None  # stands in for the DHT's latest-commit record
-        self.rejected: list[tuple[str, str | None, PcpError]] = []
-        self.discarded: list[tuple[int, int]] = []
-        self.workers: dict[str, Worker] = {}
+        self.plans = {n.peer_id: plan for n, plan in zip(self.nodes[1:], cfg.workers)}
         self.first_delta: dict[str, Params] = {}  # the "stale" attackers' first Δ
-        self.killed: set[str] = set()
-        self.kill_scopes: dict[str, trio.CancelScope] = {}
-        self.done = trio.Event()
-        self.finished_cid: str | None = None
-        self.target = cfg.spec.targets[0]
-        owner = self._identity()
-        self.signed_spec = sign_spec(cfg.spec, owner)
-        self.run_id = run_id_of(self.signed_spec)
-        self.shepherd = Shepherd(
-            spec=cfg.spec,
-            run_id=self.run_id,
-            identity=owner,
-            term=0,
-            state=OuterState.initial(self.problem.initial()),
-            artifacts={self.target: cid_of(SIM_ARTIFACT)},
-            evaluate=self.problem.loss,
-            score=self.problem.score if cfg.scoring else None,
-        )
-        # the artifact is an ordinary blob too (its bytes are irrelevant to the sim)
-        self.blobs[self.shepherd.artifacts[self.target]] = SIM_ARTIFACT
 
-    def _identity(self) -> Identity:
-        return Identity(self.rng.randbytes(32))
+    # --- the scenario --------------------------------------------------------------------
 
-    # --- effects -------------------------------------------------------------
+    def start_at(self, node: MemNode) -> float:
+        return 0.0 if node.index == 0 else self.plans[node.peer_id].join_at
 
-    def _run_effects(self, node: str, effects: list[Effect], nursery: trio.Nursery, net: InMemoryNetwork) -> None:
-        for eff in effects:
-            if isinstance(eff, Send):
-                net.send(eff.to, eff.message)
-                plan = self.plans.get(node)
-                if plan is not None and plan.attack == "stale" and isinstance(eff.message, Submission):
-                    if len(self.workers[node].submitted) > 1:
-                        net.send(eff.to, self.workers[node].submitted[0])  # a verbatim replay too
-            elif isinstance(eff, StoreBlob):
-                self.blobs[eff.cid] = eff.data
-            elif isinstance(eff, FetchBlob):
-                nursery.start_soon(self._fetch, node, eff.cid, net)
-            elif isinstance(eff, LookupCommit):
-                nursery.start_soon(self._lookup, node, net)
-            elif isinstance(eff, RunInner):
-                nursery.start_soon(self._inner, node, eff, net)
-            elif isinstance(eff, Rejected):
-                self.rejected.append((node, eff.peer, eff.error))
-            elif isinstance(eff, Committed):
-                self.board = eff.record
-            elif isinstance(eff, Discarded):
-                self.discarded.append((eff.round, eff.attempt))
-            elif isinstance(eff, Finished):
-                self.finished_cid = eff.theta_cid
-            elif isinstance(eff, CancelInner):
-                pass  # results of superseded runs are ignored by the worker's tags
+    def target_of(self, node: MemNode) -> str | None:
+        return None if node.index == 0 else self.target
 
-    async def _fetch(self, node: str, cid: str, net: InMemoryNetwork) -> None:
-        await trio.sleep(self.cfg.faults.fetch_delay)
-        inbox = net.inboxes.get(node)
-        if inbox is None:
-            return
-        data = self.blobs.get(cid)
-        if data is None:
-            inbox.send_nowait(("blob_failed", cid, BlobNotFound(cid)))
+    def can_compile(self, node: MemNode) -> bool:
+        return node.index == 0
+
+    def tokens_per_s(self, node: MemNode) -> float:
+        return 1000.0 if node.index == 0 else self.plans[node.peer_id].tokens_per_s
+
+    def shepherd_kwargs(self, node: MemNode) -> dict[str, Any]:
+        return {"score": self.problem.score} if self.sim.scoring else {}
+
+    def extra_sends(self, node: MemNode, send: Send) -> list[Message]:
+        plan = self.plans.get(node.peer_id)
+        w = node.machine.worker if node.machine is not None else None
+        if plan is not None and plan.attack == "stale" and isinstance(send.message, Submission) \
+                and w is not None and len(w.submitted) > 1:
+            return [w.submitted[0]]  # a verbatim replay too
+        return []
+
+    def fault(self, node: MemNode, effects: list[Any], ev: Event | None) -> tuple[int, Kill | None]:
+        plan = self.plans.get(node.peer_id)
+        if plan is None or plan.kill_at is None or any(p == node.peer_id for p, _ in self.killed):
+            return len(effects), None
+        kill_round, phase = plan.kill_at
+        w = node.machine.worker if node.machine is not None else None
+        if phase == "announced":  # dies on the announcement, before doing anything with it
+            hit, cut = (isinstance(ev, MessageIn) and isinstance(ev.message, RoundAnnouncement)
+                        and ev.message.round == kill_round), 0
+        elif phase == "committed":
+            got_commit = isinstance(ev, CommitLookedUp) or (isinstance(ev, MessageIn)
+                                                            and isinstance(ev.message, CommitRecord))
+            hit, cut = got_commit and w is not None and w.last_commit is not None \
+                and w.last_commit.round == kill_round, len(effects)
         else:
-            inbox.send_nowait(("blob", cid, data))
+            hit, cut = (w is not None and w.phase.value == phase and w.current is not None
+                        and w.current.round == kill_round), len(effects)
+        return (cut, Kill(phase, kill_round, restart_after=None)) if hit else (len(effects), None)
 
-    async def _lookup(self, node: str, net: InMemoryNetwork) -> None:
-        await trio.sleep(self.cfg.faults.fetch_delay)
-        inbox = net.inboxes.get(node)
-        if inbox is not None and self.board is not None:
-            inbox.send_nowait(("commit", self.board))
-
-    async def _inner(self, node: str, run: RunInner, net: InMemoryNetwork) -> None:
-        plan = self.plans[node]
-        spec = self.cfg.spec
-        by_time = int(plan.tokens_per_s * run.time_budget_s // spec.tokens_per_step)
-        steps = max(1, min(run.assignment.max_steps, by_time))
-        await trio.sleep(steps * spec.tokens_per_step / plan.tokens_per_s)
-        result = self.problem.inner(run, steps, spec)
-        if plan.attack is not None:
-            result = self._attack(node, plan.attack, run, result)
-        inbox = net.inboxes.get(node)
-        if inbox is not None:
-            inbox.send_nowait(("inner", result))
-
-    def _attack(self, node: str, attack: str, run: RunInner, honest: InnerResult) -> InnerResult:
+    def inner_result(self, node: MemNode, run: RunInner, honest: InnerResult) -> InnerResult:
         """What a Byzantine worker hands its (honest) worker machine in place of its training result."""
-        spec = self.cfg.spec
+        attack = self.plans[node.peer_id].attack
+        if attack is None:
+            return honest
+        spec = self.sim.spec
         theta = {k: np.asarray(v, dtype=np.float32) for k, v in run.theta.items()}
         delta = {k: theta[k] - honest.theta[k] for k in theta}
         steps = honest.steps
@@ -335,161 +177,33 @@ class World:
             delta = {k: theta[k] - one.theta[k] for k in theta}
             steps = run.assignment.max_steps
         elif attack == "stale":
-            delta = self.first_delta.setdefault(node, delta)
+            delta = self.first_delta.setdefault(node.peer_id, delta)
         else:
             raise ValueError(f"unknown attack {attack!r}; known: {ATTACKS}")
         new_theta = {k: theta[k] - delta[k] for k in theta}
         losses = honest.losses[:steps] + (honest.losses[-1],) * max(0, steps - len(honest.losses))
         return InnerResult(honest.round, honest.attempt, new_theta, steps, losses, honest.inner_state)
 
-    # --- nodes -----------------------------------------------------------------
+    # --- the outcome -----------------------------------------------------------------------
 
-    async def shepherd_node(self, net: InMemoryNetwork) -> None:
-        send, recv = trio.open_memory_channel[tuple[Any, ...]](math.inf)
-        sh = self.shepherd
-        net.inboxes[sh.peer_id] = send
-        async with trio.open_nursery() as nursery:
-            while True:
-                wake = sh.next_wakeup
-                item = None
-                with trio.move_on_at(wake if wake is not None else math.inf):
-                    item = await recv.receive()
-                now = trio.current_time()
-                if item is None:
-                    effects = sh.tick(now)
-                elif item[0] == "msg":
-                    try:
-                        msg = decode(item[1], Join, Submission)
-                    except ProtocolError as exc:
-                        effects = [Rejected(None, exc)]
-                    else:
-                        effects = sh.receive(msg, now)
-                elif item[0] == "blob":
-                    effects = sh.on_blob(item[1], item[2], now)
-                else:
-                    effects = sh.on_blob_failed(item[1], item[2], now)
-                self._run_effects(sh.peer_id, effects, nursery, net)
-                if sh.phase is Phase.FINISHED:
-                    self._check_done()
-
-    async def worker_node(self, w: Worker, plan: WorkerPlan, net: InMemoryNetwork) -> None:
-        await trio.sleep(plan.join_at)
-        send, recv = trio.open_memory_channel[tuple[Any, ...]](math.inf)
-        net.inboxes[w.peer_id] = send
-        self.workers[w.peer_id] = w
-        with trio.CancelScope() as scope:
-            self.kill_scopes[w.peer_id] = scope
-            async with trio.open_nursery() as nursery:
-                self._run_effects(w.peer_id, w.start(trio.current_time()), nursery, net)
-                while True:
-                    item = None
-                    with trio.move_on_at(w.next_wakeup):
-                        item = await recv.receive()
-                    now = trio.current_time()
-                    if item is None:
-                        effects = w.tick(now)
-                    elif item[0] == "msg":
-                        try:
-                            msg = decode(item[1], RoundAnnouncement, CommitRecord)
-                        except ProtocolError as exc:
-                            effects = [Rejected(None, exc)]
-                        else:
-                            if self._kill_point(w, plan, "announced", msg):
-                                return
-                            effects = w.receive(msg, now)
-                    elif item[0] == "blob":
-                        effects = w.on_blob(item[1], item[2], now)
-                    elif item[0] == "blob_failed":
-                        effects = w.on_blob_failed(item[1], item[2], now)
-                    elif item[0] == "commit":
-                        effects = w.on_commit(item[1], now)
-                    else:
-                        effects = w.on_inner_done(item[1], now)
-                    self._run_effects(w.peer_id, effects, nursery, net)
-                    if self._kill_point(w, plan, w.phase.value, None):
-                        return
-                    got_commit = item is not None and (
-                        item[0] == "commit" or (item[0] == "msg" and isinstance(msg, CommitRecord))
-                    )
-                    if got_commit and self._kill_point(w, plan, "committed", None):
-                        return
-                    self._check_done()
-
-    def _kill_point(self, w: Worker, plan: WorkerPlan, phase: str, msg: Message | None) -> bool:
-        if plan.kill_at is None or w.peer_id in self.killed:
-            return False
-        kill_round, kill_phase = plan.kill_at
-        if kill_phase != phase:
-            return False
-        if phase == "announced":
-            hit = isinstance(msg, RoundAnnouncement) and msg.round == kill_round
-        elif phase == "idle":
-            return False
-        elif phase == "committed":
-            hit = w.last_commit is not None and w.last_commit.round == kill_round
-        else:
-            hit = w.current is not None and w.current.round == kill_round
-        if hit:
-            self.killed.add(w.peer_id)
-            self.net.inboxes.pop(w.peer_id, None)
-            self.kill_scopes[w.peer_id].cancel()
-        return hit
-
-    def _check_done(self) -> None:
-        if self.shepherd.phase is not Phase.FINISHED:
-            return
-        final = self.shepherd.theta_cid
-        for pid, w in self.workers.items():
-            if pid not in self.killed and w.theta_cid != final:
-                return
-        self.done.set()
-
-    async def run(self) -> SimResult:
-        cfg = self.cfg
-        self.plans: dict[str, WorkerPlan] = {}
-        machines = []
-        for plan in cfg.workers:
-            w = Worker(
-                spec=cfg.spec,
-                run_id=self.run_id,
-                identity=self._identity(),
-                shepherds={0: self.shepherd.peer_id},
-                target=self.target,
-                tokens_per_s=plan.tokens_per_s,
-            )
-            self.plans[w.peer_id] = plan
-            machines.append((w, plan))
-        initial_val = self.problem.loss(self.shepherd.state.theta)
-        finished = False
-        async with trio.open_nursery() as nursery:
-            self.net = InMemoryNetwork(nursery, self.rng, cfg.faults)
-            nursery.start_soon(self.shepherd_node, self.net)
-            for w, plan in machines:
-                nursery.start_soon(self.worker_node, w, plan, self.net)
-            with trio.move_on_after(cfg.time_limit):
-                await self.done.wait()
-                finished = True
-            nursery.cancel_scope.cancel()
-        alive = {pid for pid in self.workers if pid not in self.killed}
+    async def simulate(self) -> SimResult:
+        r = await self.run()
+        sh = self.nodes[0].machine.shepherd if self.nodes[0].machine is not None else None
+        commits = list(sh.commits) if sh is not None else []
+        killed = {p for p, _ in self.killed}
+        alive = {n.peer_id for n in self.nodes[1:] if n.alive}
         return SimResult(
-            commits=list(self.shepherd.commits),
-            discarded=list(self.discarded),
-            rejected=list(self.rejected),
-            final_theta_cid=self.finished_cid,
-            worker_theta_cids={pid: self.workers[pid].theta_cid for pid in alive},
-            alive=alive,
-            killed=set(self.killed),
-            val_losses=[c.val_loss for c in self.shepherd.commits if c.val_loss is not None],
-            finished=finished,
-            end_time=trio.current_time(),
-            initial_val_loss=initial_val,
+            commits=commits, discarded=list(self.discarded), rejected=r.rejected, final_theta_cid=self.finished_cid,
+            worker_theta_cids={p: t for p, t in r.theta_cids.items() if p in alive}, alive=alive, killed=killed,
+            val_losses=[c.val_loss for c in commits if c.val_loss is not None], finished=r.finished,
+            end_time=r.end_time, initial_val_loss=self.problem.loss(self.problem.initial()),
             byzantine={pid for pid, plan in self.plans.items() if plan.attack is not None},
         )
 
 
 async def simulate(cfg: SimConfig) -> SimResult:
     """Run one simulated swarm to completion (or ``cfg.time_limit``) on the current clock."""
-    return await World(cfg).run()
+    return await World(cfg).simulate()
 
 
 def simulate_sync(cfg: SimConfig) -> SimResult:

@@ -1,0 +1,125 @@
+"""Five run machines over the in-memory network, through a kill at every phase of a round and an election.
+
+The machines are the real :class:`~pcp_p2p.diloco.run_machine.RunMachine` (real election,
+worker and shepherd, signatures, CIDs and codec); the pump is
+:mod:`pcp_p2p.testing.run_harness` on trio's ``MockClock``. Each kill strikes the first
+node to reach its phase, which restarts a few virtual seconds later from what it kept
+on disk; the run must still commit every round exactly once on one chain, and every
+live node must end on the final θ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from pcp_p2p.diloco.election import PublishLease
+from pcp_p2p.diloco.reputation import ReputationLedger
+from pcp_p2p.diloco.run_effects import SetUpShepherd
+from pcp_p2p.diloco.run_machine import Member, RunMachine
+from pcp_p2p.diloco.spec import parse_spec
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill, Partition
+from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
+
+ROUNDS = 12
+SPEC = parse_spec(
+    f"""
+[inner]
+lr = 0.02
+batch_size = 4
+seq_len = 8
+[round]
+time_budget_s = 10.0
+deadline_s = 20.0
+max_inner_steps = 20
+rounds = {ROUNDS}
+min_quorum = 2
+[aggregation]
+score_tolerance = 0.25
+val_jump = 0.0
+"""
+)
+# One kill per phase, in the order a run meets them: the election's three first (the
+# first node to start, the first claimant, the first to compile), then one per round.
+KILLS = (
+    Kill("settling"), Kill("claimed"), Kill("compiling"),
+    *(Kill(phase, round=r) for r, phase in enumerate(KILL_PHASES[3:], start=1)),
+)
+
+
+def check(r: SwarmResult) -> None:
+    assert r.finished, f"not finished: chain {[(c.term, c.round) for c in r.chain]}, killed {r.killed}"
+    assert r.final is not None and r.final.round == ROUNDS - 1
+    assert [c.round for c in r.chain] == list(range(ROUNDS))  # every round once, on one chain
+    for a, b in zip(r.chain, r.chain[1:]):
+        assert b.prev_theta_cid == a.theta_cid and b.term >= a.term
+    assert set(r.theta_cids.values()) == {r.final.theta_cid}  # every live node on the final θ
+    assert set(r.ended.values()) == {"finished"}
+    assert r.val_losses[-1] < 0.5 * r.initial_val_loss  # training made progress across the kills
+
+
+def test_a_kill_at_every_phase_of_a_round_and_an_election() -> None:
+    assert {k.phase for k in KILLS} == set(KILL_PHASES)
+    r = run_swarm_sync(SwarmConfig(spec=SPEC, nodes=5, plan=FaultPlan(seed=1, kills=KILLS)))
+    check(r)
+    assert [phase for _, phase in r.killed] == [k.phase for k in KILLS]  # each struck, in order
+    assert r.restarts == len(KILLS)  # and each killed node came back and caught up
+    terms = {c.term for c in r.chain}
+    assert len(terms) >= 3  # the shepherd kills forced failovers
+
+
+def test_lossy_network_without_kills_commits_every_round() -> None:
+    plan = FaultPlan(seed=2, drop=0.05, duplicate=0.05, delay=(0.01, 0.3))
+    check(run_swarm_sync(SwarmConfig(spec=SPEC, nodes=5, plan=plan)))
+
+
+def test_a_kill_that_never_restarts_leaves_four_nodes_that_finish() -> None:
+    plan = FaultPlan(seed=3, kills=(Kill("replicating", round=2, restart_after=None),))
+    r = run_swarm_sync(dataclasses.replace(SwarmConfig(spec=SPEC), plan=plan))
+    check(r)
+    assert len(r.theta_cids) == 4 and r.restarts == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_many_seeds_kills_loss_rotation_and_a_partition(seed: int) -> None:
+    """Seven machines, 15% loss, 10% duplicates, up to 1 s delays, four kills at random phases
+    (some never restart), rotation or not, and sometimes a partition that heals mid-run."""
+    rng = random.Random(seed)
+    kills = sorted((Kill(rng.choice(KILL_PHASES), round=rng.randrange(0, 10),
+                         restart_after=rng.choice([3.0, 20.0, 60.0, None])) for _ in range(4)), key=lambda k: k.round)
+    base = SwarmConfig(spec=SPEC)
+    partition = Partition(40.0, 90.0, frozenset({0, 1})) if rng.random() < 0.3 else None
+    plan = FaultPlan(seed=seed, drop=0.15, duplicate=0.1, delay=(0.01, 1.0), kills=tuple(kills), partition=partition)
+    check(run_swarm_sync(dataclasses.replace(
+        base, nodes=7, plan=plan, election=dataclasses.replace(base.election, rotate_every=rng.choice([0, 3])))))
+
+
+def lone_machine(tmp_path) -> RunMachine:  # type: ignore[no-untyped-def]
+    """One machine, alone in its run, that has claimed term 0 and is setting it up."""
+    me, owner = Identity.generate(), Identity.generate()
+    m = RunMachine.for_spec(SPEC, run_id="run", owner=owner.peer_id, identity=me,
+                            ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
+                            tokens_per_s=64.0, started_at=0.0, config=SwarmConfig(spec=SPEC).election)
+    m.start(0.0)
+    m.on_lease_lookup(None, 0.1)
+    out = m.on_commit_lookup(None, True, 0.1) + m.on_members([Member(me.peer_id, 0.0)], 1.5)
+    assert [e.become.term for e in out if isinstance(e, SetUpShepherd)] == [0] and m.becoming
+    return m
+
+
+def renewals(effects: list) -> list:
+    return [e for e in effects if isinstance(e, PublishLease) and e.renewal]
+
+
+def test_a_term_whose_set_up_failed_is_not_renewed_so_it_lapses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    compiling, failed = lone_machine(tmp_path / "a"), lone_machine(tmp_path / "b")
+    failed.setup_failed("the lease's checkpoint is held by no live node")
+    failed.setup_ended(0, 2.0)
+    assert not failed.becoming and failed.still_holds(0)
+    at = failed.election.next_wakeup
+    assert renewals(failed.tick(at)) == []  # the holder that cannot lead lets its lease lapse
+    assert renewals(compiling.tick(at))  # while the set-up is still under way, the lease is renewed
