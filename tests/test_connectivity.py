@@ -30,6 +30,7 @@ from pcp_p2p.testing.netlab import Host, Lab, LabProcess, LinkSpec, Nat, netlab,
 
 needs_lab = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 ME = "12D3KooWJWoaqZhDaoEFshF7Rh1bpY9ohihFhzcW6d69Lr2NASuq"
+INET = "198.18.0.10"  # an observer on the lab's internet
 RELAYED = f"/ip4/198.18.0.2/tcp/4001/p2p/{ME}/p2p-circuit/p2p/{ME}"
 
 
@@ -37,7 +38,13 @@ RELAYED = f"/ip4/198.18.0.2/tcp/4001/p2p/{ME}/p2p-circuit/p2p/{ME}"
 
 
 def test_an_address_seen_as_our_own_is_public() -> None:
-    assert verdict(["10.1.0.2"], [Observation("10.1.0.2", 5000, 5000)]) == PUBLIC
+    assert verdict(["10.1.0.2"], [Observation("10.1.0.2", 5000, 5000, INET)]) == PUBLIC
+
+
+def test_peers_in_the_same_home_say_nothing_about_the_internet() -> None:
+    assert verdict(["10.1.0.2"], [Observation("10.1.0.2", 5000, 5000, "10.1.0.3")]) == UNKNOWN
+    assert verdict(["10.1.0.2"], [Observation("10.1.0.2", 5000, 5000, "10.1.0.3"),
+                                  Observation("198.18.1.1", 5000, 5000, INET)]) == HOLE_PUNCHABLE
 
 
 def test_without_observations_only_a_public_ip_decides() -> None:
@@ -47,10 +54,10 @@ def test_without_observations_only_a_public_ip_decides() -> None:
 
 def test_behind_nat_a_kept_port_is_hole_punchable_and_changed_ports_relay_only() -> None:
     local = ["127.0.0.1", "10.1.0.2"]
-    assert verdict(local, [Observation("198.18.1.1", 40000, 40000)]) == HOLE_PUNCHABLE
-    assert verdict(local, [Observation("198.18.1.1", 61234, 40000), Observation("198.18.1.1", 1030, 40002)]) \
-        == RELAY_ONLY
-    assert verdict(local, [Observation("198.18.1.1", 61234, None)]) == UNKNOWN
+    assert verdict(local, [Observation("198.18.1.1", 40000, 40000, INET)]) == HOLE_PUNCHABLE
+    changed = [Observation("198.18.1.1", 61234, 40000, INET), Observation("198.18.1.1", 1030, 40002, INET)]
+    assert verdict(local, changed) == RELAY_ONLY
+    assert verdict(local, [Observation("198.18.1.1", 61234, None, INET)]) == UNKNOWN
 
 
 def test_public_ips() -> None:
@@ -123,6 +130,9 @@ def test_cone_and_symmetric_homes_are_reached_through_the_bootstrap_relay(tmp_pa
                                  and (v == PUBLIC or bool(s["network"]["relayed_addrs"])), deadline_s=60)
                for name, (p, v) in expected.items()}
         assert own["pub"]["network"]["relayed_addrs"] == []
+        # ... and each said so in its start-up log, in one line.
+        for name, (p, v) in expected.items():
+            assert f"reachability: {v} (" in p.log_tail(100_000), name
         for name in ("cone", "sym"):
             assert own[name]["network"]["relayed_addrs"][0].startswith(f"{boot.addr}/p2p-circuit/p2p/")
 

@@ -83,29 +83,35 @@ class RelayBudget:
 
 @dataclass(frozen=True)
 class Observation:
-    """How one peer saw one of our connections: its public (ip, port), and our local port when known."""
+    """How one peer (at ``observer``) saw one of our connections: as (ip, port), our local port when known."""
 
     ip: str
     port: int
     local_port: int | None
+    observer: str
+
+
+# RFC 2544's benchmarking range: Python calls it private, but it is the lab's
+# "internet" (pcp_p2p/testing/netlab.py) and py-libp2p's relay code treats it as public.
+BENCHMARK_NET = ipaddress.ip_network("198.18.0.0/15")
 
 
 def is_public_ip(ip: str) -> bool:
-    """Not private, loopback, link-local or unspecified (the lab's 198.18/15 counts as public, like libp2p's)."""
+    """Routable between homes: not private (RFC 1918 and co.), loopback, link-local or unspecified."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
         return False
-    return not (addr.is_private and not _benchmark_range(addr)) and not addr.is_loopback \
-        and not addr.is_link_local and not addr.is_unspecified
-
-
-def _benchmark_range(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    return isinstance(addr, ipaddress.IPv4Address) and addr in ipaddress.ip_network("198.18.0.0/15")
+    if isinstance(addr, ipaddress.IPv4Address) and addr in BENCHMARK_NET:
+        return True
+    return not (addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_unspecified)
 
 
 def verdict(local_ips: Iterable[str], observations: Sequence[Observation]) -> str:
     """Whether others can dial this node, from what peers observed of it (pure: no I/O, no clock).
+
+    Only observers at public IPs count: a peer in the same home sees our
+    private address, which says nothing about the internet.
 
     - An observed IP that is one of ours: nothing translates our address → public.
     - No observation yet: public if we hold a public IP, else unknown.
@@ -116,6 +122,7 @@ def verdict(local_ips: Iterable[str], observations: Sequence[Observation]) -> st
       every connection we could check → relay-only; ports unknown → unknown.
     """
     ours = set(local_ips)
+    observations = [o for o in observations if is_public_ip(o.observer)]
     if any(o.ip in ours for o in observations):
         return PUBLIC
     if not observations:
@@ -177,7 +184,11 @@ def observations(host: IHost) -> list[Observation]:
             port = int(ma.value_for_protocol("tcp"))
         except Exception:
             continue
-        out.append(Observation(ip, port, _local_port(conn)))
+        try:
+            observer = str(conn.muxed_conn.get_remote_address()[0])
+        except Exception:
+            continue  # no remote address: cannot tell whether the observer is on the internet
+        out.append(Observation(ip, port, _local_port(conn), observer))
     return out
 
 
