@@ -129,7 +129,7 @@ def test_cone_and_symmetric_homes_are_reached_through_the_bootstrap_relay(tmp_pa
         own = {name: wait_status(lab, p.host, p, lambda s, v=v: s["network"]["reachability"] == v
                                  and (v == PUBLIC or bool(s["network"]["relayed_addrs"])), deadline_s=60)
                for name, (p, v) in expected.items()}
-        assert own["pub"]["network"]["relayed_addrs"] == []
+        assert own["pub"]["network"]["relayed_addrs"] == [] and own["pub"]["network"]["relay_hop"] is False
         # ... and each said so in its start-up log, in one line.
         for name, (p, v) in expected.items():
             assert f"reachability: {v} (" in p.log_tail(100_000), name
@@ -174,3 +174,9 @@ def test_two_cone_homes_upgrade_their_relayed_connection_to_a_direct_one(tmp_pat
         assert status["network"]["reachability"] == HOLE_PUNCHABLE
         conns = lab.exec(alice_home, "ss", "-Htn", "state", "established").stdout
         assert bob_home.public_ip in conns  # a TCP connection straight to bob's router
+
+        # The relay dies: alice stops advertising a relayed address nobody can use, and the
+        # hole-punched connection to bob outlives it.
+        assert boot.stop() == 0
+        after = wait_status(lab, alice_home, alice, lambda s: s["network"]["relayed_addrs"] == [], deadline_s=40)
+        assert after["network"]["connections"].get(bob.peer_id) == "direct"

@@ -266,7 +266,13 @@ class Connectivity:
             yield self
 
     def update(self) -> str:
-        """Recompute the verdict from the host's current observations."""
+        """Recompute the verdict from the host's current observations, and forget reservations on
+        relays we lost the connection to (a restarted relay forgot them: they are asked for again)."""
+        connected = {pid.to_base58() for pid in self.host.get_network().connections}
+        for pid in [p for p in self.reserved if p not in connected]:
+            del self.reserved[pid]
+            getattr(self.transport, "_reservations", {}).pop(ID.from_base58(pid), None)
+            log.info("relay %s gone: its reservation is dropped", pid)
         self.reachability = verdict(self.local_ips, observations(self.host))
         return self.reachability
 
