@@ -20,6 +20,7 @@ from pcp_p2p.node.connectivity import (
     RELAY_ONLY,
     UNKNOWN,
     Observation,
+    PunchBackoff,
     RelayBudget,
     is_public_ip,
     split_addrs,
@@ -58,6 +59,17 @@ def test_behind_nat_a_kept_port_is_hole_punchable_and_changed_ports_relay_only()
     changed = [Observation("198.18.1.1", 61234, 40000, INET), Observation("198.18.1.1", 1030, 40002, INET)]
     assert verdict(local, changed) == RELAY_ONLY
     assert verdict(local, [Observation("198.18.1.1", 61234, None, INET)]) == UNKNOWN
+
+
+def test_hole_punching_is_rearmed_after_a_doubling_back_off() -> None:
+    backoff = PunchBackoff(first_s=30.0, max_s=100.0)
+    assert not backoff.due("p", 0.0)  # first seen exhausted: wait first_s
+    assert not backoff.due("p", 29.0)
+    assert backoff.due("p", 30.0) and not backoff.due("p", 31.0)
+    assert not backoff.due("p", 89.0) and backoff.due("p", 90.0)  # then 60 s
+    assert backoff.due("p", 190.0)  # capped at max_s
+    backoff.forget(set())  # direct now: a later relayed spell starts over
+    assert not backoff.due("p", 1000.0)
 
 
 def test_public_ips() -> None:
@@ -171,6 +183,8 @@ def test_two_cone_homes_upgrade_their_relayed_connection_to_a_direct_one(tmp_pat
                              lambda s: s["network"]["connections"].get(bob.peer_id) == "direct",
                              deadline_s=120)
         assert relayed_only(status, bob.peer_id)  # it was never given bob's private address to dial
+        relayed = f"{boot.addr}/p2p-circuit/p2p/{alice.peer_id}"
+        assert status["network"]["relayed_addrs"] == [relayed]
         assert status["network"]["reachability"] == HOLE_PUNCHABLE
         conns = lab.exec(alice_home, "ss", "-Htn", "state", "established").stdout
         assert bob_home.public_ip in conns  # a TCP connection straight to bob's router
@@ -180,3 +194,7 @@ def test_two_cone_homes_upgrade_their_relayed_connection_to_a_direct_one(tmp_pat
         assert boot.stop() == 0
         after = wait_status(lab, alice_home, alice, lambda s: s["network"]["relayed_addrs"] == [], deadline_s=40)
         assert after["network"]["connections"].get(bob.peer_id) == "direct"
+        assert after["network"]["reachability"] == HOLE_PUNCHABLE  # still behind the same NAT
+        # It comes back (same identity and port): alice reserves again.
+        boot = lab.start_bootstrap(boot_host)
+        wait_status(lab, alice_home, alice, lambda s: s["network"]["relayed_addrs"] == [relayed], deadline_s=40)

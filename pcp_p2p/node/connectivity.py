@@ -35,7 +35,7 @@ from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import MAX_HOLE_PUNCH_ATTEMPTS, DCUtRProtocol
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
@@ -245,6 +245,38 @@ async def circuit_dialer(host: IHost) -> AsyncIterator[CircuitV2Transport]:
         yield _transport(host, proto, budget)
 
 
+class PunchBackoff:
+    """When to let DCUtR try a peer again after it used up its attempts (pure: time is passed in).
+
+    py-libp2p 0.8.1's DCUtR makes 3 attempts per relayed peer, then never again
+    until the peer disconnects: one unlucky moment (a loaded machine missing the
+    simultaneous open) would leave two cone homes relayed for good. A peer that
+    is still relayed-only after its attempts gets another three after
+    ``first_s``, doubling up to ``max_s``.
+    """
+
+    def __init__(self, first_s: float = 30.0, max_s: float = 600.0) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._next: dict[str, tuple[float, float]] = {}  # peer -> (when to rearm, the wait after that)
+
+    def due(self, peer: str, now: float) -> bool:
+        """True when an exhausted ``peer`` may be rearmed now (and schedules the next rearm)."""
+        when, wait = self._next.get(peer, (now + self.first_s, self.first_s))
+        if peer not in self._next:
+            self._next[peer] = (when, wait)
+            return False
+        if now < when:
+            return False
+        self._next[peer] = (now + min(wait * 2, self.max_s), min(wait * 2, self.max_s))
+        return True
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop peers no longer relayed-only (direct now, or gone)."""
+        for peer in [p for p in self._next if p not in keep]:
+            del self._next[peer]
+
+
 class Connectivity:
     """One node's relay protocol, relay client, DCUtR, reservations and verdict."""
 
@@ -259,6 +291,7 @@ class Connectivity:
         self.reserved: dict[str, str] = {}  # relay peer id -> the relay's full multiaddr
         self.reachability = UNKNOWN
         self.reported: str | None = None  # the verdict last logged
+        self.punch_backoff = PunchBackoff()
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Connectivity]:
@@ -273,7 +306,12 @@ class Connectivity:
             del self.reserved[pid]
             getattr(self.transport, "_reservations", {}).pop(ID.from_base58(pid), None)
             log.info("relay %s gone: its reservation is dropped", pid)
-        self.reachability = verdict(self.local_ips, observations(self.host))
+        now = verdict(self.local_ips, observations(self.host))
+        # What we learned stays true until contradicted: when the observers' connections close
+        # (the relay was our only one and died), we are still behind the same NAT, and must
+        # keep asking for a reservation.
+        if now != UNKNOWN or self.reachability == PUBLIC:
+            self.reachability = now
         return self.reachability
 
     def connection_kinds(self) -> dict[str, str]:
@@ -290,6 +328,19 @@ class Connectivity:
             if kinds:
                 out[pid.to_base58()] = "direct" if "direct" in kinds else "relayed"
         return out
+
+    def rearm_hole_punching(self, now: float) -> list[str]:
+        """Give DCUtR new attempts towards relayed-only peers whose back-off is over; returns them."""
+        relayed = {p for p, kind in self.connection_kinds().items() if kind == "relayed"}
+        self.punch_backoff.forget(relayed)
+        attempts: dict[ID, int] = getattr(self.dcutr, "_hole_punch_attempts", {})
+        rearmed = []
+        for pid in list(attempts):
+            peer = pid.to_base58()
+            if peer in relayed and attempts[pid] >= MAX_HOLE_PUNCH_ATTEMPTS and self.punch_backoff.due(peer, now):
+                del attempts[pid]  # the auto-drive loop (every 2 s) tries it again
+                rearmed.append(peer)
+        return rearmed
 
     def relayed_addrs(self, me: str) -> list[str]:
         """``<relay>/p2p-circuit/p2p/<me>`` for every relay that holds a live reservation for us."""
@@ -310,6 +361,12 @@ class Connectivity:
         ok = False
         with trio.move_on_after(timeout):
             try:
+                # py-libp2p refuses, for 60 s, to dial a peer whose addresses all failed (its
+                # "negative cache"): a relay back from a restart would wait out that minute.
+                # Our own schedule (every 15 s at most) already paces these dials.
+                unblock = getattr(self.host.get_network(), "unblock_peer", None)
+                if callable(unblock):
+                    unblock(info.peer_id)
                 await self.host.connect(info)
                 stream = await self.host.new_stream(info.peer_id, [HOP_PROTOCOL])
                 ok = await self.transport.reserve(stream, info.peer_id, nursery)

@@ -587,7 +587,8 @@ class Node:
         Behind a NAT, each bootstrap server is asked for a reservation until one
         grants it (servers with ``relay`` off refuse); a lost reservation (the
         relay restarted) is asked for again. The verdict is logged once, and
-        again when it changes (the ``pcp node join`` start-up line).
+        again when it changes (the ``pcp node join`` start-up line). Peers that
+        DCUtR gave up on get new attempts after a back-off.
         """
         conn = self.connectivity
         await self.bootstrapped.wait()
@@ -600,6 +601,8 @@ class Node:
                     if await conn.reserve(addr, self.nursery, self.config.op_timeout):
                         log.info("relay reservation on %s", addr)
                         break
+            for peer in conn.rearm_hole_punching(trio.current_time()):
+                log.debug("hole punching to %s: trying again", peer)
             if (conn.reachability, tuple(conn.relayed_addrs(self.peer_id))) != before:
                 self._notify()
             line = conn.report(self.peer_id)
