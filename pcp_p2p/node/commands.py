@@ -43,6 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _common_node_args(join)
     join.add_argument("--backend", choices=BACKENDS, default="auto",
                       help="compute backend to offer (default: every one the IREE runtime finds)")
+    join.add_argument("--relay", action=argparse.BooleanOptionalAction, default=False,
+                      help="offer circuit relay reservations to nodes behind NAT (control traffic only, "
+                      "small per-circuit limits); for nodes with a public address (default off)")
     join.add_argument("--client-mode", action="store_true",
                       help="DHT client mode, for nodes that cannot accept incoming connections")
     join.add_argument("--trust", action="append", default=[], metavar="OWNER_PEER_ID",
@@ -68,6 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                       help="address to listen on (default /ip4/0.0.0.0/tcp/4001); repeatable")
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="other bootstrap servers to peer with; repeatable")
+    boot.add_argument("--relay", action=argparse.BooleanOptionalAction, default=True,
+                      help="offer circuit relay reservations to nodes behind NAT, so others reach them "
+                      "(control traffic only, small per-circuit limits; default on)")
     _common_node_args(boot)
     boot.set_defaults(func=with_config(boot, _cmd_bootstrap))
 
@@ -138,6 +144,7 @@ def _cmd_join(args: argparse.Namespace) -> int:
         client_mode=args.client_mode,
         swarm_key=args.swarm_key,
         backend=args.backend,
+        relay=args.relay,
     )
     return _serve(config, args, print_addr=True, training=True)
 
@@ -152,6 +159,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
         role="bootstrap",
         swarm_key=args.swarm_key,
         benchmark_s=0.0,
+        relay=args.relay,
     )
     return _serve(config, args, print_addr=True)
 
@@ -339,7 +347,8 @@ def render_text(obj: dict[str, Any]) -> str:
         f"backends {','.join(caps['backends']) or '-'}",
         f"network  {obj['network'].get('connected_peers', 0)} connected, "
         f"{obj['network'].get('routing_table_size', 0)} in routing table, rejected "
-        "{} bad input, {} stale or duplicate".format(*split_rejected(obj["network"].get("rejected"))),
+        "{} bad input, {} stale or duplicate".format(*split_rejected(obj["network"].get("rejected")))
+        + f", reachability {obj['network'].get('reachability', 'unknown')}",
         f"members  {len(obj['members'])}",
     ]
     for m in obj["members"]:

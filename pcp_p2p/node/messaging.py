@@ -37,7 +37,6 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
 from pcp_p2p.node.budget import Budget, Limits, Pace, Reservation
@@ -162,16 +161,16 @@ class Messenger:
         """Dial ``peer_id`` with the addresses its member record gives, if not connected."""
         if pid in self.node.host.get_network().connections:
             return
-        from pcp_p2p.node.node import transport_addrs
-
         member = self.node.membership.get(peer_id)
-        addrs = transport_addrs(member.record.addrs) if member else []
+        addrs = [str(a) for a in member.record.addrs] if member else []
         if not addrs:
-            addrs = list(self.node.host.get_peerstore().addrs(pid))
+            addrs = [str(a) for a in self.node.host.get_peerstore().addrs(pid)]
         if not addrs:
             raise PeerGone(f"no known address for {peer_id}")
         try:
-            await self.node.host.connect(PeerInfo(pid, addrs))
+            await self.node.connect(pid, addrs)  # direct addresses first, then through its relays
+        except PeerGone:
+            raise
         except trio.Cancelled:
             raise
         except Exception as exc:

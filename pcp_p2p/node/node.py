@@ -18,7 +18,11 @@ Tasks a node runs, each a thin pump around sans-IO logic:
 - *swim*: carry :class:`~pcp_p2p.node.membership.Membership`'s SWIM packets
   over ``/pcp/swim/1.0.0`` streams and feed it clock ticks and replies; answer
   other nodes' probes (budgeted per peer and in total);
-- *status*: answer ``/pcp/status/1.0.0``.
+- *status*: answer ``/pcp/status/1.0.0``;
+- *reachability*: judge from what peers observe whether this node is public,
+  hole-punchable or relay-only, and behind a NAT keep a reservation on the
+  bootstrap relays and advertise the relayed address
+  (:mod:`pcp_p2p.node.connectivity`; relays and DCUtR run on every node).
 
 Every network operation has a deadline (``op_timeout``).
 """
@@ -61,6 +65,7 @@ from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node.capabilities import Capabilities, probe
+from pcp_p2p.node.connectivity import HOLE_PUNCHABLE, RELAY_ONLY, Connectivity, RelayBudget, connect, is_circuit
 from pcp_p2p.node.identity import Identity, load_or_create_identity
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.membership import (
@@ -133,6 +138,10 @@ class NodeConfig:
     msg_min_rate: float = 1024**2  # bytes/s; a sender's own deadline (op_timeout per send) asks more
     # Pre-measured capabilities (tests, or a restart within one process).
     capabilities: Capabilities | None = None
+    # Offer circuit relay v2 reservations (HOP) to nodes behind NAT, within relay_budget
+    # (control traffic only). None: on for bootstrap servers, off for workers (--relay).
+    relay: bool | None = None
+    relay_budget: RelayBudget = field(default_factory=RelayBudget)
     extra_status: dict[str, Callable[[], Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,6 +153,8 @@ class NodeConfig:
             self.client_mode = True
         if not self.listen:
             raise ConfigError("a node needs at least one --listen address")
+        if self.relay is None:
+            self.relay = self.role == "bootstrap"
 
 
 def parse_peer_addr(addr: str) -> PeerInfo:
@@ -155,9 +166,12 @@ def parse_peer_addr(addr: str) -> PeerInfo:
 
 
 def transport_addrs(addrs: tuple[str, ...] | list[str]) -> list[multiaddr.Multiaddr]:
-    """The dialable part (``/p2p/<id>`` stripped) of each well-formed address."""
+    """The dialable part (``/p2p/<id>`` stripped) of each well-formed direct address (relayed ones
+    need the relay client: :meth:`Node.connect`)."""
     out = []
     for a in addrs:
+        if is_circuit(a):
+            continue
         try:
             out.append(multiaddr.Multiaddr(a.split("/p2p/")[0]))
         except Exception:
@@ -232,6 +246,7 @@ class Node:
         pubsub: Pubsub,
         blobs: BlobService,
         nursery: trio.Nursery,
+        connectivity: Connectivity,
     ) -> None:
         self.config = config
         self.identity = identity
@@ -241,6 +256,7 @@ class Node:
         self.pubsub = pubsub
         self.blobs = blobs
         self.nursery = nursery
+        self.connectivity = connectivity
         self.peer_id = identity.peer_id
         self.started_at = time.time()
         self._boot = int(self.started_at * 1000)
@@ -302,12 +318,21 @@ class Node:
                 out.append(s)
         return list(dict.fromkeys(out))
 
+    def advertised_addrs(self) -> list[str]:
+        """What this node tells others to dial (its member record): behind a NAT with a relay
+        reservation, the relayed addresses instead of private ones nobody outside can dial."""
+        return self.connectivity.advertised(self.peer_id, self.addrs())
+
+    async def connect(self, peer: ID, addrs: tuple[str, ...] | list[str]) -> None:
+        """Open a connection to ``peer`` at ``addrs``: direct ones first, then through its relays."""
+        await connect(self.host, peer, addrs, self.connectivity.transport)
+
     # -- member record -------------------------------------------
 
     def member_record(self) -> MemberRecord:
         return MemberRecord(
             peer_id=self.peer_id,
-            addrs=tuple(self.addrs()),
+            addrs=tuple(self.advertised_addrs()),
             role=self.config.role,
             started_at=self.started_at,
             capabilities=self.capabilities,
@@ -426,10 +451,7 @@ class Node:
         with trio.move_on_after(send.timeout_s):
             try:
                 if pid not in self.host.get_network().connections:
-                    maddrs = transport_addrs(send.addrs)
-                    if not maddrs:
-                        return False
-                    await self.host.connect(PeerInfo(pid, maddrs))
+                    await self.connect(pid, send.addrs)
                 stream = await self.host.new_stream(pid, [TProtocol(SWIM_PROTOCOL)])
             except trio.Cancelled:
                 raise
@@ -559,6 +581,37 @@ class Node:
                         await self._dial(PeerInfo(pid, addrs))
             period = min(period * 2, 300.0)
 
+    async def _reachability_loop(self) -> None:
+        """Judge reachability from peers' observations; behind a NAT, hold a relay reservation.
+
+        Observations arrive with identify, just after the bootstrap connection:
+        the verdict is checked every second for the first 30 s, then every 15 s.
+        Behind a NAT, each bootstrap server is asked for a reservation until one
+        grants it (servers with ``relay`` off refuse); a lost reservation (the
+        relay restarted) is asked for again. The verdict is logged once, and
+        again when it changes (the ``pcp node join`` start-up line). Peers that
+        DCUtR gave up on get new attempts after a back-off.
+        """
+        conn = self.connectivity
+        await self.bootstrapped.wait()
+        started = trio.current_time()
+        while True:
+            before = (conn.reachability, tuple(conn.relayed_addrs(self.peer_id)))
+            conn.update()
+            if conn.reachability in (HOLE_PUNCHABLE, RELAY_ONLY) and not conn.relayed_addrs(self.peer_id):
+                for addr in self.config.bootstrap:
+                    if await conn.reserve(addr, self.nursery, self.config.op_timeout):
+                        log.info("relay reservation on %s", addr)
+                        break
+            for peer in conn.rearm_hole_punching(trio.current_time()):
+                log.debug("hole punching to %s: trying again", peer)
+            if (conn.reachability, tuple(conn.relayed_addrs(self.peer_id))) != before:
+                self._notify()
+            line = conn.report(self.peer_id)
+            if line is not None and (conn.reachability != "unknown" or trio.current_time() - started > 30):
+                log.info("%s", line)
+            await trio.sleep(1.0 if trio.current_time() - started < 30 else 15.0)
+
     # -- status -------------------------------------------------------------------
 
     def status(self, members: bool = True) -> StatusReply:
@@ -579,6 +632,10 @@ class Node:
             "connected_peers": len(self.host.get_network().connections),
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
+            "reachability": self.connectivity.reachability,
+            "relayed_addrs": self.connectivity.relayed_addrs(self.peer_id),
+            "relay_hop": self.connectivity.hop,
+            "connections": self.connectivity.connection_kinds(),
             "rejected": dict(self.rejected),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
             "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
@@ -677,11 +734,12 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     traffic = Traffic()
     count_host_traffic(host, traffic)
     blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic)
-    async with host.run(listen_addrs=listen):
+    connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips)
+    async with host.run(listen_addrs=listen), connectivity.running():
         async with background_trio_service(dht), background_trio_service(pubsub), background_trio_service(gossipsub):
             await pubsub.wait_until_ready()
             async with trio.open_nursery() as nursery:
-                node = Node(config, identity, caps, host, dht, pubsub, blobs, nursery)
+                node = Node(config, identity, caps, host, dht, pubsub, blobs, nursery, connectivity)
                 node.record_validator = record_validator
                 blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
@@ -692,6 +750,8 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 nursery.start_soon(node._swim_loop)
                 nursery.start_soon(node._bootstrap_loop)
                 nursery.start_soon(node._discovery_loop)
+                if config.role != "client":
+                    nursery.start_soon(node._reachability_loop)
                 log.info("node %s (%s) listening on %s", node.peer_id, config.role, " ".join(node.addrs()))
                 try:
                     yield node

@@ -147,7 +147,14 @@ async def fetch_status(
     with trio.move_on_after(timeout):
         async with host.run(listen_addrs=[]):
             try:
-                outcome.append(await _ask(host, info, addr, members, timeout))
+                if "/p2p-circuit" in addr:  # a node behind NAT: through its relay
+                    from pcp_p2p.node.connectivity import circuit_dialer, connect
+
+                    async with circuit_dialer(host) as circuits:
+                        await connect(host, info.peer_id, [addr], circuits)
+                        outcome.append(await _ask(host, info, addr, members, timeout))
+                else:
+                    outcome.append(await _ask(host, info, addr, members, timeout))
             except PcpError as exc:
                 outcome.append(exc)
     if not outcome:
@@ -159,7 +166,8 @@ async def fetch_status(
 
 async def _ask(host: IHost, info: PeerInfo, addr: str, members: bool, timeout: float) -> StatusReply:
     try:
-        await host.connect(info)
+        if info.peer_id not in host.get_network().connections:
+            await host.connect(info)
         stream = await host.new_stream(info.peer_id, [TProtocol(STATUS_PROTOCOL)])
     except trio.Cancelled:
         raise
