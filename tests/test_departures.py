@@ -281,3 +281,23 @@ def test_a_node_that_claimed_a_term_alone_after_its_restart_still_adopts_the_end
     assert e.role is Role.HOLDER and e.lease.holder == me.peer_id
     (checked,) = e.adopt_final(final_commit(IDS[1], 3), rounds=10, now=1001.0)
     assert e.best_commit == checked.record
+
+
+def test_its_own_claim_after_a_lapsed_lease_does_not_hide_the_real_holder_of_that_term():
+    """Back after the end, it accepts the last lease seen live, which lapses as the run is
+    over; it claims the next term itself. The run's real last commit of that term, by the
+    node that really held it, still ends the run here (its own claim is no evidence)."""
+    from test_election import view
+
+    me = IDS[4]
+    e = started(me, 1000.0, ids=[me, IDS[0]])
+    e.restore(make_lease(IDS[0], 0, 0.0))
+    last = make_lease(IDS[0], 0, 500.0, issued=999.5, expiry=1005.0)
+    assert of(e.on_lease(last, 1000.0), FollowShepherd)
+    e.on_lookups_done(1000.0)
+    e.on_members(view([me]), 1001.0)  # the others finished: they no longer list the run
+    for t in (1010.0, 1020.0, 1030.0, 1040.0):
+        e.tick(t)
+    assert e.lease is not None and e.lease.holder == me.peer_id and e.lease.term >= 1  # claimed alone
+    (checked,) = e.adopt_final(final_commit(IDS[1], 1), rounds=10, now=1041.0)
+    assert e.best_commit == checked.record

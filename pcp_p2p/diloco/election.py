@@ -328,6 +328,10 @@ class Election:
         self.settle_until: float | None = None  # no claim before: lookups are on their way
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
+        # The latest term's lease accepted from the network since start: with the anchor, what
+        # check_final checks against. Not a lease this node claimed since: its own claim after
+        # a restart says nothing of who held that term while it was down.
+        self.witnessed: Lease | None = None
 
     # --- queries -------------------------------------------------------------------
 
@@ -448,8 +452,9 @@ class Election:
             # this node follows the run's chain since its restart: commits must pass it (check_commit)
             raise HeldBack(f"commit of term {rec.term}: its lease is not accepted here yet")
         anchor = self.anchor
-        if self.lease is not None and (anchor is None or self.lease.term > anchor.term):
-            anchor = self.lease  # a term claimed or seen since the restart (its own, echoed back, ...)
+        seen = self.witnessed
+        if seen is not None and (anchor is None or seen.term > anchor.term):
+            anchor = seen  # a term seen since the restart (its own from before, echoed back, or another's)
         if anchor is None:
             raise HeldBack("no lease of this run was accepted here before: nothing to check the commit against")
         if rec.term < anchor.term:
@@ -528,6 +533,7 @@ class Election:
         if cur is not None and cur.term < lease.term:
             self.prev_lease = cur
         self.lease = lease
+        self.witnessed = lease
         self.ended_by_rotation = False
         self.vacant_since = None
         self.history.append(TermRecord(lease.term, lease.holder, lease.from_round))
