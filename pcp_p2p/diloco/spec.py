@@ -34,7 +34,7 @@ Example (every key optional; these are the defaults)::
     deadline_s = 120.0       # from announcement to "commit with whoever arrived"
     rounds = 100
     min_quorum = 2
-    delta_codec = "int8"
+    delta_codec = "int8"     # or "topk2" (sparse 2-bit, error feedback) or "fp32"
     max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
     token_slack = 1.5        # how far above its measured speed a worker may claim
 
@@ -83,7 +83,9 @@ from pcp_p2p.node.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
 
 MODEL_PRESETS = ("tiny", "small", "medium")
-DELTA_CODECS = ("int8", "fp32")
+DELTA_CODECS = ("int8", "fp32", "topk2")
+"""``round.delta_codec``: int8 (dense, ~1 byte/parameter), fp32 (exact), topk2 (chunked
+top-k 1.6 %, 2-bit values, error feedback: ~0.23 bit/parameter; pcp_p2p.diloco.sparse)."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 ADMISSION_MODES = ("open", "allowlist")
 
