@@ -51,13 +51,6 @@ costs a second replay, and its report, contradicted by the second, marks it.
 
 What a cheater can still do (the argument, stated plainly):
 
-- With an error-feedback codec (``topk2``), send a Δ unrelated to its training:
-  the payload encodes Δ plus the worker's private residual, which the replay
-  does not have, so an audit compares ``state_out`` and the losses only (they
-  pin the training itself) and not the payload. Such a Δ still meets the norm
-  screen, the score and the robust rule. Closing this needs the residual
-  committed in the submission and served like the inner state (not done yet).
-
 - Cheat in a round and hope: a round is audited with probability ``audit_rate``
   (default 0.05), unknowable in advance, so k cheating rounds escape with
   probability (1 − rate)^k (0.95^20 ≈ 0.36, 0.95^60 ≈ 0.05). Audits bound a
@@ -602,15 +595,10 @@ def judge(req: AuditRequest, sub: Submission, theta: Params, payload: bytes, the
     codec = codec_of(sub.codec)
     replay_payload = codec.encode(pseudo_gradient(theta, theta_local))
     replay_cid = cid_of(replay_payload)
+    max_abs = _max_abs_diff(codec.decode(payload), codec.decode(replay_payload))
     differs = []
-    if codec.error_feedback:
-        # The payload encodes Δ + the worker's private residual (pcp_p2p.diloco.sparse), which
-        # the replay does not have: only state_out and the losses are compared (see module doc).
-        max_abs = 0.0
-    else:
-        max_abs = _max_abs_diff(codec.decode(payload, like=theta), codec.decode(replay_payload, like=theta))
-        if replay_cid != delta_cid_of(sub) and not max_abs <= tolerance:
-            differs.append("delta")
+    if replay_cid != delta_cid_of(sub) and not max_abs <= tolerance:
+        differs.append("delta")
     if state_out != sub.state_out:
         differs.append("state_out")
     ld = losses_digest(losses)
