@@ -4,9 +4,10 @@ Why. An int8 Δ costs ~1 byte per parameter per round; at H = 50 that is ~200x
 fewer bytes per token than synchronous data-parallel training, and the star of
 every worker's Δ into one home uplink stays the wall. The field's answer
 (SparseLoCo, MuLoCo; DeMo) is to send only the largest coordinates of Δ, each
-in a couple of bits, and to keep what was not sent on the worker and add it to
-the next round's Δ (*error feedback*): nothing is lost, only delayed, so
-training keeps the dense trajectory's loss at a small fraction of the bytes.
+in a couple of bits, and to keep what was not sent on the worker for a later
+round (*error feedback*): nothing is lost, only delayed. Over long runs the
+field reports the dense trajectory's loss at a small fraction of the bytes;
+what it costs over a short run here is measured by ``bench/bandwidth.py``.
 
 Format (:class:`SparseTopK`). Each tensor is cut into chunks of ``chunk``
 values (the last one shorter); from each chunk the ``k`` values of largest
@@ -23,6 +24,7 @@ payload is::
     per tensor, per block (full chunks, then the short one):
         levels  float16[rows, 2**(bits-1)]
         indices packed, rows·k · ceil(log2 chunk) bits, zero-padded to a byte
+                (absent when a block keeps every value)
         codes   packed, rows·k · bits bits, zero-padded to a byte
 
 At the default (``topk2``: chunk 4096, k = 64, 2 bits) that is 14 bits per kept
@@ -35,8 +37,8 @@ layout, the wrong length (:class:`~pcp_p2p.errors.MalformedMessage`), a dense
 result larger than the caller's ``max_bytes`` or data longer than it
 (:class:`~pcp_p2p.errors.OversizedMessage`), non-finite, negative or unsorted
 levels, indices out of their chunk, repeated or out of order, and non-zero
-padding bits (:class:`MalformedMessage`). A valid payload has exactly one byte
-form, so two encodings of the same values compare by CID.
+padding bits (:class:`MalformedMessage`). The encoder is deterministic: the
+same values give the same bytes, hence the same CID.
 
 Error feedback lives on the worker, not in the codec: the worker keeps as its
 residual what its payload left out (:func:`encode_with_feedback`) and starts its
