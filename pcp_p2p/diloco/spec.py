@@ -34,7 +34,8 @@ Example (every key optional; these are the defaults)::
     deadline_s = 120.0       # from announcement to "commit with whoever arrived"
     rounds = 100
     min_quorum = 2
-    delta_codec = "int8"     # or "topk2" (sparse 2-bit, error feedback; needs audit_rate = 0) or "fp32"
+    delta_codec = "int8"     # or "fp32", or "topk2" (sparse 2-bit, error feedback; needs
+                             # audit_rate = 0 and rule = "centered_clip" or "mean")
     max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
     token_slack = 1.5        # how far above its measured speed a worker may claim
 
@@ -262,6 +263,9 @@ class RunSpec(Message):
         need(g.audit_rate == 0 or r.delta_codec not in FEEDBACK_CODECS, "aggregation.audit_rate",
              f"must be 0 with round.delta_codec = {r.delta_codec!r}: its workers train from θ minus a private "
              "error-feedback residual, which an audit cannot replay yet")
+        need(g.rule != "trimmed_mean" or r.delta_codec not in FEEDBACK_CODECS, "aggregation.rule",
+             f"must not be trimmed_mean with round.delta_codec = {r.delta_codec!r}: it drops what fewer than "
+             "trim_fraction of the workers sent, which their residuals already let go (use centered_clip)")
         a = self.admission
         need(a.mode in ADMISSION_MODES, "admission.mode", f"must be one of {ADMISSION_MODES}")
         need(len(a.allowlist) <= 10_000 and all(0 < len(p) <= 128 for p in a.allowlist),
