@@ -47,6 +47,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -57,10 +58,10 @@ import numpy as np  # noqa: E402
 from pcp_p2p.diloco.data import CharDataset  # noqa: E402
 from pcp_p2p.diloco.outer import OuterState  # noqa: E402
 from pcp_p2p.diloco.shepherd import Phase, Shepherd  # noqa: E402
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec  # noqa: E402
+from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec  # noqa: E402
 from pcp_p2p.diloco.worker import Worker  # noqa: E402
 from pcp_p2p.node.identity import Identity  # noqa: E402
-from pcp_p2p.testing.inprocess import JaxTrainer, pump_run  # noqa: E402
+from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run  # noqa: E402
 
 WORKERS = 4
 H = 50
@@ -96,50 +97,77 @@ delta_codec = "int8"
 """
 
 
-def main() -> None:
-    t_start = time.perf_counter()
-    spec = parse_spec(SPEC)
-    trainer = JaxTrainer(spec, steps=H, val_batches=VAL_BATCHES, val_batch_size=WORKERS * B)
-    ds = trainer.ds
-    theta0 = trainer.initial_theta()
-    n_params = sum(v.size for v in theta0.values())
-    val_loss = trainer.val_loss
+@dataclass
+class DilocoArm:
+    """What one DiLoCo arm did: its final val loss, its log, and whether every worker agrees on θ."""
 
-    # Optional shared warm start (the DiLoCo paper starts both arms from a
-    # pretrained model): WARMUP synchronous steps, then both arms continue from it.
-    if WARMUP:
-        theta0, _ = trainer.warm_start(theta0, steps=WARMUP, batch=WORKERS * B)  # moments: fresh in both arms
+    val_loss: float
+    log: RunLog
+    workers_agree: bool
+    seconds: float
+    workers: dict[str, Worker]
 
-    # --- (a) DiLoCo through the real round protocol --------------------------------
-    rng = np.random.default_rng(0)
+
+def run_diloco(spec: RunSpec, trainer: JaxTrainer, theta0: dict[str, np.ndarray], seed: int = 0) -> DilocoArm:
+    """DiLoCo through the real round protocol from ``theta0`` (WORKERS workers, pumped in one process)."""
+    rng = np.random.default_rng(seed)
     owner = Identity(rng.bytes(32))
     signed = sign_spec(spec, owner)
     run_id = run_id_of(signed)
     shepherd = Shepherd(spec=spec, run_id=run_id, identity=owner, term=0,
-                        state=OuterState.initial(theta0), evaluate=val_loss)
+                        state=OuterState.initial(theta0), evaluate=trainer.val_loss)
     workers = {}
     for _ in range(WORKERS):
         w = Worker(spec=spec, run_id=run_id, identity=Identity(rng.bytes(32)),
                    shepherds={0: owner.peer_id}, target="cpu-x86_64-v3", tokens_per_s=1e9)
         workers[w.peer_id] = w
-    t_diloco = time.perf_counter()
+    t0 = time.perf_counter()
     log = pump_run(shepherd, workers, trainer.run_inner)
-    t_diloco = time.perf_counter() - t_diloco
-    rejected, submission_bytes, commits = log.rejected, log.submission_bytes, log.commits
-    assert shepherd.phase is Phase.FINISHED, f"DiLoCo run did not finish: {rejected[:3]}"
+    seconds = time.perf_counter() - t0
+    assert shepherd.phase is Phase.FINISHED, f"DiLoCo run did not finish: {log.rejected[:3]}"
     final_cids = {w.theta_cid for w in workers.values()}
-    diloco_val = val_loss(shepherd.state.theta)
+    return DilocoArm(trainer.val_loss(shepherd.state.theta), log,
+                     len(final_cids) == 1 and final_cids == {shepherd.theta_cid}, seconds, workers)
 
-    # --- (a) baseline: synchronous data parallel, same tokens ---------------------------
-    t_dp = time.perf_counter()
+
+def run_dp(trainer: JaxTrainer, theta0: dict[str, np.ndarray], rounds: int) -> tuple[list[float], float]:
+    """Synchronous data parallel from ``theta0``, same tokens: (val loss after each round's H steps, seconds)."""
+    t0 = time.perf_counter()
     theta, state = {k: v.copy() for k, v in theta0.items()}, None
-    dp_curve = []
-    for r in range(ROUNDS):
+    curve = []
+    for r in range(rounds):
         xs, ys = trainer.dp_batches(10_000 + r, WORKERS * B)
         theta, state, _ = trainer.train(theta, state, xs, ys)
-        dp_curve.append(round(val_loss(theta), 4))
+        curve.append(round(trainer.val_loss(theta), 4))
+    return curve, time.perf_counter() - t0
+
+
+def setup(spec: RunSpec) -> tuple[JaxTrainer, dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(trainer, random init, shared warm start after WARMUP synchronous steps) for ``spec``."""
+    trainer = JaxTrainer(spec, steps=H, val_batches=VAL_BATCHES, val_batch_size=WORKERS * B)
+    init = trainer.initial_theta()
+    theta0 = init
+    # Optional shared warm start (the DiLoCo paper starts both arms from a pretrained model):
+    # WARMUP synchronous steps, then both arms continue from it (AdamW moments fresh in both).
+    if WARMUP:
+        theta0, _ = trainer.warm_start(init, steps=WARMUP, batch=WORKERS * B)
+    return trainer, init, theta0
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    spec = parse_spec(SPEC)
+    trainer, _, theta0 = setup(spec)
+    ds = trainer.ds
+    n_params = sum(v.size for v in theta0.values())
+    val_loss = trainer.val_loss
+
+    # --- (a) DiLoCo through the real round protocol, and its DP baseline -----------------
+    arm = run_diloco(spec, trainer, theta0)
+    diloco_val, t_diloco = arm.val_loss, arm.seconds
+    rejected, submission_bytes, commits = arm.log.rejected, arm.log.submission_bytes, arm.log.commits
+    dp_curve, t_dp = run_dp(trainer, theta0, ROUNDS)
     dp_val = dp_curve[-1]
-    t_dp = time.perf_counter() - t_dp
 
     # --- (b) bytes per token --------------------------------------------------------------
     dp_bytes_per_token = 4 * n_params / (B * T)
@@ -174,7 +202,7 @@ def main() -> None:
         "params": int(n_params),
         "vocab_size": ds.vocab_size,
         "rejected_submissions": len(rejected),
-        "workers_agree_on_theta": len(final_cids) == 1 and final_cids == {shepherd.theta_cid},
+        "workers_agree_on_theta": arm.workers_agree,
         "bytes_ratio_dp_over_diloco": round(ratio_bytes, 1),
         "bytes_ratio_target": 400,
         "bytes_per_token_dp": round(dp_bytes_per_token, 2),

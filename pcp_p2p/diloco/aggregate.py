@@ -171,7 +171,7 @@ class RoundAggregator:
         """Decode and check a payload (already hash-checked if it came by CID)."""
         try:
             limit = 4 * num_params(self.theta) + (1 << 20)  # fp32 at most, plus the header
-            delta = codec_of(sub.codec).decode(payload, limit)
+            delta = codec_of(sub.codec).decode(payload, limit, like=self.theta)
         except PcpError as exc:
             raise RejectedUpdate(f"undecodable pseudo-gradient: {exc}") from exc
         if list(delta) != list(self.theta):

@@ -34,7 +34,8 @@ Example (every key optional; these are the defaults)::
     deadline_s = 120.0       # from announcement to "commit with whoever arrived"
     rounds = 100
     min_quorum = 2
-    delta_codec = "int8"
+    delta_codec = "int8"     # or "fp32", or "topk2" (sparse 2-bit, error feedback; needs
+                             # audit_rate = 0 and rule = "centered_clip" or "mean")
     max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
     token_slack = 1.5        # how far above its measured speed a worker may claim
 
@@ -83,7 +84,11 @@ from pcp_p2p.node.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
 
 MODEL_PRESETS = ("tiny", "small", "medium")
-DELTA_CODECS = ("int8", "fp32")
+DELTA_CODECS = ("int8", "fp32", "topk2")
+"""``round.delta_codec``: int8 (dense, ~1 byte/parameter), fp32 (exact), topk2 (chunked
+top-k 1.6 %, 2-bit values, error feedback: ~0.23 bit/parameter; pcp_p2p.diloco.sparse)."""
+FEEDBACK_CODECS = ("topk2",)
+"""Codecs whose workers keep an error-feedback residual (pcp_p2p.diloco.sparse): not auditable yet."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 ADMISSION_MODES = ("open", "allowlist")
 
@@ -255,6 +260,12 @@ class RunSpec(Message):
         need(finite(g.score_tolerance), "aggregation.score_tolerance", "must be a number (< 0 = off)")
         need(finite(g.val_jump) and g.val_jump >= 0, "aggregation.val_jump", "must be >= 0 (0 = off)")
         need(finite(g.audit_rate) and 0 <= g.audit_rate <= 1, "aggregation.audit_rate", "must be in [0, 1]")
+        need(g.audit_rate == 0 or r.delta_codec not in FEEDBACK_CODECS, "aggregation.audit_rate",
+             f"must be 0 with round.delta_codec = {r.delta_codec!r}: its workers train from θ minus a private "
+             "error-feedback residual, which an audit cannot replay yet")
+        need(g.rule != "trimmed_mean" or r.delta_codec not in FEEDBACK_CODECS, "aggregation.rule",
+             f"must not be trimmed_mean with round.delta_codec = {r.delta_codec!r}: it drops what fewer than "
+             "trim_fraction of the workers sent, which their residuals already let go (use centered_clip)")
         a = self.admission
         need(a.mode in ADMISSION_MODES, "admission.mode", f"must be one of {ADMISSION_MODES}")
         need(len(a.allowlist) <= 10_000 and all(0 < len(p) <= 128 for p in a.allowlist),

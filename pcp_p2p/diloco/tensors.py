@@ -8,10 +8,13 @@ scale per block of 256). This module is the DiLoCo side of that seam:
   a pure function of the values: same names, order, shapes and values give the
   same bytes on every machine (:func:`params_cid` is what "θ hash" means);
 - pseudo-gradients travel int8 by default (INTELLECT-1: int8 with fp32
-  accumulation costs no measurable loss, ~4x smaller than fp32).
+  accumulation costs no measurable loss, ~4x smaller than fp32), or, per run,
+  ``topk2``: chunked top-k with 2-bit values and error feedback
+  (:mod:`~pcp_p2p.diloco.sparse`, ~35x smaller than int8).
 
-The :class:`Compressor` protocol is where another codec (4-bit, error feedback)
-plugs in without touching the round protocol. Decoding raises only
+The :class:`Compressor` protocol is where a codec plugs in without touching the
+round protocol; a codec with ``error_feedback`` makes the worker keep a
+residual (:func:`~pcp_p2p.diloco.sparse.encode_with_feedback`). Decoding raises only
 :class:`~pcp_p2p.errors.PcpError` subclasses; the blob decoder already refuses
 NaN/inf values, and the aggregator re-checks finiteness after decoding so a
 codec that let them through would still not reach θ.
@@ -26,6 +29,7 @@ import numpy as np
 
 from pcp_p2p.blob.tensors import decode_tensors, encode_tensors
 from pcp_p2p.cid import cid_of
+from pcp_p2p.diloco.sparse import SparseTopK
 from pcp_p2p.errors import ConfigError
 
 Params = dict[str, np.ndarray]
@@ -39,10 +43,14 @@ class Compressor(Protocol):
     """Turns a pseudo-gradient into bytes and back (lossy codecs allowed)."""
 
     name: str
+    error_feedback: bool
+    """Whether the worker adds what earlier payloads left out (a residual) to each Δ it sends."""
 
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes: ...
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES) -> Params: ...
+    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
+        """Tensors from ``data``; ``like`` (θ) gives the layout a codec that does not send it needs."""
+        ...
 
 
 def _as_f32(params: Mapping[str, np.ndarray]) -> Params:
@@ -51,8 +59,8 @@ def _as_f32(params: Mapping[str, np.ndarray]) -> Params:
 
 def pack_tensors(params: Mapping[str, np.ndarray], codec: str = "fp32") -> bytes:
     """Bytes for ``params`` (as float32) in ``codec``; :class:`InvalidInput` for NaN/inf."""
-    if codec not in CODECS:
-        raise ConfigError(f"unknown tensor codec {codec!r}; known: {', '.join(CODECS)}")
+    if codec not in TENSOR_CODECS:
+        raise ConfigError(f"unknown tensor codec {codec!r}; known: {', '.join(TENSOR_CODECS)}")
     return encode_tensors(_as_f32(params), codec)
 
 
@@ -65,11 +73,12 @@ class Fp32Codec:
     """Exact float32 (θ, momentum, and Δ where bandwidth does not matter)."""
 
     name = "fp32"
+    error_feedback = False
 
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes:
         return pack_tensors(params, "fp32")
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES) -> Params:
+    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
         return unpack_tensors(data, max_bytes)
 
 
@@ -77,15 +86,24 @@ class Int8BlockCodec:
     """Per-block (256) symmetric int8 with a float32 scale per block."""
 
     name = "int8"
+    error_feedback = False
 
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes:
         return pack_tensors(params, "int8")
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES) -> Params:
+    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
         return unpack_tensors(data, max_bytes)
 
 
-CODECS: dict[str, Compressor] = {"fp32": Fp32Codec(), "int8": Int8BlockCodec()}
+TENSOR_CODECS = ("fp32", "int8")
+"""The blob layer's dense codecs (:func:`pack_tensors`)."""
+
+CODECS: dict[str, Compressor] = {
+    "fp32": Fp32Codec(),
+    "int8": Int8BlockCodec(),
+    "topk2": SparseTopK("topk2", chunk=4096, k=64, bits=2),
+}
+"""Every Δ codec a run spec may name (``round.delta_codec``)."""
 
 
 def codec_of(name: str) -> Compressor:

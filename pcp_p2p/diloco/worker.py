@@ -20,7 +20,10 @@ Two rules keep every worker on the same trajectory:
 
 The inner AdamW state is opaque here (``inner_state``), handed to the executor
 with each ``RunInner`` and taken back with its result: it survives across
-rounds, as DiLoCo intends, and dies with the worker process. For audits
+rounds, as DiLoCo intends, and dies with the worker process. With an
+error-feedback codec (``topk2``) the worker also keeps its ``residual``, what
+its payloads left out of its Δs so far, on the same rule as the inner state,
+and trains each round from θ − residual (:func:`~pcp_p2p.diloco.sparse.local_start`). For audits
 (:mod:`~pcp_p2p.diloco.audit`) the submission names the state it started from
 and ended with, and the worker moves on to a new state only once a commit
 lists it as a participant of the round it submitted: a submission that was
@@ -72,6 +75,7 @@ from pcp_p2p.diloco.messages import (
     sign,
     verify,
 )
+from pcp_p2p.diloco.sparse import encode_with_feedback, local_start
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, codec_of, unpack_tensors
 from pcp_p2p.errors import (
@@ -146,6 +150,14 @@ class Worker:
         self.held_artifacts: set[str] = set()
         self.wanted: set[str] = set()
         self.inner_state: Any = None
+        # Error feedback (codecs with ``error_feedback``, see pcp_p2p.diloco.sparse): what the
+        # payloads sent so far left out of this worker's Δs; its inner steps start from
+        # θ − residual (sparse.local_start). It follows the inner state's rule:
+        # the residual of a submission becomes current only once a commit lists us for it (a
+        # lost or refused round's Δ is lost whole, so its residual must not count either). It
+        # lives here, not in the executor, so it survives an executor restart.
+        self.residual: Params | None = None
+        self.pending_residual: Params | None = None
         # (round, attempt, inner state) submitted, waiting for a commit naming us
         self.pending_state: tuple[int, int, Any] | None = None
         self.last_commit: CommitRecord | None = None
@@ -318,7 +330,7 @@ class Worker:
         delta = pseudo_gradient(self.theta, result.theta)
         codec = self.spec.round.delta_codec
         try:
-            payload = codec_of(codec).encode(delta)
+            payload, residual = encode_with_feedback(codec_of(codec), delta)
         except PcpError as exc:  # NaN/inf: the inner loop diverged; submit nothing
             self.phase = WorkerPhase.IDLE
             return [Rejected(self.peer_id, exc)]
@@ -348,6 +360,7 @@ class Worker:
             self.identity,
         )
         self.pending_state = (ann.round, ann.attempt, result.inner_state)
+        self.pending_residual = residual
         self.submitted.append(sub)
         del self.submitted[:-KEEP_SUBMITTED]  # an audit asks about a recent round only
         self.phase = WorkerPhase.SUBMITTED
@@ -404,7 +417,9 @@ class Worker:
             return
         if (rec.round, rec.attempt) == pending[:2] and self.peer_id in rec.participants:
             self.inner_state = pending[2]
+            self.residual = self.pending_residual
         self.pending_state = None  # committed, or its round was committed without it
+        self.pending_residual = None
 
     def _join(self, ann: RoundAnnouncement | None = None) -> list[Effect]:
         shepherd = ann.shepherd if ann is not None else self.shepherd
@@ -431,7 +446,7 @@ class Worker:
             RunInner(
                 round=ann.round,
                 attempt=ann.attempt,
-                theta={k: v.copy() for k, v in self.theta.items()},
+                theta=local_start(self.theta, self.residual),  # θ itself unless error feedback holds a residual
                 theta_cid=ann.theta_cid,
                 artifact_cid=ann.artifacts.get(self.target),
                 assignment=assignment,
