@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import socket
 import time
 from collections import Counter
@@ -284,6 +285,8 @@ class Node:
         self._record: MemberRecord | None = None  # what _signed_record says, to see when it changes
         self._record_bytes = b""
         self._record_signed_at = 0.0
+        self._refresh_after = self._refresh_interval()
+        self._aged_signings = 0  # re-signings for age: each is published to the DHT
 
     # -- change notification -------------------------------------------------------
 
@@ -342,16 +345,13 @@ class Node:
         )
 
     def _signed_member_record(self, *, refute: bool = False) -> SignedRecord:
-        """The current signed record, re-signed when it changes, when half its
-        lifetime has passed, or (``refute``) to answer a suspicion with a higher seq."""
+        """The current signed record, re-signed when it changes, when about half its
+        lifetime has passed (:meth:`_refresh_interval`), or (``refute``) to answer a suspicion with a higher seq."""
         now = time.time()
         record = self.member_record()
-        if (
-            refute
-            or self._signed_record is None
-            or now - self._record_signed_at > self.config.record_ttl / 2
-            or self._record != record
-        ):
+        aged = self._signed_record is not None and now - self._record_signed_at > self._refresh_after
+        if refute or aged or self._signed_record is None or self._record != record:
+            self._aged_signings += aged
             self._record_seq += 1
             self._signed_record = sign_record(
                 self.identity, "member", self.peer_id, record,
@@ -360,26 +360,33 @@ class Node:
             self._record_bytes = encode(self._signed_record)
             self._record = record
             self._record_signed_at = now
+            self._refresh_after = self._refresh_interval()
             self.membership.set_self(self._record_bytes, now=trio.current_time(), wall_now=now)
             self.membership.set_interest(self.runs | self.leads)
         return self._signed_record
 
+    def _refresh_interval(self) -> float:
+        """When to re-sign (and re-publish) the record for age: about half its lifetime,
+        jittered per node (0.4-0.6). Without the jitter, nodes started together re-signed
+        and re-put their records in the same second five minutes later: 32 DHT puts and
+        32 new incarnations at once starved a 2-core machine for seconds, and probes went
+        unanswered long enough for live nodes to be declared dead."""
+        return self.config.record_ttl * random.uniform(0.4, 0.6)
+
     async def _record_loop(self) -> None:
         """Keep the member record current (runs, state and addresses change) and in the DHT.
 
-        The DHT copy is put when the record's content changes and at half its
-        lifetime, not on every re-signing: a refutation re-signs to raise the
+        The DHT copy is put when the record's content changes and when it is re-signed
+        for age (:meth:`_refresh_interval`), not on every re-signing: a refutation re-signs to raise the
         incarnation, and a DHT put (a lookup, then a store at ~20 peers) per
         refutation turned a CPU-starved moment into a storm.
         """
-        published: MemberRecord | None = None
-        published_at = 0.0
+        published: tuple[MemberRecord | None, int] = (None, 0)
         while True:
             signed = self._signed_member_record()
-            now = time.time()
             if (self.config.role == "worker" and self.bootstrapped.is_set()
-                    and (self._record != published or now - published_at > self.config.record_ttl / 2)):
-                published, published_at = self._record, now
+                    and published != (self._record, self._aged_signings)):
+                published = (self._record, self._aged_signings)
                 self.nursery.start_soon(self._put_member_record, signed)
             await trio.sleep(DEFAULT_PERIOD_S)
 
