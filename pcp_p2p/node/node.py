@@ -14,7 +14,7 @@ Tasks a node runs, each a thin pump around sans-IO logic:
 - *discovery*: keep connections to the peers the DHT and membership know, so
   gossipsub has a mesh and not just a star around the bootstrap server;
 - *record*: keep this node's signed member record current (re-signed when it
-  changes or half its lifetime has passed) and published in the DHT;
+  changes or about half its lifetime has passed, jittered per node) and published in the DHT;
 - *swim*: carry :class:`~pcp_p2p.node.membership.Membership`'s SWIM packets
   over ``/pcp/swim/1.0.0`` streams and feed it clock ticks and replies; answer
   other nodes' probes (budgeted per peer and in total);
