@@ -173,11 +173,12 @@ class PublishCommit:
 @dataclass(frozen=True)
 class ReplicateCommit:
     """Send ``commit`` to ``targets`` (each acknowledges once it holds the checkpoint); answer with
-    ``on_replicated(commit, acked)`` after the first ack or a timeout. Until then the shepherd's
-    later effects are held: the commit is nowhere else."""
+    ``on_replicated(commit, acked)`` after the first ack or ``timeout_s``. Until then the
+    shepherd's later effects are held: the commit is nowhere else."""
 
     commit: CommitRecord
     targets: tuple[str, ...]
+    timeout_s: float
 
 
 @dataclass(frozen=True)

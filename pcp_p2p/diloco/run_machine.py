@@ -149,6 +149,7 @@ from pcp_p2p.wire import Message, encode
 log = logging.getLogger("pcp.run")
 
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
+REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below the messenger's ack timeout
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
@@ -737,7 +738,7 @@ class RunMachine:
                          and e.message is commit and e.to != self.peer_id]
                 # Workers that just submitted to this round are the likeliest to be alive.
                 targets = sorted(peers, key=lambda p: p not in commit.participants)[:REPLICAS]
-                self._out.append(ReplicateCommit(commit, tuple(targets)))
+                self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S))
                 return
         self._round_now(who, effects, now)
 

@@ -77,7 +77,7 @@ from pcp_p2p.diloco.run_effects import (
     SetUpShepherd,
     Stopped,
 )
-from pcp_p2p.diloco.run_machine import Member, RunMachine, election_config
+from pcp_p2p.diloco.run_machine import REPLICATE_TIMEOUT_S, Member, RunMachine, election_config
 from pcp_p2p.diloco.run_setup import TermSetUp
 from pcp_p2p.diloco.run_status import run_status
 from pcp_p2p.diloco.runs import KnownRun
@@ -97,7 +97,6 @@ FINISH_GRACE_S = 30.0
 STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
 KEEP_CHECKPOINTS = 2
 LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
-REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below the messenger's ack timeout
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 OWNER_RECORDS: dict[str, type] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
 
@@ -311,7 +310,7 @@ class RunRuntime:
             elif isinstance(e, PublishCommit):
                 n.start_soon(self.records.publish_commit, e.record)  # type: ignore[union-attr]
             elif isinstance(e, ReplicateCommit):
-                n.start_soon(self._replicate_commit, e.commit, e.targets)  # type: ignore[union-attr]
+                n.start_soon(self._replicate_commit, e)  # type: ignore[union-attr]
             elif isinstance(e, ReplicateCheckpoint):
                 n.start_soon(self._replicate_checkpoint, e.cid)  # type: ignore[union-attr]
             elif isinstance(e, SetUpShepherd):
@@ -397,11 +396,12 @@ class RunRuntime:
             return False
         return True
 
-    async def _replicate_commit(self, commit: CommitRecord, targets: tuple[str, ...]) -> None:
+    async def _replicate_commit(self, e: ReplicateCommit) -> None:
         """Make one other node hold the checkpoint: the commit message is the request (a worker
         acks it only once it holds the checkpoint, :meth:`deliver`); the first ack wins, and
-        with none in ``REPLICATE_TIMEOUT_S`` the commit goes out anyway (a swarm of one must
+        with none in ``e.timeout_s`` the commit goes out anyway (a swarm of one must
         still make progress)."""
+        commit = e.commit
         acked: list[str] = []
         done = trio.Event()
 
@@ -411,9 +411,9 @@ class RunRuntime:
                 done.set()
 
         async with trio.open_nursery() as n:
-            for peer in targets:
+            for peer in e.targets:
                 n.start_soon(ask, peer)
-            with trio.move_on_after(REPLICATE_TIMEOUT_S):
+            with trio.move_on_after(e.timeout_s):
                 await done.wait()
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
         self.post(Replicated(commit, list(acked)))

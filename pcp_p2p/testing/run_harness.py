@@ -77,8 +77,6 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.testing.memnet import FaultPlan, Kill, MemBlobs, MemDht, MemNetwork
 from pcp_p2p.wire import Message
 
-REPLICATE_TIMEOUT_S = 5.0  # as the runtime's
-
 
 @dataclass(frozen=True)
 class SwarmConfig:
@@ -405,7 +403,7 @@ class RunSwarm:
         async with trio.open_nursery() as n:
             for peer in e.targets:
                 n.start_soon(ask, peer)
-            with trio.move_on_after(REPLICATE_TIMEOUT_S):
+            with trio.move_on_after(e.timeout_s):
                 await done.wait()
             n.cancel_scope.cancel()
         node.post(Replicated(e.commit, acked))
