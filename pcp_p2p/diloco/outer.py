@@ -34,9 +34,11 @@ class OuterState:
     round: int
 
     @classmethod
-    def initial(cls, theta: Mapping[str, np.ndarray]) -> OuterState:
+    def initial(cls, theta: Mapping[str, np.ndarray], round: int = 0) -> OuterState:
+        """θ with zero outer momentum at ``round``: a run's start, or a term whose checkpoint
+        is lost resuming from the committed θ (only the momentum is lost, never a round)."""
         th = {k: np.array(v, dtype=np.float32) for k, v in theta.items()}
-        return cls(theta=th, momentum={k: np.zeros_like(v) for k, v in th.items()}, round=0)
+        return cls(theta=th, momentum={k: np.zeros_like(v) for k, v in th.items()}, round=round)
 
     @property
     def theta_cid(self) -> str:

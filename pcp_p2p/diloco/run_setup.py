@@ -198,5 +198,4 @@ class TermSetUp:
             log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
                         "zero outer momentum", rt.run_id[:16], eff.checkpoint_cid, exc)
             theta = unpack_tensors(await rt.io.fetch_bytes(lease.from_theta_cid, max_size=rt.state_bound(1)))
-            fresh = OuterState.initial(theta)
-            return OuterState(theta=fresh.theta, momentum=fresh.momentum, round=eff.from_round)
+            return OuterState.initial(theta, round=eff.from_round)

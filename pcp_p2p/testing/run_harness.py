@@ -431,8 +431,7 @@ class RunSwarm:
                 if ckpt is not None:
                     node.post(ShepherdBuilt(Shepherd.from_checkpoint(checkpoint=ckpt, **kw)))
                 elif theta is not None:
-                    fresh = OuterState.initial(unpack_tensors(theta))
-                    state = OuterState(theta=fresh.theta, momentum=fresh.momentum, round=become.from_round)
+                    state = OuterState.initial(unpack_tensors(theta), round=become.from_round)
                     node.post(ShepherdBuilt(Shepherd(state=state, **kw)))
                 else:
                     m.setup_failed("neither the lease's checkpoint nor its θ is held by a live node")
