@@ -213,6 +213,49 @@ def test_a_ping_carries_our_record_until_the_target_holds_it_and_a_direct_ack_cl
     assert m.get(A.peer_id).suspect_since is None  # type: ignore[union-attr]
 
 
+def _queued(m: Membership) -> list[Gossip]:
+    """What the machine piggybacks on its next packet."""
+    return m._piggyback()
+
+
+def test_a_target_record_carried_by_a_ping_req_is_used_not_spread() -> None:
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
+    m.settle()
+    reply, relay, _ = m.respond(A.peer_id, SwimPacket("ping_req", 4, B.peer_id, updates=(alive(B),)), 1.0)
+    assert reply is None and relay is not None and relay.peer == B.peer_id  # we ping B for A
+    # B's record came to let us ping it, not as news: nothing about B goes on to the swarm.
+    assert not any(g.peer_id == B.peer_id for g in _queued(m))
+
+
+def test_a_record_resigned_for_age_is_not_gossiped_but_reaches_those_who_ping() -> None:
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
+    m.settle()
+    m.set_self(signed(SELF, 2), now=1.0, news=False)
+    assert _queued(m) == ()
+    # A still holds seq 1 and says so in its ping: the ack brings it seq 2.
+    ack, _, _ = m.respond(A.peer_id, SwimPacket("ping", 5, SELF.peer_id, known_boot=1_000_000, known_seq=1), 2.0)
+    assert ack is not None and ack.updates[0].peer_id == SELF.peer_id and ack.updates[0].seq == 2
+    # A claim about the older record needs no new seq, only that the current one travels.
+    m.respond(A.peer_id, SwimPacket("gossip", updates=(Gossip("suspect", SELF.peer_id, 1_000_000, 1, origin=A.peer_id),)), 3.0)
+    effects, _ = m.tick(3.1)
+    assert not any(isinstance(e, Refute) for e in effects)
+    assert any(g.peer_id == SELF.peer_id and g.kind == "alive" and g.seq == 2 for g in _queued(m))
+
+
+def test_suspicions_of_a_peer_outside_the_view_are_passed_on_for_a_few_origins_only() -> None:
+    m = machine()
+    m.settle()
+    passed_on: set[str] = set()
+    for _ in range(6):
+        claim = Gossip("suspect", B.peer_id, 1_000_000, 1, origin=Identity.generate().peer_id)
+        reply, _, _ = m.respond(A.peer_id, SwimPacket("gossip", updates=(claim,)), 0.0)
+        assert reply is not None
+        passed_on |= {g.origin for g in reply.updates if g.peer_id == B.peer_id}
+    assert len(passed_on) == CFG.confirmations
+
+
 # -- many real machines on an in-memory network ------------------------------------------
 
 

@@ -302,6 +302,8 @@ class Membership:
         self._queued_about: dict[str, set[tuple[str, str, str]]] = {}
         self._spreading = True  # False while absorbing a sync: samples are not news
         self._seen: OrderedDict[tuple[str, str, int, int, str], None] = OrderedDict()
+        # suspicion origins passed on per incarnation of a peer outside the view (see _relay_unknown)
+        self._suspicions_relayed: OrderedDict[tuple[str, int, int], int] = OrderedDict()
         # dead members: (incarnation, kept until, their last record: for reconnect attempts)
         self._tombstones: OrderedDict[str, tuple[tuple[int, int], float, Member]] = OrderedDict()
         self._interest: frozenset[str] = frozenset()
@@ -315,8 +317,16 @@ class Membership:
 
     # -- inputs: this node ---------------------------------------------------------
 
-    def set_self(self, signed_bytes: bytes, *, now: float, wall_now: float | None = None) -> None:
-        """This node's own signed member record (call again whenever it is re-signed)."""
+    def set_self(self, signed_bytes: bytes, *, now: float, wall_now: float | None = None,
+                 news: bool = True) -> None:
+        """This node's own signed member record (call again whenever it is re-signed).
+
+        ``news=False`` for a record re-signed only because it aged (same content): it
+        reaches the members that hold us through our pings and their probes' acks,
+        which carry it while they hold an older one, not by gossip to the whole swarm.
+        Ten thousand nodes re-signing every five minutes would otherwise put 33 records
+        a second into every node's piggyback queue, more than it can carry.
+        """
         verified = verify_record(signed_bytes, now=wall_now)
         record = verified.payload
         if verified.kind != "member" or verified.name != self.self_peer_id or not isinstance(record, MemberRecord):
@@ -324,7 +334,7 @@ class Membership:
         previous = self._self
         self._self = Member(record, verified.record, signed_bytes, now)
         self._refute_pending = False
-        if self.announce and (previous is None or previous.signed_bytes != signed_bytes):
+        if news and self.announce and (previous is None or previous.signed_bytes != signed_bytes):
             self._enqueue(Gossip("alive", self.self_peer_id, boot_ms(record), verified.record.seq, signed_bytes))
 
     def set_interest(self, run_ids: set[str] | frozenset[str]) -> None:
@@ -361,8 +371,10 @@ class Membership:
         if packet.kind == "ping" and packet.target != self.self_peer_id:
             raise MalformedMessage(f"swim: ping for {packet.target[-8:]} sent to {self.self_peer_id[-8:]}")
         self.stats.received += 1
-        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync",
-                              introduction=packet.kind == "ping")
+        # A ping carries the prober's own record (an introduction), a ping_req the target's
+        # (so a helper that does not hold it can ping it): each is carried for a purpose, not news.
+        carried = sender if packet.kind == "ping" else packet.target if packet.kind == "ping_req" else None
+        events = self._absorb(sender, packet.updates, now, spread=packet.kind != "sync", carried=carried)
         self._heard_from(sender, now)
         if packet.kind == "ping":
             updates = self._piggyback()
@@ -524,7 +536,7 @@ class Membership:
     # -- internals: gossip -------------------------------------------------------------
 
     def _absorb(self, sender: str, updates: tuple[Gossip, ...], now: float, *, spread: bool = True,
-                introduction: bool = False) -> list[MembershipEvent]:
+                carried: str | None = None) -> list[MembershipEvent]:
         """Apply piggybacked changes, each on its own.
 
         A bad update (forged, expired, malformed) is refused alone and kept in
@@ -539,10 +551,15 @@ class Membership:
             key = (g.peer_id, g.kind, g.boot, g.seq, g.origin)
             # In a sync, the sender introducing itself is news (a joiner's record
             # reaches the swarm through its bootstrap server); the rest is a sample.
-            # A prober's own record in its ping introduces it to us alone: not news to
-            # spread (a new incarnation of it is spread by the prober itself).
-            own = g.peer_id == sender
-            news = not own if introduction else spread or own
+            # A record carried for a purpose (``carried``: the prober's own in its ping,
+            # the target's in a ping_req) is not news to spread either: a new incarnation
+            # is spread by its subject. When ping_req cards spread, every node's record
+            # became news in turn; a 10,000-node swarm outgrew the ``_seen`` window, the
+            # records circulated for ever and crowded out suspicions and refutations.
+            if g.kind == "alive" and g.peer_id == carried:
+                news = False
+            else:
+                news = spread or g.peer_id == sender
             self._spreading = news and key not in self._seen
             if self._spreading:
                 self._seen[key] = None
@@ -618,8 +635,15 @@ class Membership:
     def _apply_claim(self, g: Gossip, now: float) -> None:
         inc = (g.boot, g.seq)
         if g.peer_id == self.self_peer_id:
-            if self._self is not None and self.announce and inc >= self._self.incarnation:
-                self._refute_pending = True
+            me = self._self
+            if me is not None and self.announce:
+                if inc >= me.incarnation:
+                    self._refute_pending = True
+                else:
+                    # A claim about an older record of ours (one re-signed quietly for age,
+                    # set_self(news=False), that the claimant's side never heard of): our
+                    # current record already refutes it; it only has to travel.
+                    self._enqueue(Gossip("alive", self.self_peer_id, *me.incarnation, me.signed_bytes), force=True)
             return
         current = self._members.get(g.peer_id)
         if current is None:
@@ -654,7 +678,20 @@ class Membership:
 
         Epidemic spread needs every node to pass changes on, not only the few
         that hold the subject (``_absorb`` lets through only copies not seen before).
+        Of the suspicions of one incarnation, only the first ``confirmations``
+        origins are passed on, as a holder does: a dead node is suspected by every
+        one of its ~100 holders, and relaying each origin swarm-wide put thousands of
+        changes into every queue at once in a 10,000-node swarm, where they crowded out
+        the refutations that keep live nodes in.
         """
+        if g.kind == "suspect" and self._spreading:  # (copies seen before are not counted)
+            key = (g.peer_id, g.boot, g.seq)
+            relayed = self._suspicions_relayed.pop(key, 0)
+            self._suspicions_relayed[key] = relayed + 1
+            if len(self._suspicions_relayed) > 8 * self.config.max_queue:
+                self._suspicions_relayed.popitem(last=False)
+            if relayed >= self.config.confirmations:
+                return
         self._enqueue(g, known=False)
 
     def _enqueue(self, g: Gossip, *, known: bool = True, force: bool = False) -> None:

@@ -350,7 +350,8 @@ class Node:
         now = time.time()
         record = self.member_record()
         aged = self._signed_record is not None and now - self._record_signed_at > self._refresh_after
-        if refute or aged or self._signed_record is None or self._record != record:
+        changed = self._signed_record is None or self._record != record
+        if refute or aged or changed:
             self._aged_signings += aged
             self._record_seq += 1
             self._signed_record = sign_record(
@@ -361,7 +362,8 @@ class Node:
             self._record = record
             self._record_signed_at = now
             self._refresh_after = self._refresh_interval()
-            self.membership.set_self(self._record_bytes, now=trio.current_time(), wall_now=now)
+            self.membership.set_self(self._record_bytes, now=trio.current_time(), wall_now=now,
+                                     news=refute or changed)
             self.membership.set_interest(self.runs | self.leads)
         return self._signed_record
 
