@@ -18,6 +18,7 @@ import numpy as np
 import trio
 
 from pcp_p2p import logs
+from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.errors import ConfigError, InvalidInput, PcpError, PeerTimeout
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
@@ -29,34 +30,44 @@ RETRY_FIRST_S, RETRY_MAX_S = 1.0, 8.0  # back-off between DHT lookups that found
 
 
 def sample_text(
-    model: str, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
+    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
     *, temperature: float = 0.8, seed: int = 0,
 ) -> str:
-    """``prompt`` continued by ``tokens`` characters sampled from the model."""
+    """``prompt`` continued by ``tokens`` characters sampled from the model.
+
+    ``model`` is a preset name (its vocabulary resized to the tokenizer's) or a
+    whole config. Each step feeds a ``block_size`` window (the context, then
+    zero padding the causal model never attends to) and samples from the row
+    of the context's last token with :func:`pcp_p2p.export.sampling.sample_token`,
+    the rule the WebAssembly guest repeats exactly (``pcp generate --engine wasm``).
+    """
     import jax
     import jax.numpy as jnp
 
     from pcp_p2p.compile.model import forward, preset
+    from pcp_p2p.export.sampling import SplitMix64, sample_token
 
-    cfg = preset(model, vocab_size=tokenizer.vocab_size)
-    try:
-        ids = list(tokenizer.encode(prompt)) if prompt else [0]
-    except PcpError as exc:
-        raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
+    cfg = model if isinstance(model, GPTConfig) else preset(model, vocab_size=tokenizer.vocab_size)
+    ids = encode_prompt(tokenizer, prompt)
     fwd = jax.jit(lambda p, idx: forward(cfg, p, idx))
     params = {k: jnp.asarray(v) for k, v in theta.items()}
-    rng = np.random.default_rng(seed)
+    rng = SplitMix64(seed)
     t = cfg.block_size
     for _ in range(tokens):
         ctx = ids[-t:]
         window = np.zeros((1, t), dtype=np.int32)
         window[0, : len(ctx)] = ctx  # causal model: padding after the context is never attended to
-        logits = np.asarray(fwd(params, jnp.asarray(window)))[0, len(ctx) - 1].astype(np.float64)
-        logits = logits / max(temperature, 1e-6)
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        ids.append(int(rng.choice(len(probs), p=probs)))
+        logits = np.asarray(fwd(params, jnp.asarray(window)))[0, len(ctx) - 1]
+        ids.append(sample_token(logits.tolist(), temperature, rng))
     return tokenizer.decode(np.asarray(ids, dtype=np.int32))
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The prompt's token ids (``[0]`` for an empty prompt); characters outside the vocabulary raise."""
+    try:
+        return [int(i) for i in tokenizer.encode(prompt)] if prompt else [0]
+    except PcpError as exc:
+        raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
