@@ -44,7 +44,9 @@ from pcp_p2p.export.bundle import (
 
 log = logging.getLogger("pcp.export")
 
-OPSET = 21  # Gelu needs 20; 21 is what ONNX Runtime 1.18+ (and the ort crate wasmtime builds on) runs
+# Gelu needs opset 20. Opset 20 with IR version 9 (what ONNX 1.15 wrote) loads in ONNX Runtime 1.17 and
+# later, which covers the builds wasmtime's wasi-nn ONNX backend links (the ort crate).
+OPSET = 20
 LOGITS_TOLERANCE = 1e-4
 
 _plugins_ready = False
@@ -91,6 +93,7 @@ def onnx_bytes(cfg: GPTConfig, theta: dict[str, np.ndarray]) -> bytes:
     """The serialized ONNX model of ``forward(cfg, θ, idx)`` (see the module docstring)."""
     import jax
     import jax.numpy as jnp
+    import onnx
     from jax2onnx import to_onnx
 
     _load_jax_plugins()
@@ -103,6 +106,9 @@ def onnx_bytes(cfg: GPTConfig, theta: dict[str, np.ndarray]) -> bytes:
         input_names=[INPUT_NAME],
         output_names=[OUTPUT_NAME],
     )
+    # jax2onnx stamps the newest IR version; the oldest one the opset allows loads in more runtimes.
+    model.ir_version = onnx.helper.find_min_ir_version_for(list(model.opset_import))
+    onnx.checker.check_model(model)
     return bytes(model.SerializeToString())
 
 
@@ -113,13 +119,14 @@ def probe_window(cfg: GPTConfig) -> np.ndarray:
 
 def logits_gap(cfg: GPTConfig, theta: dict[str, np.ndarray], model: bytes, window: np.ndarray) -> float:
     """Largest absolute difference between ONNX Runtime's and JAX's logits for ``window``."""
+    import jax
     import jax.numpy as jnp
     import onnxruntime as ort
 
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     got = session.run([OUTPUT_NAME], {INPUT_NAME: window.astype(np.float32)})[0]
     params = {k: jnp.asarray(v) for k, v in theta.items()}
-    want = np.asarray(forward(cfg, params, jnp.asarray(window)))
+    want = np.asarray(jax.jit(lambda p, idx: forward(cfg, p, idx))(params, jnp.asarray(window)))  # eager: 5x slower
     if got.shape != want.shape:
         raise ExportError(f"the ONNX model gives logits of shape {got.shape}, JAX {want.shape}")
     return float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
