@@ -243,3 +243,75 @@ def test_a_guest_asking_for_a_tensor_that_does_not_exist(model, tmp_path: Path) 
     with pytest.raises(NoSuchTensor) as exc:
         run_guest(out, [], wasm=guest)
     assert one_line(exc) == "the guest asked for output tensor #5, but the model has 1 output(s): logits"
+
+
+# --- the commands against a swarm (slow: four client nodes join it in turn) ---------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_pcp_export_and_generate_engines_against_a_swarm(tmp_path: Path) -> None:
+    """``pcp export --run`` / ``--checkpoint`` and ``pcp generate --engine wasm`` = native, over real libp2p."""
+    from contextlib import AsyncExitStack
+
+    import trio
+
+    from conftest import TEST_CAPS
+    from pcp_p2p.compile.model import preset
+    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+    from pcp_p2p.diloco.checkpoint import Checkpoint, encode_checkpoint
+    from pcp_p2p.diloco.commits import commit_seq
+    from pcp_p2p.diloco.messages import CommitRecord, sign
+    from pcp_p2p.diloco.outer import OuterState
+    from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
+    from pcp_p2p.diloco.tensors import pack_tensors
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.node.node import NodeConfig, open_node
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT * 50, encoding="utf-8")
+    tokenizer = CharTokenizer.from_text(TEXT)
+    cfg = preset("tiny", vocab_size=tokenizer.vocab_size)
+    theta = init_params(cfg, seed=11)
+    owner, shepherd = Identity.generate(), Identity.generate()
+    signed = sign_spec(parse_spec(f'name = "export"\n[model]\npreset = "tiny"\n[data]\ndataset = "{corpus}"\n'), owner)
+    run_id = run_id_of(signed)
+    ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(run_id, 1, OuterState.initial(theta, round=4)))
+
+    def node_cfg(name: str, **kw: object) -> NodeConfig:
+        return NodeConfig(tmp_path / name, listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS,
+                          op_timeout=2.0, **kw)  # type: ignore[arg-type]
+
+    async def pcp(*args: str) -> subprocess.CompletedProcess[bytes]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return await trio.run_process(
+            [sys.executable, "-m", "pcp_p2p.cli", *args, "--bootstrap", boot.addrs()[0],
+             "--data-dir", str(tmp_path / "cli"), "--timeout", "60"],
+            capture_stdout=True, capture_stderr=True, check=False, env=env, stdin=subprocess.DEVNULL)
+
+    async with AsyncExitStack() as stack:
+        boot = await stack.enter_async_context(open_node(node_cfg("boot", role="bootstrap")))
+        holder = await stack.enter_async_context(open_node(node_cfg("holder", bootstrap=(boot.addrs()[0],))))
+        await holder.bootstrapped.wait()
+        assert await holder.blobs.publish(pack_tensors(theta)) == theta_cid
+        ckpt_cid = await holder.blobs.publish(ckpt_bytes)
+        rec = sign(CommitRecord(run_id, 1, 3, 0, "prev", theta_cid, ckpt_cid, (shepherd.peer_id,), 1000, 2.0, None,
+                                shepherd.peer_id), shepherd)
+        await boot.put_record(sign_record(owner, "run", run_id, signed, ttl_s=MAX_TTL_S))
+        await boot.put_record(sign_record(shepherd, "commit", run_id, rec, ttl_s=MAX_TTL_S, seq=commit_seq(rec)))
+
+        for source, out in ((["--run", run_id], tmp_path / "by-run"), (["--checkpoint", ckpt_cid], tmp_path / "by-ckpt")):
+            res = await pcp("export", *source, "--format", "onnx", "--out", str(out), "--json")
+            assert res.returncode == 0, res.stderr.decode()[-3000:]
+            manifest = json.loads(res.stdout)
+            assert (manifest["run_id"], manifest["theta_cid"], manifest["checkpoint_cid"], manifest["round"]) == \
+                (run_id, theta_cid, ckpt_cid, 4)
+            assert manifest["model"] == cfg.to_dict() and load_export(out).tokenizer == tokenizer
+        assert (tmp_path / "by-run" / "model.onnx").read_bytes() == (tmp_path / "by-ckpt" / "model.onnx").read_bytes()
+
+        texts = {}
+        for engine in ("native", "wasm"):
+            res = await pcp("generate", "--run", run_id, "--engine", engine, "--tokens", "40", "--seed", "5", "--json")
+            assert res.returncode == 0, res.stderr.decode()[-3000:]
+            texts[engine] = json.loads(res.stdout)["text"]
+        assert texts["wasm"] == texts["native"] == generate_wasm(tmp_path / "by-run", "ROMEO:", 40, seed=5)
