@@ -78,16 +78,18 @@ def test_export_round_trip(model) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_onnx_logits_match_the_jax_forward(model) -> None:  # type: ignore[no-untyped-def]
+    import jax
     import jax.numpy as jnp
     import onnxruntime as ort
 
     cfg, theta, _, out = model
+    fwd = jax.jit(lambda p, idx: forward(cfg, p, idx))
     session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     windows = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(3, 1, cfg.block_size)).astype(np.int32)
     params = {k: jnp.asarray(v) for k, v in theta.items()}
     for window in windows:
         got = session.run(["logits"], {"idx": window.astype(np.float32)})[0]
-        want = np.asarray(forward(cfg, params, jnp.asarray(window)))
+        want = np.asarray(fwd(params, jnp.asarray(window)))
         assert got.shape == (1, cfg.block_size, cfg.vocab_size)
         assert np.max(np.abs(got - want)) <= 1e-4
         assert np.std(want) > 0.1  # real logits, not a degenerate graph

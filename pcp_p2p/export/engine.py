@@ -62,7 +62,9 @@ def run_guest(model_dir: Path, args: list[str], *, wasm: Path | None = None) -> 
         if code != 0:
             if host.error is not None:
                 raise host.error
-            lines = err.read_text(errors="replace").strip().splitlines()
+            with err.open("rb") as f:  # the guest's last line says why; read only the tail
+                f.seek(max(0, f.seek(0, 2) - 8192))
+                lines = f.read().decode(errors="replace").strip().splitlines()
             raise GuestError(lines[-1][:MAX_STDERR_LINE] if lines else f"the wasm guest exited with status {code}")
         return out.read_text(encoding="utf-8")
 

@@ -25,8 +25,8 @@ The rule, which ``generate.c`` mirrors line for line:
 
 Text from the two engines can still differ where their *logits* differ (JAX
 against ONNX Runtime, about 1e-7 apart) and a draw falls that close to a
-boundary between two tokens' shares; for the model sizes PCP trains that is
-rarer than one token in a million.
+boundary between two tokens' shares. Measured: 4,500 characters from the tiny
+preset at temperature 1 (three seeds, 1,500 each) came out identical.
 """
 
 from __future__ import annotations

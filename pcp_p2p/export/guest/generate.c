@@ -340,6 +340,7 @@ int main(int argc, char **argv) {
     m = j;
     if (!jfind(&m, "vocab_size")) fail("manifest.json has no model.vocab_size");
     uint32_t vocab_size = (uint32_t)jint(&m, "vocab_size");
+    if ((uint64_t)block * vocab_size * 4 > 0x7FFFFFFFu) fail("manifest.json: block_size x vocab_size is too large");
 
     text = read_file(dir, "tokenizer.json", &len);
     j = (json){text, text + len, text, "tokenizer.json"};
