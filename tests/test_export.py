@@ -119,6 +119,8 @@ def test_the_sampler_is_the_documented_rule() -> None:
     assert sample_token(logits, 0.0, SplitMix64(9)) == 1  # greedy: the first largest
     draws = [sample_token(logits, 1.0, rng) for _ in range(2000)]
     assert {draws.count(i) > 0 for i in (1, 2)} == {True} and draws.count(1) + draws.count(2) > 1800
+    with pytest.raises(InvalidInput):  # NaN orders differently in Python and C: refused on both sides
+        sample_token([0.0, float("nan")], 1.0, rng)
 
 
 # --- the wasm guest against the native engine --------------------------------------

@@ -12,13 +12,14 @@ The rule, which ``generate.c`` mirrors line for line:
 1. **PRNG**: SplitMix64 (Steele, Lea, Flood 2014). The state starts at the seed
    (mod 2**64); each draw adds ``0x9E3779B97F4A7C15`` and mixes. A uniform
    double in ``[0, 1)`` is the top 53 bits of a draw times ``2**-53``.
-2. **Greedy** when ``temperature <= 0``: the first index of the largest logit.
+2. Logits must all be finite (NaN compares differently across languages).
+   **Greedy** when ``temperature <= 0``: the first index of the largest logit.
 3. Otherwise, with ``m`` the largest logit (float32 widened to double),
    weights ``w_i = exp_det((l_i - m) / temperature)``, ``total`` their sum from
    index 0 up, ``target = u * total`` for one uniform ``u``; the token is the
    first ``i`` whose running sum exceeds ``target`` (the last index of positive
    weight if rounding leaves none).
-4. ``exp_det(x)`` for ``x <= 0``: 0 below -700; else ``k = floor(x / ln2 + 0.5)``,
+4. ``exp_det(x)`` for ``x <= 0``: 0 below -700; else ``k = floor(x * INV_LN2 + 0.5)``,
    ``r = (x - k*LN2_HI) - k*LN2_LO`` (Cody and Waite), a degree-13 Taylor
    polynomial in Horner form with coefficients ``1/n!`` computed by division,
    scaled by ``2**k`` (``ldexp``; exact, since the result stays normal).
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+from pcp_p2p.errors import InvalidInput
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -80,6 +83,8 @@ def exp_det(x: float) -> float:
 def sample_token(logits: Sequence[float], temperature: float, rng: SplitMix64) -> int:
     """The next token id from one row of float32 logits (see the module docstring's rule)."""
     row = [float(v) for v in logits]
+    if not all(math.isfinite(v) for v in row):  # max() and comparisons with NaN differ between languages
+        raise InvalidInput("the model's logits are not finite (a diverged θ?)")
     m = max(row)
     if temperature <= 0:
         return row.index(m)

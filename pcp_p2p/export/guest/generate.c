@@ -96,6 +96,8 @@ static double exp_det(double x) {
 }
 
 static uint32_t sample_token(const float *row, uint32_t vocab, double temperature, double *weights) {
+    for (uint32_t i = 0; i < vocab; i++)
+        if (!isfinite(row[i])) fail("the model's logits are not finite (a diverged θ?)");
     double m = row[0];
     uint32_t arg = 0;
     for (uint32_t i = 1; i < vocab; i++)
