@@ -319,3 +319,20 @@ async def test_pcp_export_and_generate_engines_against_a_swarm(tmp_path: Path) -
             assert res.returncode == 0, res.stderr.decode()[-3000:]
             texts[engine] = json.loads(res.stdout)["text"]
         assert texts["wasm"] == texts["native"] == generate_wasm(tmp_path / "by-run", "ROMEO:", 40, seed=5)
+
+
+def test_the_commands_refuse_flags_that_do_not_fit(model, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from pcp_p2p.cli import main
+
+    for argv, want in (
+        (["generate", "--tokens", "3"], "needs --run RUN_ID and --bootstrap"),
+        (["generate", "--export", str(model[3]), "--engine", "native"], "use --engine wasm"),
+        (["generate", "--export", str(tmp_path)], "is not a pcp export: it has no manifest.json"),
+        (["generate", "--export", str(model[3]), "--temperature", "nan"], "--temperature must be a finite number"),
+    ):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.count("pcp: error:") == 1 and want in err, err
+    with pytest.raises(SystemExit) as usage:
+        main(["export", "--out", str(tmp_path), "--bootstrap", "/ip4/127.0.0.1/tcp/1"])
+    assert usage.value.code == 2 and "--run --checkpoint is required" in capsys.readouterr().err
