@@ -183,8 +183,28 @@ class ExecutorCrashed(ExecutorError):
     """The executor's child process died (segfault, SIGILL, killed)."""
 
 
+class GuestError(ExecutorError):
+    """A WebAssembly guest failed, or misused its host's API."""
+
+
+class NoSuchTensor(GuestError):
+    """A wasi-nn guest named an input or output tensor the model does not have."""
+
+
 class InvalidInput(LocalError):
     """Inputs of the wrong shape or dtype for a program."""
+
+
+class ExportError(LocalError):
+    """An exported model (``pcp export``'s directory) cannot be written or used."""
+
+
+class CorruptModel(ExportError):
+    """A model file that is not the bytes its manifest names: truncated, altered, or not ONNX."""
+
+
+class ModelMismatch(ExportError):
+    """Parts of a model that do not fit each other: its config, θ, tokenizer or ONNX shapes."""
 
 
 class BlobError(PcpError):

@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import numpy as np
 import trio
 
 from pcp_p2p import logs
+from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.errors import ConfigError, InvalidInput, PcpError, PeerTimeout
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
@@ -26,37 +30,48 @@ log = logging.getLogger("pcp.generate")
 
 DEFAULT_TIMEOUT_S = 60.0
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 8.0  # back-off between DHT lookups that found nothing
+ENGINES = ("native", "wasm")
 
 
 def sample_text(
-    model: str, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
+    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
     *, temperature: float = 0.8, seed: int = 0,
 ) -> str:
-    """``prompt`` continued by ``tokens`` characters sampled from the model."""
+    """``prompt`` continued by ``tokens`` characters sampled from the model.
+
+    ``model`` is a preset name (its vocabulary resized to the tokenizer's) or a
+    whole config. Each step feeds a ``block_size`` window (the context, then
+    zero padding the causal model never attends to) and samples from the row
+    of the context's last token with :func:`pcp_p2p.export.sampling.sample_token`,
+    the rule the WebAssembly guest repeats exactly (``pcp generate --engine wasm``).
+    """
     import jax
     import jax.numpy as jnp
 
     from pcp_p2p.compile.model import forward, preset
+    from pcp_p2p.export.sampling import SplitMix64, sample_token
 
-    cfg = preset(model, vocab_size=tokenizer.vocab_size)
-    try:
-        ids = list(tokenizer.encode(prompt)) if prompt else [0]
-    except PcpError as exc:
-        raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
+    cfg = model if isinstance(model, GPTConfig) else preset(model, vocab_size=tokenizer.vocab_size)
+    ids = encode_prompt(tokenizer, prompt)
     fwd = jax.jit(lambda p, idx: forward(cfg, p, idx))
     params = {k: jnp.asarray(v) for k, v in theta.items()}
-    rng = np.random.default_rng(seed)
+    rng = SplitMix64(seed)
     t = cfg.block_size
     for _ in range(tokens):
         ctx = ids[-t:]
         window = np.zeros((1, t), dtype=np.int32)
         window[0, : len(ctx)] = ctx  # causal model: padding after the context is never attended to
-        logits = np.asarray(fwd(params, jnp.asarray(window)))[0, len(ctx) - 1].astype(np.float64)
-        logits = logits / max(temperature, 1e-6)
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
-        ids.append(int(rng.choice(len(probs), p=probs)))
+        logits = np.asarray(fwd(params, jnp.asarray(window)))[0, len(ctx) - 1]
+        ids.append(sample_token(logits.tolist(), temperature, rng))
     return tokenizer.decode(np.asarray(ids, dtype=np.int32))
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
+    """The prompt's token ids (``[0]`` for an empty prompt); characters outside the vocabulary raise."""
+    try:
+        return [int(i) for i in tokenizer.encode(prompt)] if prompt else [0]
+    except PcpError as exc:
+        raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -64,13 +79,20 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "generate",
         help="print text sampled from a run's latest checkpoint",
         description="Fetch the latest committed θ of a run from the swarm (hash-checked) and print "
-        "text sampled from it.",
+        "text sampled from it. --engine wasm samples with the WebAssembly guest through wasi-nn "
+        "(θ exported to ONNX first); --export DIR samples from a `pcp export` directory, offline. "
+        "Both engines give the same text for the same seed (docs/export.md).",
     )
-    p.add_argument("--bootstrap", action="append", required=True, metavar="MULTIADDR", help="a bootstrap server; repeatable")
-    p.add_argument("--run", required=True, metavar="RUN_ID", help="the run id printed by `pcp run create`")
+    p.add_argument("--bootstrap", action="append", metavar="MULTIADDR", help="a bootstrap server; repeatable")
+    p.add_argument("--run", metavar="RUN_ID", help="the run id printed by `pcp run create`")
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="sample from this `pcp export` directory instead of a run (no swarm; wasm engine)")
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="native: JAX on this machine (default); wasm: the wasi-nn guest in wasmtime, "
+                   "ONNX Runtime behind it (the default with --export)")
     p.add_argument("--prompt", default="ROMEO:", help="text to continue (default ROMEO:)")
     p.add_argument("--tokens", type=int, default=200, help="characters to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 or less: always the likeliest character")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", type=Path, default=None, help=f"default {default_data_dir()}")
     p.add_argument("--swarm-key", type=Path, metavar="FILE")
@@ -86,19 +108,57 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ConfigError("--tokens must be between 1 and 100000")
     if not 0 < args.timeout <= 86_400:
         raise ConfigError("--timeout must be between 0 and 86400 seconds")
+    if not math.isfinite(args.temperature):
+        raise ConfigError("--temperature must be a finite number")
     logs.configure(logging.WARNING)
+    if args.export is not None:
+        return _generate_from_export(args)
+    if not args.run or not args.bootstrap:
+        raise ConfigError("pcp generate needs --run RUN_ID and --bootstrap MULTIADDR (or --export DIR)")
     spec, rec, theta = run_until_signal(_fetch_latest, args)  # Ctrl+C: a clean stop, exit 130
     from pcp_p2p.diloco.data import CharDataset
 
     tokenizer = CharDataset.load(spec.dataset).tokenizer
-    text = sample_text(spec.model, theta, tokenizer, args.prompt, args.tokens,
-                       temperature=args.temperature, seed=args.seed)
-    if args.json:
-        print(json.dumps({"run_id": args.run, "round": rec.round + 1, "theta": rec.theta_cid, "text": text}))
+    if args.engine == "wasm":
+        import tempfile
+
+        from pcp_p2p.compile.model import preset
+        from pcp_p2p.export.engine import generate_wasm
+        from pcp_p2p.export.onnx_export import export_onnx
+
+        with tempfile.TemporaryDirectory(prefix="pcp-generate-") as tmp:
+            export_onnx(preset(spec.model, vocab_size=tokenizer.vocab_size), theta, tokenizer, Path(tmp),
+                        run_id=args.run, theta_cid=rec.theta_cid, checkpoint_cid=rec.checkpoint_cid,
+                        round_=rec.round + 1)
+            text = generate_wasm(Path(tmp), args.prompt, args.tokens, temperature=args.temperature, seed=args.seed)
     else:
-        print(f"(round {rec.round + 1}, θ {rec.theta_cid})", file=sys.stderr)
-        print(text)
+        text = sample_text(spec.model, theta, tokenizer, args.prompt, args.tokens,
+                           temperature=args.temperature, seed=args.seed)
+    _print_sample(args, text, args.run, rec.round + 1, rec.theta_cid)
     return 0
+
+
+def _generate_from_export(args: argparse.Namespace) -> int:
+    if args.engine == "native":
+        raise ConfigError("--export DIR holds an ONNX model, which the native (JAX) engine does not run: "
+                          "use --engine wasm")
+    if args.run or args.bootstrap:
+        raise ConfigError("--export DIR samples offline: give it without --run and --bootstrap")
+    from pcp_p2p.export.bundle import load_export
+    from pcp_p2p.export.engine import generate_wasm
+
+    manifest = load_export(args.export).manifest
+    text = generate_wasm(args.export, args.prompt, args.tokens, temperature=args.temperature, seed=args.seed)
+    _print_sample(args, text, manifest.get("run_id"), manifest.get("round"), manifest.get("theta_cid"))
+    return 0
+
+
+def _print_sample(args: argparse.Namespace, text: str, run_id: Any, round_: Any, theta_cid: Any) -> None:
+    if args.json:
+        print(json.dumps({"run_id": run_id, "round": round_, "theta": theta_cid, "text": text}))
+    else:
+        print(f"(round {round_}, θ {theta_cid})", file=sys.stderr)
+        print(text)
 
 
 def progress(message: str) -> None:
@@ -136,10 +196,9 @@ async def lookup(node, kind: str, name: str, want: type, deadline: float, *, wha
         delay = min(delay * 2, RETRY_MAX_S)
 
 
-async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pcp_p2p.diloco.messages import CommitRecord
-    from pcp_p2p.diloco.spec import SignedRunSpec, verify_spec
-    from pcp_p2p.diloco.tensors import unpack_tensors
+@asynccontextmanager
+async def client_node(args: argparse.Namespace) -> AsyncIterator[tuple[Any, float]]:
+    """A short-lived client node that has joined the swarm, and the command's overall deadline."""
     from pcp_p2p.node.node import NodeConfig, open_node
 
     config = NodeConfig(
@@ -154,22 +213,41 @@ async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-de
         if not node.bootstrapped.is_set():
             raise PeerTimeout(f"no bootstrap server answered within {args.timeout:g} s "
                               f"(tried {', '.join(args.bootstrap)})")
-        signed = await lookup(node, "run", args.run, SignedRunSpec, deadline,
-                              what=f"run {args.run}")
-        if signed is None:
-            raise ConfigError(f"no run {args.run} found in the swarm's DHT within {args.timeout:g} s")
-        spec = verify_spec(signed)
+        yield node, deadline
+
+
+async def fetch_spec(node, run_id: str, deadline: float, timeout: float):  # type: ignore[no-untyped-def]
+    """The verified spec of ``run_id`` from the DHT (its owner's signature checked)."""
+    from pcp_p2p.diloco.spec import SignedRunSpec, verify_spec
+
+    signed = await lookup(node, "run", run_id, SignedRunSpec, deadline, what=f"run {run_id}")
+    if signed is None:
+        raise ConfigError(f"no run {run_id} found in the swarm's DHT within {timeout:g} s")
+    return verify_spec(signed)
+
+
+async def fetch_blob(node, cid: str, deadline: float, timeout: float, *, what: str) -> bytes:  # type: ignore[no-untyped-def]
+    """The bytes of blob ``cid`` (hash-checked by the blob store) by ``deadline``."""
+    progress(f"fetching {what}")
+    path = None
+    with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+        path = await node.blobs.fetch(cid, announce=False)
+    if path is None:
+        raise PeerTimeout(f"could not fetch {what} within {timeout:g} s")
+    return await trio.to_thread.run_sync(Path(path).read_bytes)
+
+
+async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pcp_p2p.diloco.messages import CommitRecord
+    from pcp_p2p.diloco.tensors import unpack_tensors
+
+    async with client_node(args) as (node, deadline):
+        spec = await fetch_spec(node, args.run, deadline, args.timeout)
         rec = await lookup(node, "commit", args.run, CommitRecord, deadline,
                            what=f"the latest commit of run {args.run}")
         if rec is None:
             raise ConfigError(f"run {args.run} has no committed round in the swarm's DHT "
                               f"(looked for {args.timeout:g} s)")
-        progress(f"fetching θ {rec.theta_cid} of round {rec.round + 1}")
-        path = None
-        with trio.move_on_after(max(0.0, deadline - trio.current_time())):
-            path = await node.blobs.fetch(rec.theta_cid, announce=False)
-        if path is None:
-            raise PeerTimeout(f"could not fetch θ {rec.theta_cid} of round {rec.round + 1} "
-                              f"within {args.timeout:g} s")
-        data = await trio.to_thread.run_sync(Path(path).read_bytes)
+        data = await fetch_blob(node, rec.theta_cid, deadline, args.timeout,
+                                what=f"θ {rec.theta_cid} of round {rec.round + 1}")
         return spec, rec, unpack_tensors(data)
