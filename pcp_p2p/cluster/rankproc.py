@@ -1,0 +1,57 @@
+"""Each rank runs as a child of a thin supervisor, so that one rank's death is not the group's.
+
+Measured with the mpich wheel's Hydra (``mpiexec -disable-auto-cleanup``): when a
+rank process dies *by a signal* (SIGKILL, a segfault) the launcher signals every
+other rank's process group with SIGUSR1, and a rank process that was talking to
+the dead one does not survive it, whatever Python handler it installs; when the
+process the launcher started *exits* (with any code), the others live on. So
+the process the launcher starts is this supervisor: it starts the real rank as
+its child (same argv, every fd inherited: ``PMI_FD`` is how the rank reaches
+the launcher), forwards SIGTERM/SIGINT/SIGHUP to it, ignores SIGUSR1 (the rank
+has its own handler), and exits with the child's code, a signal death turned
+into an ordinary exit code 128+N.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+RANK_CHILD_ENV = "PCP_RANK_CHILD"
+"""Set in the supervised child: it is the rank itself and must not supervise again."""
+
+
+def is_rank_child() -> bool:
+    return os.environ.get(RANK_CHILD_ENV) == "1"
+
+
+def supervise(argv: Sequence[str]) -> int:
+    """Run ``argv`` as the rank; its exit code (128+N for a death by signal N)."""
+    env = dict(os.environ)
+    env[RANK_CHILD_ENV] = "1"
+    child = subprocess.Popen(list(argv), env=env, close_fds=False)
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            child.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+            continue
+    return 128 - code if code < 0 else code
+
+
+def rank_argv() -> list[str]:
+    """This process's own command line, to start it again as the supervised rank."""
+    return [sys.executable, *sys.orig_argv[1:]] if hasattr(sys, "orig_argv") else [sys.executable, *sys.argv]
