@@ -52,8 +52,14 @@ class DeadlineComm:
         self._lock = threading.Lock()  # the abandoned list is touched from the heartbeat thread too
         self._groups: dict[tuple[int, ...], Any] = {}
         self._group_tag = 1000
+        self._stopped = threading.Event()
         self._progress = threading.Thread(target=self._keep_progressing, name="pcp-mpi-progress", daemon=True)
         self._progress.start()
+
+    def stop(self) -> None:
+        """Stop the progress thread (before MPI is finalised: no MPI call may follow)."""
+        self._stopped.set()
+        self._progress.join(timeout=1.0)
 
     def _keep_progressing(self) -> None:
         """Enter MPI's progress engine every few milliseconds, whatever the rank is doing.
@@ -63,9 +69,8 @@ class DeadlineComm:
         killed with it, while one that polls MPI every 50 ms or less lives on. The ranks spend
         most of a round in the executor, so this thread polls for them.
         """
-        while True:
+        while not self._stopped.wait(PROGRESS_S):
             self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=TAG_NEVER)
-            time.sleep(PROGRESS_S)
 
     # -- waiting --------------------------------------------------------------------------------
 

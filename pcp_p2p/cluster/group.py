@@ -265,6 +265,7 @@ class WorkerGroup:
                     self.dc.send(r, TAG_ORDER, frame(Stop(reason, finalize=intact)), self.clock() + 2.0)
                 except PeerTimeout:
                     intact = False
+        self.dc.stop()
         finish(intact)
 
     # -- runs ---------------------------------------------------------------------------------------
@@ -532,11 +533,14 @@ def serve_follower(launch: Launch, *, silence_s: float = 60.0, heartbeat_s: floa
     dc = _world()
     follower = _Follower(dc, launch, work_dir or Path(tempfile.mkdtemp(prefix=f"pcp-rank{launch.rank}-")))
     dc.send(0, TAG_REPLY, frame(own_hello(launch.rank)), dc.clock() + HELLO_TIMEOUT_S)
-    threading.Thread(target=follower.beat, args=(heartbeat_s,), name="pcp-group-alive", daemon=True).start()
+    follower.beat_thread = threading.Thread(target=follower.beat, args=(heartbeat_s,), name="pcp-group-alive",
+                                            daemon=True)
+    follower.beat_thread.start()
     try:
         return follower.loop(silence_s)
     finally:
         follower.close()
+        dc.stop()
         finish(follower.finalize)
 
 
@@ -549,6 +553,7 @@ class _Follower:
         self.pending: tuple[int, np.ndarray] | None = None  # (epoch, t·Δ buffer) awaiting the allreduce
         self.finalize = False  # only on rank 0's word that every rank is alive
         self.stopped = threading.Event()
+        self.beat_thread: threading.Thread | None = None
 
     def beat(self, heartbeat_s: float) -> None:
         """Tell rank 0 this rank is alive, every ``heartbeat_s`` (its census after a death counts these)."""
@@ -641,6 +646,8 @@ class _Follower:
 
     def close(self) -> None:
         self.stopped.set()
+        if self.beat_thread is not None:
+            self.beat_thread.join(timeout=2.0)
         for e in self.engines.values():
             e.executor.close()
 

@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     join.add_argument("--trust-any", action="store_true",
                       help="train for ANY run owner: anyone who can reach this node can make it download and run "
                       "their compiled code. For local demos only")
+    join.add_argument("--group-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="under mpiexec/srun (a worker group, docs/clusters.md): how long past a round's time "
+                      "budget rank 0 waits for a rank before dropping it (default 30)")
     join.set_defaults(func=with_config(join, _cmd_join))
 
     boot = add_config_parser(
@@ -146,7 +149,20 @@ def _cmd_join(args: argparse.Namespace) -> int:
         backend=args.backend,
         relay=args.relay,
     )
+    launch = _launch()
+    if launch is not None:  # started by mpiexec/srun: this process is one rank of a worker group
+        from pcp_p2p.cluster.join import join_as_group
+
+        return join_as_group(launch, config, args, lambda c: _serve(c, args, print_addr=True, training=True))
     return _serve(config, args, print_addr=True, training=True)
+
+
+def _launch() -> Any:
+    import os
+
+    from pcp_p2p.cluster.launch import detect_launch
+
+    return detect_launch(os.environ)
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:

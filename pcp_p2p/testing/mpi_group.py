@@ -57,25 +57,31 @@ def corpus(n: int = 60_000) -> str:
     return " ".join(words[i] for i in rng.integers(0, len(words), size=n // 4))[:n]
 
 
-def prepare(out: Path, *, steps: int = 20, mode: str = "equal", **extra: Any) -> Path:
-    """Compile the tiny train artifact for this machine and write the scenario's config; its path."""
-    from pcp_p2p.diloco.data import CharDataset
-    from pcp_p2p.diloco.engine import build_train_artifacts
+def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Any = None, **extra: Any) -> Path:
+    """Write the scenario's config (and the artifact's files); its path.
+
+    ``artifact``: a compiled train :class:`~pcp_p2p.compile.pipeline.Artifact` for
+    :data:`SPEC`'s program options and the tiny preset (the tests pass the session's
+    shared one); None compiles it here.
+    """
+    from pcp_p2p.compile.model import PRESETS
+    from pcp_p2p.compile.pipeline import Lowered, compile_lowered, lower_program, write_artifact
+    from pcp_p2p.compile.targets import get_target
+    from pcp_p2p.diloco.engine import program_options
     from pcp_p2p.diloco.spec import parse_spec
-    from pcp_p2p.compile.pipeline import write_artifact
     from pcp_p2p.node.cpu import best_cpu_target
     from pcp_p2p.node.identity import Identity
 
     out.mkdir(parents=True, exist_ok=True)
     spec_text = SPEC.format(steps=steps)
     spec = parse_spec(spec_text)
-    ds = CharDataset.from_text(corpus())
-    shepherd = Identity.generate()
-    target = best_cpu_target().name
-    [art] = build_train_artifacts(spec, ds.vocab_size, [target], shepherd, out / "cache")
-    vmfb, manifest = write_artifact(out / "art", art)
+    if artifact is None:
+        lowered: Lowered = lower_program("train", PRESETS["tiny"], program_options(spec))
+        artifact = compile_lowered(lowered, get_target(best_cpu_target().name), Identity.generate(), "tiny", None)
+    vmfb, manifest = write_artifact(out / "art", artifact)
     cfg = {"mode": mode, "spec": spec_text, "vmfb": str(vmfb), "manifest": str(manifest),
-           "shepherd": shepherd.peer_id, "steps": steps, "result": str(out / f"{mode}.json"), **extra}
+           "shepherd": artifact.manifest.signer, "vocab_size": PRESETS["tiny"].vocab_size, "steps": steps,
+           "result": str(out / f"{mode}.json"), **extra}
     path = out / f"{mode}.config.json"
     path.write_text(json.dumps(cfg))
     return path
@@ -120,7 +126,7 @@ def _setup(group: Any, cfg: dict[str, Any]) -> tuple[Any, Any, dict[str, np.ndar
     local = InnerEngine(start_executor(Path(cfg["vmfb"]), manifest, cfg["shepherd"]), spec, ds)
     engine = group.engine_for(local, sign_spec(spec, Identity.generate()), encode(manifest), Path(cfg["vmfb"]),
                               cfg["shepherd"])
-    return engine, local, initial_theta(spec, ds.vocab_size)
+    return engine, local, initial_theta(spec, int(cfg["vocab_size"]))
 
 
 def _round(engine: Any, theta: dict[str, np.ndarray], r: int, steps: int, state: Any = None,
