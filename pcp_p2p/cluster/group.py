@@ -247,26 +247,21 @@ class WorkerGroup:
                     self.dc.post(r, TAG_ORDER, frame(Ping(seq)))
 
     def close(self, reason: str = "the node stopped") -> None:
-        """Tell every live rank to leave (best effort: never waits on a dead one), then end MPI.
-
-        With every rank alive they all finalise MPI together; after a loss nobody does
-        (``MPI_Finalize`` would wait for the dead rank forever).
-        """
+        """Tell every live rank to leave (best effort: never waits on a dead one)."""
         if self._stop.is_set():
             return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
         self.settle()
-        intact = len(self.live) == self.launch.size
         for r in self.live:
             if r:
                 try:
-                    self.dc.send(r, TAG_ORDER, frame(Stop(reason, finalize=intact)), self.clock() + 2.0)
+                    self.dc.send(r, TAG_ORDER, frame(Stop(reason)), self.clock() + 2.0)
                 except PeerTimeout:
-                    intact = False
+                    pass
         self.dc.stop()
-        finish(intact)
+        _quiet_exit()
 
     # -- runs ---------------------------------------------------------------------------------------
 
@@ -493,7 +488,8 @@ def _world() -> DeadlineComm:
     try:
         import mpi4py
 
-        # MPI_Finalize waits for every rank; after one died it would hang the exit (finish() decides).
+        # Never MPI_Finalize: it waits for every rank, so a group that lost one would hang at exit;
+        # MPICH's Hydra takes an exit without it as a normal one (measured: exit code 0).
         mpi4py.rc.finalize = False
         from mpi4py import MPI
     except ImportError as exc:
@@ -507,12 +503,15 @@ def _world() -> DeadlineComm:
     return DeadlineComm(MPI.COMM_WORLD)
 
 
-def finish(intact: bool) -> None:
-    """End MPI: ``MPI_Finalize`` only when every rank is still there (it waits for all of them)."""
-    from mpi4py import MPI
+def _quiet_exit() -> None:
+    """This rank is done with MPI: the launcher's SIGUSR1 for the others' exits must not kill it
+    while Python shuts down (which puts the default, fatal action back on handled signals)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
-    if intact and MPI.Is_initialized() and not MPI.Is_finalized():
-        MPI.Finalize()
+
+def _ignored(signum: int, frame: Any) -> None:
+    log.info("rank: %s ignored; rank 0 stops this rank", signal.Signals(signum).name)
 
 
 _ON_RANK_DIED: list[Callable[[], None]] = []
@@ -531,6 +530,11 @@ def serve_follower(launch: Launch, *, silence_s: float = 60.0, heartbeat_s: floa
     Returns the process's exit code: 0 on a stop order, 3 when the watchdog fired.
     """
     dc = _world()
+    # A follower's life is rank 0's to end (Stop), or its watchdog's: a SIGTERM from the launcher
+    # reaches rank 0 too, which then stops this rank in order. Dying on it instead would look
+    # like a crash to rank 0, which may be about to send to this rank.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignored)
     follower = _Follower(dc, launch, work_dir or Path(tempfile.mkdtemp(prefix=f"pcp-rank{launch.rank}-")))
     dc.send(0, TAG_REPLY, frame(own_hello(launch.rank)), dc.clock() + HELLO_TIMEOUT_S)
     follower.beat_thread = threading.Thread(target=follower.beat, args=(heartbeat_s,), name="pcp-group-alive",
@@ -541,7 +545,7 @@ def serve_follower(launch: Launch, *, silence_s: float = 60.0, heartbeat_s: floa
     finally:
         follower.close()
         dc.stop()
-        finish(follower.finalize)
+        _quiet_exit()
 
 
 class _Follower:
@@ -551,7 +555,6 @@ class _Follower:
         self.work_dir = work_dir
         self.engines: dict[str, InnerEngine] = {}
         self.pending: tuple[int, np.ndarray] | None = None  # (epoch, t·Δ buffer) awaiting the allreduce
-        self.finalize = False  # only on rank 0's word that every rank is alive
         self.stopped = threading.Event()
         self.beat_thread: threading.Thread | None = None
 
@@ -576,7 +579,6 @@ class _Follower:
                 continue
             if isinstance(msg, Stop):
                 log.info("rank %d: stopping (%s)", self.launch.rank, msg.reason)
-                self.finalize = msg.finalize
                 return 0
             if isinstance(msg, Setup):
                 self._reply(Ready(msg.run_id, self._setup(msg, parts)))

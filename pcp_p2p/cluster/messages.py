@@ -90,7 +90,6 @@ class Ping(Message):
 @wire_message("group.stop", max_size=1024)
 class Stop(Message):
     reason: str
-    finalize: bool = False  # every rank is alive: end MPI together
 
 
 ORDERS = (Setup, Train, Reduce, Ping, Stop)

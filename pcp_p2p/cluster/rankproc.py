@@ -7,9 +7,11 @@ the dead one does not survive it, whatever Python handler it installs; when the
 process the launcher started *exits* (with any code), the others live on. So
 the process the launcher starts is this supervisor: it starts the real rank as
 its child (same argv, every fd inherited: ``PMI_FD`` is how the rank reaches
-the launcher), forwards SIGTERM/SIGINT/SIGHUP to it, ignores SIGUSR1 (the rank
-has its own handler), and exits with the child's code, a signal death turned
-into an ordinary exit code 128+N.
+the launcher) in a process group of its own, forwards SIGTERM/SIGINT/SIGHUP
+and the launcher's SIGUSR1 to it (exactly once: the launcher signals the
+supervisor's group, which the rank is not in), and exits with the child's code,
+a signal death turned into an ordinary exit code 128+N. The rank gets SIGTERM
+if the supervisor itself dies (``PR_SET_PDEATHSIG``), so it is never orphaned.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def supervise(argv: Sequence[str]) -> int:
     """Run ``argv`` as the rank; its exit code (128+N for a death by signal N)."""
     env = dict(os.environ)
     env[RANK_CHILD_ENV] = "1"
-    child = subprocess.Popen(list(argv), env=env, close_fds=False)
+    child = subprocess.Popen(list(argv), env=env, close_fds=False, process_group=0, preexec_fn=_die_with_parent)
 
     def forward(signum: int, frame: object) -> None:
         try:
@@ -40,16 +42,30 @@ def supervise(argv: Sequence[str]) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, forward)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     while True:
         try:
             code = child.wait()
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
             continue
+    # The rank is done. The launcher takes an exit without MPI_Finalize (group.py never calls it)
+    # as a failure and signals the other ranks with SIGUSR1; a supervisor on its way out must
+    # not die of it (Python's exit puts its own handlers back to the default, which kills).
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     return 128 - code if code < 0 else code
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the supervisor dies (Linux; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def rank_argv() -> list[str]:
