@@ -182,3 +182,22 @@ def test_killing_a_rank_mid_round_does_not_hang_the_group(compiled: Path) -> Non
     # The job ended on its own: rank 0 finished, the dead rank's exit code is mpiexec's.
     assert proc.returncode == 128 + 9, proc.stderr[-2000:]
     assert took < 60
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~15 s more of mpiexec; the default run has the kill test
+@pytest.mark.timeout(120)
+def test_a_hung_rank_costs_one_timeout(compiled: Path) -> None:
+    cfg = json.loads(compiled.read_text())
+    hang_cfg = compiled.with_name("hang.config.json")
+    result = compiled.with_name("hang.json")
+    hang_cfg.write_text(json.dumps({**cfg, "mode": "kill", "signal": "SIGSTOP", "steps": 400, "budget_s": 1.0,
+                                    "timeout_s": 2.0, "kill_after_s": 0.3, "result": str(result)}))
+    proc = _mpiexec(hang_cfg, 2, 90)
+    assert result.exists(), proc.stderr[-3000:]
+    before, during, after = json.loads(result.read_text())["rounds"]
+    assert before["ranks"] == [0, 1]
+    # A stopped rank is alive to MPI and the launcher: only the deadline (budget + timeout) finds it.
+    assert during["ranks"] == [0] and during["live"] == [0]
+    assert 1.0 + 2.0 <= during["seconds"] < 1.0 + 2.0 + 1.5
+    assert after["ranks"] == [0] and after["seconds"] < 1.0 + 1.0

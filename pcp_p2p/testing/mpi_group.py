@@ -13,7 +13,7 @@ scenario, writing one JSON result:
   between the two θ_local, and the steps and tokens of each rank.
 - ``kill``: one round, then a round during which rank 1 is SIGKILLed (by pid,
   from its hello) half a second in, then one more round: how long each took and
-  who contributed.
+  who contributed. ``"signal": "SIGSTOP"`` hangs the rank instead.
 - ``bench``: ``rounds`` group rounds against the same total work done by one
   process, round time and tokens/s.
 
@@ -179,17 +179,20 @@ def _kill(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     engine, local, theta = _setup(group, cfg)
     out: dict[str, Any] = {"rounds": []}
     victim = group.ranks[1].pid
+    how = signal.Signals[cfg.get("signal", "SIGKILL")]  # SIGSTOP: a hung rank
     state = None
     for r in range(3):
         eff = _round(engine, theta, r, cfg["steps"], state, budget_s=float(cfg.get("budget_s", 2.0)))
         if r == 1:
-            threading.Timer(float(cfg.get("kill_after_s", 0.5)), os.kill, (victim, signal.SIGKILL)).start()
+            threading.Timer(float(cfg.get("kill_after_s", 0.5)), os.kill, (victim, how)).start()
         t0 = time.monotonic()
         res = engine.run(eff, threading.Event())
         state = res.inner_state
         out["rounds"].append({"round": r, "seconds": time.monotonic() - t0, "steps": res.steps,
                               "ranks": list(group.last_round["ranks"]), "live": list(group.live)})
     out["group"] = group.status()
+    if how is not signal.SIGKILL:
+        os.kill(victim, signal.SIGKILL)  # a hung rank never ends by itself: the job's end is ours
     return out
 
 
