@@ -201,3 +201,22 @@ def test_a_hung_rank_costs_one_timeout(compiled: Path) -> None:
     assert during["ranks"] == [0] and during["live"] == [0]
     assert 1.0 + 2.0 <= during["seconds"] < 1.0 + 2.0 + 1.5
     assert after["ranks"] == [0] and after["seconds"] < 1.0 + 1.0
+
+
+def test_status_and_metrics_show_the_group() -> None:
+    import copy
+
+    from pcp_p2p.node.commands import render_text
+    from pcp_p2p.node.metrics import families
+
+    fixture = Path(__file__).parent / "fixtures" / "status_worker_idle.json"
+    obj = copy.deepcopy(json.loads(fixture.read_text()))
+    obj["group"] = {"launcher": "mpich", "size": 2, "live": 1, "gflops": 207.0, "rounds": 3, "last_round": {},
+                    "ranks": [{"rank": 0, "host": "a", "target": "cpu-x86_64-v4", "gflops": 207.0, "alive": True,
+                               "why": "", "steps": 100, "tokens_per_s": 9000.0},
+                              {"rank": 1, "host": "b", "target": "cpu-x86_64-v3", "gflops": 150.0, "alive": False,
+                               "why": "round 2: rank 1 died", "steps": 0, "tokens_per_s": 0.0}]}
+    text = render_text(obj)
+    assert "group    1/2 ranks via mpich, 207 GFLOP/s" in text and "dropped: round 2: rank 1 died" in text
+    got = {f.name: f.samples[0].value for f in families(obj) if f.name.startswith("pcp_group")}
+    assert got == {"pcp_group_ranks": 1.0, "pcp_group_gflops": 207.0}

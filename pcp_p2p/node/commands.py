@@ -373,7 +373,16 @@ def render_text(obj: dict[str, Any]) -> str:
             f"  {m['peer_id']}  {m['role']:<9} {','.join(c['backends']) or '-':<12} "
             f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
             + (f"  {m['state']}" if m.get("state") else "")
+            + (f"  group of {c['group_ranks']}, {c['group_gflops']:.0f} GFLOP/s" if c.get("group_ranks") else "")
         )
+    group = obj.get("group")
+    if isinstance(group, dict):  # this node is rank 0 of an MPI worker group (docs/clusters.md)
+        lines.append(f"group    {group['live']}/{group['size']} ranks via {group['launcher']}, "
+                     f"{group['gflops']:.0f} GFLOP/s, {group['rounds']} rounds")
+        for r in group["ranks"]:
+            lines.append(f"  rank {r['rank']}  {r['host']}/{r['target']}  {r['gflops']:.0f} GFLOP/s  "
+                         f"last round {r['steps']} steps, {r['tokens_per_s']:.0f} tokens/s"
+                         + ("" if r["alive"] else f"  dropped: {r['why']}"))
     run = obj.get("run")
     if isinstance(run, dict):  # sections later parts add; absent or null before a run starts
         lines.append(
