@@ -26,7 +26,7 @@ def join_as_group(launch: Launch, config: Any, args: Any, serve: Callable[[Any],
     from pcp_p2p.cluster.rankproc import is_rank_child, rank_argv, supervise
 
     if not is_rank_child():
-        return supervise(rank_argv())
+        return supervise(rank_argv(), lead=launch.is_lead)
     timeout_s = float(getattr(args, "group_timeout", 30.0))
     if not launch.is_lead:
         logs.configure(args.log_level.upper(), json_lines=args.log_json)

@@ -10,7 +10,7 @@ its child (same argv, every fd inherited: ``PMI_FD`` is how the rank reaches
 the launcher) in a process group of its own, forwards SIGTERM/SIGINT/SIGHUP
 and the launcher's SIGUSR1 to it (exactly once: the launcher signals the
 supervisor's group, which the rank is not in), and exits with the child's code,
-a signal death turned into an ordinary exit code 128+N. The rank gets SIGTERM
+a signal death turned into an ordinary exit code 128+N. The rank is signalled
 if the supervisor itself dies (``PR_SET_PDEATHSIG``), so it is never orphaned.
 """
 
@@ -30,11 +30,17 @@ def is_rank_child() -> bool:
     return os.environ.get(RANK_CHILD_ENV) == "1"
 
 
-def supervise(argv: Sequence[str]) -> int:
-    """Run ``argv`` as the rank; its exit code (128+N for a death by signal N)."""
+def supervise(argv: Sequence[str], *, lead: bool) -> int:
+    """Run ``argv`` as the rank; its exit code (128+N for a death by signal N).
+
+    If this supervisor dies (the launcher was SIGKILLed), rank 0 gets SIGTERM (the node
+    leaves its run cleanly) and any other rank SIGKILL (it ignores SIGTERM and holds nothing).
+    """
     env = dict(os.environ)
     env[RANK_CHILD_ENV] = "1"
-    child = subprocess.Popen(list(argv), env=env, close_fds=False, process_group=0, preexec_fn=_die_with_parent)
+    death = signal.SIGTERM if lead else signal.SIGKILL
+    child = subprocess.Popen(list(argv), env=env, close_fds=False, process_group=0,
+                             preexec_fn=lambda: _die_with_parent(death))
 
     def forward(signum: int, frame: object) -> None:
         try:
@@ -58,12 +64,12 @@ def supervise(argv: Sequence[str]) -> int:
     return 128 - code if code < 0 else code
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies (Linux; elsewhere nothing)."""
+def _die_with_parent(signum: int) -> None:
+    """In the child before exec: ``signum`` when the supervisor dies (Linux; elsewhere nothing)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signum))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 

@@ -100,7 +100,7 @@ def main(config_path: str) -> int:
     if launch is None:
         raise SystemExit("run me under mpiexec -n K (K >= 2)")
     if not is_rank_child():
-        return supervise(rank_argv())
+        return supervise(rank_argv(), lead=launch.is_lead)
     if not launch.is_lead:
         return serve_follower(launch, silence_s=float(cfg.get("silence_s", 30.0)))
     group = WorkerGroup.open(launch, timeout_s=float(cfg.get("timeout_s", 10.0)), heartbeat_s=1.0)
