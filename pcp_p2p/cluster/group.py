@@ -107,12 +107,26 @@ def own_hello(rank: int) -> Hello:
                  gflops=float(measure_gflops(0.3)))
 
 
+class GroupCannotAudit(ConfigError):
+    """A run that audits submissions: a group's Δ cannot be replayed by one auditor yet."""
+
+    refusal_reason = "group_not_auditable"
+
+
 def check_group_run(spec: Any) -> None:
-    """:class:`ConfigError` unless a worker group can take part in this run honestly."""
+    """:class:`GroupCannotAudit` unless a worker group can take part in this run honestly."""
     if spec.aggregation.audit_rate > 0:
-        raise ConfigError(
+        raise GroupCannotAudit(
             "a worker group's Δ cannot be replayed by a single auditor yet: it joins only runs with "
             f"aggregation.audit_rate = 0 (this run audits {spec.aggregation.audit_rate:g} of submissions)")
+
+
+def fits_group(spec: Any) -> None:
+    """The run book's check for a group's node: the machine's target, and a run the group can join."""
+    from pcp_p2p.diloco.service import fits_this_machine
+
+    fits_this_machine(spec)
+    check_group_run(spec)
 
 
 class WorkerGroup:
@@ -654,4 +668,5 @@ class _Follower:
             e.executor.close()
 
 
-__all__ = ["GROUP_STATE_PREFIX", "GroupEngine", "RankInfo", "WorkerGroup", "check_group_run", "serve_follower"]
+__all__ = ["GROUP_STATE_PREFIX", "GroupCannotAudit", "GroupEngine", "RankInfo", "WorkerGroup", "check_group_run",
+           "fits_group", "serve_follower"]
