@@ -251,6 +251,9 @@ class RunRuntime:
         # all start at once and measure each other's load.
         gflops = max(self.node.capabilities.throughput_gflops, await trio.to_thread.run_sync(measure_gflops, 0.5))
         self.machine.tokens_per_s = self._speed_estimate(gflops)
+        group = self.node.config.worker_group
+        if group is not None:  # an MPI worker group claims its live ranks' speed together (pcp_p2p.cluster)
+            self.machine.tokens_per_s = group.throughput(self.machine.tokens_per_s)
         self._restore_lease()
         self.started = True
         self._carry_out(self.machine.start(self.clock()))
@@ -497,7 +500,16 @@ class RunRuntime:
         await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size)
         vmfb_path = self.io.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, shepherd)
-        self.engine = engine.InnerEngine(executor, self.spec, self.dataset)
+        inner = engine.InnerEngine(executor, self.spec, self.dataset)
+        group = self.node.config.worker_group
+        if group is not None:  # an MPI worker group: every rank trains its piece (pcp_p2p.cluster)
+            try:
+                inner = await trio.to_thread.run_sync(
+                    group.engine_for, inner, self.run.signed, manifest_bytes, vmfb_path, shepherd)
+            except PcpError:
+                executor.close()
+                raise
+        self.engine = inner
         self.artifacts.append({"target": manifest.target, "cid": manifest.artifact_cid,
                                "size": manifest.artifact_size, "cache_hit": None})
         log.info("run %s: executor started for %s (artifact %s)", self.run_id[:16], manifest.target,

@@ -66,6 +66,11 @@ class Capabilities(Message):
     versions: dict[str, str]
     can_compile: bool
     throughput_measured_at: float = 0.0  # unix time of that measurement; 0: not measured (a bootstrap server)
+    # A worker group under MPI (pcp_p2p.cluster): its live ranks, their summed matmul rate and
+    # "host/target" of each rank. 0 ranks: a node on its own.
+    group_ranks: int = 0
+    group_gflops: float = 0.0
+    group_devices: tuple[str, ...] = ()
 
 
 def cpu_info() -> tuple[str, tuple[str, ...]]:

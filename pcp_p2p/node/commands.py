@@ -57,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     join.add_argument("--trust-any", action="store_true",
                       help="train for ANY run owner: anyone who can reach this node can make it download and run "
                       "their compiled code. For local demos only")
+    join.add_argument("--group-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="under mpiexec/srun (a worker group, docs/clusters.md): how long past a round's time "
+                      "budget rank 0 waits for a rank before dropping it (default 30)")
     join.set_defaults(func=with_config(join, _cmd_join))
 
     boot = add_config_parser(
@@ -146,7 +149,20 @@ def _cmd_join(args: argparse.Namespace) -> int:
         backend=args.backend,
         relay=args.relay,
     )
+    launch = _launch()
+    if launch is not None:  # started by mpiexec/srun: this process is one rank of a worker group
+        from pcp_p2p.cluster.join import join_as_group
+
+        return join_as_group(launch, config, args, lambda c: _serve(c, args, print_addr=True, training=True))
     return _serve(config, args, print_addr=True, training=True)
+
+
+def _launch() -> Any:
+    import os
+
+    from pcp_p2p.cluster.launch import detect_launch
+
+    return detect_launch(os.environ)
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
@@ -357,7 +373,16 @@ def render_text(obj: dict[str, Any]) -> str:
             f"  {m['peer_id']}  {m['role']:<9} {','.join(c['backends']) or '-':<12} "
             f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
             + (f"  {m['state']}" if m.get("state") else "")
+            + (f"  group of {c['group_ranks']}, {c['group_gflops']:.0f} GFLOP/s" if c.get("group_ranks") else "")
         )
+    group = obj.get("group")
+    if isinstance(group, dict):  # this node is rank 0 of an MPI worker group (docs/clusters.md)
+        lines.append(f"group    {group['live']}/{group['size']} ranks via {group['launcher']}, "
+                     f"{group['gflops']:.0f} GFLOP/s, {group['rounds']} rounds")
+        for r in group["ranks"]:
+            lines.append(f"  rank {r['rank']}  {r['host']}/{r['target']}  {r['gflops']:.0f} GFLOP/s  "
+                         f"last round {r['steps']} steps, {r['tokens_per_s']:.0f} tokens/s"
+                         + ("" if r["alive"] else f"  dropped: {r['why']}"))
     run = obj.get("run")
     if isinstance(run, dict):  # sections later parts add; absent or null before a run starts
         lines.append(

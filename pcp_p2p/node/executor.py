@@ -58,6 +58,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pcp_p2p.cluster.launch import without_launch
 from pcp_p2p.compile.manifest import Manifest, verify_manifest
 from pcp_p2p.compile.signature import TensorSpec, check_array
 from pcp_p2p.compile.targets import TARGETS, Target
@@ -162,7 +163,7 @@ class Executor:
     @classmethod
     def _spawn(cls, target: Target) -> Executor:
         stderr_file = tempfile.TemporaryFile(prefix="pcp-executor-")
-        env = dict(os.environ)
+        env = without_launch(os.environ)  # a child under mpiexec is a device, not an MPI rank
         env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES)))
         try:
             proc = subprocess.Popen(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import struct
 import sys
 from collections.abc import Iterable
@@ -256,6 +257,10 @@ def _host_copy(x: Any) -> np.ndarray:
 
 
 def main() -> int:
+    # MPICH's process manager tells the ranks of a worker group that one of them died with
+    # SIGUSR1 to their whole process group (pcp_p2p.cluster); the rank handles it, its
+    # executor must not die of it. (The child still ends when its parent's pipe closes.)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # Keep the protocol on a private fd; whatever prints to fd 1 goes to stderr.
     proto_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

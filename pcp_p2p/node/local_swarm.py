@@ -81,14 +81,15 @@ class LocalSwarm:
         self.bootstrap = proc
         return proc
 
-    async def add_worker(self, extra: Sequence[str] = ()) -> NodeProcess:
+    async def add_worker(self, extra: Sequence[str] = (), prefix: Sequence[str] = ()) -> NodeProcess:
+        """A ``pcp node join`` process; ``prefix`` starts it under a launcher (``mpiexec -n 2``: a worker group)."""
         # Without a bootstrap server the worker starts a swarm of its own (a lone target).
         boot = ["--bootstrap", self.bootstrap.addr] if self.bootstrap is not None else []
         i = self._next_index  # reserved before any await: add_worker may run concurrently
         self._next_index += 1
         data_dir = self.root / f"node{i}"
         proc = NodeProcess(f"node{i}", data_dir, [
-            *pcp_command(), "node", "join", *boot,
+            *prefix, *pcp_command(), "node", "join", *boot,
             "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(data_dir),
             *self.extra_args, *extra,
         ])

@@ -138,6 +138,11 @@ def families(obj: Mapping[str, Any]) -> Iterator[Metric]:
     caps = _section(obj, "capabilities")
     if (v := _num(caps.get("throughput_gflops"))) is not None:
         yield _gauge("throughput_gflops", "measured fp32 matmul rate of this node", v)
+    group = _section(obj, "group")  # rank 0 of an MPI worker group (docs/clusters.md)
+    if (v := _num(group.get("live"))) is not None:
+        yield _gauge("group_ranks", "live ranks of this node's MPI worker group", v)
+    if (v := _num(group.get("gflops"))) is not None:
+        yield _gauge("group_gflops", "summed matmul rate of the worker group's live ranks", v)
 
     members = obj.get("members")
     if isinstance(members, list):

@@ -144,6 +144,9 @@ class NodeConfig:
     relay: bool | None = None
     relay_budget: RelayBudget = field(default_factory=RelayBudget)
     extra_status: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # This node is rank 0 of an MPI worker group (pcp_p2p.cluster.group.WorkerGroup): its
+    # runs' inner loops spread over the group's ranks. None: a node on its own.
+    worker_group: Any = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -1,0 +1,227 @@
+"""A worker group without the network: the MPI tests and ``bench/cluster.py`` drive a GroupEngine directly.
+
+The parent (pytest, the benchmark) compiles the train artifact once
+(:func:`prepare`) and starts ``mpiexec -n K python -m pcp_p2p.testing.mpi_group
+CONFIG.json``. Rank 0 opens the :class:`~pcp_p2p.cluster.group.WorkerGroup`,
+starts its own executor, hands it to the group exactly as the node's runtime
+does (:meth:`~pcp_p2p.cluster.group.WorkerGroup.engine_for`) and plays a
+scenario, writing one JSON result:
+
+- ``equal``: one round of the group; then the same process trains every rank's
+  sub-shard itself from the same θ (fresh moments, like the ranks) and combines
+  them with :func:`~pcp_p2p.cluster.split.combine`: the largest difference
+  between the two θ_local, and the steps and tokens of each rank.
+- ``kill``: one round, then a round during which rank 1 is SIGKILLed (by pid,
+  from its hello) half a second in, then one more round: how long each took and
+  who contributed. ``"signal": "SIGSTOP"`` hangs the rank instead.
+- ``bench``: ``rounds`` group rounds against the same total work done by one
+  process, round time and tokens/s.
+
+The other ranks run :func:`~pcp_p2p.cluster.group.serve_follower`, exactly what
+``pcp node join`` runs on them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SPEC = """
+name = "group"
+[model]
+preset = "tiny"
+[inner]
+batch_size = 4
+seq_len = 32
+[round]
+time_budget_s = 60.0
+max_inner_steps = {steps}
+[aggregation]
+audit_rate = 0.0
+"""
+
+
+def corpus(n: int = 60_000) -> str:
+    """A deterministic character corpus (no download): enough for many sub-shards."""
+    rng = np.random.default_rng(7)
+    words = ["the", "group", "trains", "one", "delta", "rank", "over", "mpi", "and", "a", "swarm", "of", "nodes"]
+    return " ".join(words[i] for i in rng.integers(0, len(words), size=n // 4))[:n]
+
+
+def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Any = None, **extra: Any) -> Path:
+    """Write the scenario's config (and the artifact's files); its path.
+
+    ``artifact``: a compiled train :class:`~pcp_p2p.compile.pipeline.Artifact` for
+    :data:`SPEC`'s program options and the tiny preset (the tests pass the session's
+    shared one); None compiles it here.
+    """
+    from pcp_p2p.compile.model import PRESETS
+    from pcp_p2p.compile.pipeline import Lowered, compile_lowered, lower_program, write_artifact
+    from pcp_p2p.compile.targets import get_target
+    from pcp_p2p.diloco.engine import program_options
+    from pcp_p2p.diloco.spec import parse_spec
+    from pcp_p2p.node.cpu import best_cpu_target
+    from pcp_p2p.node.identity import Identity
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec_text = SPEC.format(steps=steps)
+    spec = parse_spec(spec_text)
+    if artifact is None:
+        lowered: Lowered = lower_program("train", PRESETS["tiny"], program_options(spec))
+        artifact = compile_lowered(lowered, get_target(best_cpu_target().name), Identity.generate(), "tiny", None)
+    vmfb, manifest = write_artifact(out / "art", artifact)
+    cfg = {"mode": mode, "spec": spec_text, "vmfb": str(vmfb), "manifest": str(manifest),
+           "shepherd": artifact.manifest.signer, "vocab_size": PRESETS["tiny"].vocab_size, "steps": steps,
+           "result": str(out / f"{mode}.json"), **extra}
+    path = out / f"{mode}.config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def main(config_path: str) -> int:
+    from pcp_p2p import logs
+    from pcp_p2p.cluster.group import WorkerGroup, serve_follower
+    from pcp_p2p.cluster.launch import detect_launch
+
+    from pcp_p2p.cluster.rankproc import is_rank_child, rank_argv, supervise
+
+    logs.configure("INFO")
+    cfg = json.loads(Path(config_path).read_text())
+    launch = detect_launch(os.environ)
+    if launch is None:
+        raise SystemExit("run me under mpiexec -n K (K >= 2)")
+    if not is_rank_child():
+        return supervise(rank_argv(), lead=launch.is_lead)
+    if not launch.is_lead:
+        return serve_follower(launch, silence_s=float(cfg.get("silence_s", 30.0)))
+    group = WorkerGroup.open(launch, timeout_s=float(cfg.get("timeout_s", 10.0)), heartbeat_s=1.0)
+    try:
+        result = SCENARIOS[cfg["mode"]](group, cfg)
+    finally:
+        group.close("the scenario ended")
+    Path(cfg["result"]).write_text(json.dumps(result))
+    return 0
+
+
+def _setup(group: Any, cfg: dict[str, Any]) -> tuple[Any, Any, dict[str, np.ndarray]]:
+    from pcp_p2p.compile.manifest import read_manifest
+    from pcp_p2p.diloco.data import CharDataset
+    from pcp_p2p.diloco.engine import InnerEngine, initial_theta, start_executor
+    from pcp_p2p.diloco.spec import parse_spec, sign_spec
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.wire import encode
+
+    spec = parse_spec(cfg["spec"])
+    ds = CharDataset.from_text(corpus())
+    manifest = read_manifest(Path(cfg["manifest"]))
+    local = InnerEngine(start_executor(Path(cfg["vmfb"]), manifest, cfg["shepherd"]), spec, ds)
+    engine = group.engine_for(local, sign_spec(spec, Identity.generate()), encode(manifest), Path(cfg["vmfb"]),
+                              cfg["shepherd"])
+    return engine, local, initial_theta(spec, int(cfg["vocab_size"]))
+
+
+def _round(engine: Any, theta: dict[str, np.ndarray], r: int, steps: int, state: Any = None,
+           budget_s: float = 60.0) -> Any:
+    from pcp_p2p.diloco.effects import RunInner
+    from pcp_p2p.diloco.messages import DataAssignment
+
+    a = DataAssignment(worker="group", shard=0, num_shards=1, seed=1000 + r, max_steps=steps)
+    return RunInner(round=r, attempt=0, theta=theta, theta_cid="", artifact_cid=None, assignment=a,
+                    time_budget_s=budget_s, inner_state=state)
+
+
+def _split(engine: Any, eff: Any) -> list[Any]:
+    """The sub-assignments the group used (same function, same weights)."""
+    from pcp_p2p.cluster.split import rank_steps, sub_assignments
+    from pcp_p2p.diloco.engine import CHUNK_STEPS
+
+    g = engine.group
+    members = list(g.last_round["ranks"])
+    steps = rank_steps(eff.assignment.max_steps, [g.ranks[r].gflops for r in members], CHUNK_STEPS)
+    return sub_assignments(eff.assignment, steps)
+
+
+def _equal(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    from pcp_p2p.cluster.split import combine
+
+    engine, local, theta = _setup(group, cfg)
+    eff = _round(engine, theta, 0, cfg["steps"])
+    t0 = time.monotonic()
+    res = engine.run(eff, threading.Event())
+    group_s = time.monotonic() - t0
+    parts, per_rank = [], []
+    t0 = time.monotonic()
+    for sub in _split(engine, eff):
+        one = local.run(replace(eff, assignment=sub, inner_state=None), threading.Event())
+        tokens = one.steps * local.spec.tokens_per_step
+        parts.append((one.theta, tokens))
+        per_rank.append({"steps": one.steps, "tokens": tokens})
+    single_s = time.monotonic() - t0
+    ref = combine(theta, parts)
+    diff = max(float(np.max(np.abs(res.theta[k] - ref[k]))) for k in ref)
+    scale = max(float(np.max(np.abs(theta[k] - ref[k]))) for k in ref)
+    return {"max_abs_diff": diff, "delta_max_abs": scale, "steps": res.steps,
+            "tokens": res.steps * local.spec.tokens_per_step, "reference": per_rank,
+            "group": group.status(), "group_s": group_s, "single_s": single_s,
+            "state_in": res.state_in, "state_out": res.state_out}
+
+
+def _kill(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    engine, local, theta = _setup(group, cfg)
+    out: dict[str, Any] = {"rounds": []}
+    victim = group.ranks[1].pid
+    how = signal.Signals[cfg.get("signal", "SIGKILL")]  # SIGSTOP: a hung rank
+    state = None
+    for r in range(3):
+        eff = _round(engine, theta, r, cfg["steps"], state, budget_s=float(cfg.get("budget_s", 2.0)))
+        if r == 1:
+            threading.Timer(float(cfg.get("kill_after_s", 0.5)), os.kill, (victim, how)).start()
+        t0 = time.monotonic()
+        res = engine.run(eff, threading.Event())
+        state = res.inner_state
+        out["rounds"].append({"round": r, "seconds": time.monotonic() - t0, "steps": res.steps,
+                              "ranks": list(group.last_round["ranks"]), "live": list(group.live)})
+    out["group"] = group.status()
+    if how is not signal.SIGKILL:
+        os.kill(victim, signal.SIGKILL)  # a hung rank never ends by itself: the job's end is ours
+    return out
+
+
+def _bench(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    engine, local, theta = _setup(group, cfg)
+    rounds = int(cfg.get("rounds", 3))
+    bt = local.spec.tokens_per_step
+    g_times, g_tokens, allreduce = [], [], []
+    for r in range(rounds):
+        eff = _round(engine, theta, r, cfg["steps"])
+        t0 = time.monotonic()
+        res = engine.run(eff, threading.Event())
+        g_times.append(time.monotonic() - t0)
+        g_tokens.append(res.steps * bt)
+        allreduce.append(group.last_round["allreduce_s"])
+    s_times, s_tokens = [], []
+    for r in range(rounds):
+        eff = _round(engine, theta, r, cfg["steps"])
+        t0 = time.monotonic()
+        tokens = 0
+        for sub in _split(engine, eff):  # the same total work, one process
+            tokens += local.run(replace(eff, assignment=sub, inner_state=None), threading.Event()).steps * bt
+        s_times.append(time.monotonic() - t0)
+        s_tokens.append(tokens)
+    return {"group_round_s": g_times, "group_tokens": g_tokens, "allreduce_s": allreduce,
+            "single_round_s": s_times, "single_tokens": s_tokens, "group": group.status()}
+
+
+SCENARIOS = {"equal": _equal, "kill": _kill, "bench": _bench}
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
