@@ -357,6 +357,7 @@ def render_text(obj: dict[str, Any]) -> str:
             f"  {m['peer_id']}  {m['role']:<9} {','.join(c['backends']) or '-':<12} "
             f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
             + (f"  {m['state']}" if m.get("state") else "")
+            + (f"  {m['reachability']}" if m.get("reachability", "unknown") != "unknown" else "")
         )
     run = obj.get("run")
     if isinstance(run, dict):  # sections later parts add; absent or null before a run starts

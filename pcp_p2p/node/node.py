@@ -66,6 +66,8 @@ from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node.capabilities import Capabilities, probe
+from pcp_p2p.node.reachability import known
+from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer
 from pcp_p2p.node.connectivity import HOLE_PUNCHABLE, RELAY_ONLY, Connectivity, RelayBudget, connect, is_circuit
 from pcp_p2p.node.identity import Identity, load_or_create_identity
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
@@ -342,6 +344,7 @@ class Node:
             runs=tuple(sorted(self.runs)),
             leads=tuple(sorted(self.leads)),
             state=self.state,
+            reachability=self.connectivity.reachability,
         )
 
     def _signed_member_record(self, *, refute: bool = False) -> SignedRecord:
@@ -632,6 +635,7 @@ class Node:
                 state=m.record.state,
                 last_seen_s=round(max(0.0, now - m.last_seen), 3),
                 suspect=m.suspect_since is not None,
+                reachability=known(m.record.reachability),
             )
             for m in self.membership.live()
         ) if members else ()
@@ -642,6 +646,8 @@ class Node:
             "reachability": self.connectivity.reachability,
             "relayed_addrs": self.connectivity.relayed_addrs(self.peer_id),
             "relay_hop": self.connectivity.hop,
+            "relayed_bytes": self.connectivity.protocol.relayed_bytes,
+            "relayed_from": dict(self.connectivity.protocol.relayed_from),
             "connections": self.connectivity.connection_kinds(),
             "rejected": dict(self.rejected),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
@@ -752,6 +758,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
+                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer().handle)  # pcp doctor's bandwidth
                 node._signed_member_record()
                 nursery.start_soon(node._record_loop)
                 nursery.start_soon(node._swim_loop)
