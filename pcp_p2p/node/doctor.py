@@ -244,7 +244,9 @@ async def diagnose(bootstrap: str, *, peers: int = MAX_PEERS, up: int = 1 << 20,
     local_ips = _local_ipv4s()
     host = new_host(key_pair=Identity.generate().key_pair, psk=swarm_key)
     result = Diagnosis("unreachable", "unknown", ADVICE["unreachable"], bootstrap, local_ips=local_ips)
-    async with host.run(listen_addrs=[]):
+    # It listens (on a port of its own, closed afterwards): py-libp2p's identify records a peer's
+    # observation of us only for connections it can match to a listen address.
+    async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/0")]):
         with trio.move_on_after(timeout):
             try:
                 await host.connect(info)
