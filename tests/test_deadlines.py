@@ -60,3 +60,28 @@ def test_a_missed_deadline_walks_the_workers_allowance_up_and_old_arrivals_age_o
     d.observe("z", float("nan"))
     d.observe("z", -1.0)
     assert d.expected_s("z") is None and "z" not in d._seen
+
+
+def test_the_shepherd_shortens_its_deadline_once_it_has_seen_every_worker_arrive() -> None:
+    """Through the real Shepherd: the spec's 20 s while arrivals are unknown, then what the
+    workers showed (they always arrive 3 s after the announcement), held at the floor of
+    time_budget_s (10 s) + 2 s."""
+    from test_diloco_protocol import Round, sent
+
+    from pcp_p2p.diloco.messages import RoundAnnouncement
+
+    r = Round(n=2)
+    now = r.shepherd.join_grace_s
+    deadlines = []
+    ann = r.ann
+    for _ in range(4):
+        deadlines.append(ann.deadline - now)
+        effects = []
+        for who in r.ids:
+            effects += r.shepherd.on_submission(r.submission(who, ann=ann), now=now + 3.0)
+        now += 3.0
+        ann = sent(effects, RoundAnnouncement)[-1]
+    deadlines.append(ann.deadline - now)
+    assert deadlines[:3] == [20.0, 20.0, 20.0]  # fewer than 3 arrivals each: the spec's deadline
+    # 3 s median, no spread -> 3 + 5 * max(0.25, 0.25 * 3) = 6.75, below the floor: 12 s
+    assert deadlines[3] == pytest.approx(12.0) and deadlines[4] == pytest.approx(12.0)
