@@ -96,6 +96,23 @@ def test_bootstrap_servers_relay_by_default_and_workers_do_not(tmp_path: Path) -
     assert limits.data <= 1 << 20 and limits.duration <= 300  # control traffic, not blobs
 
 
+def test_a_stream_over_a_circuit_is_told_from_a_direct_one() -> None:
+    """What the blob service refuses both ways: a stream whose connection runs through a relay."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.node.connectivity import is_relayed, stream_is_relayed
+
+    def conn(addr: str) -> SimpleNamespace:
+        return SimpleNamespace(get_transport_addresses=lambda: [addr])
+
+    relayed = conn("/ip4/198.18.0.10/tcp/4001/p2p/" + ME + "/p2p-circuit")
+    direct = conn("/ip4/198.18.0.101/tcp/40000")
+    assert is_relayed(relayed) and not is_relayed(direct)
+    assert stream_is_relayed(SimpleNamespace(swarm_conn=relayed))
+    assert not stream_is_relayed(SimpleNamespace(swarm_conn=direct))
+    assert not stream_is_relayed(SimpleNamespace())  # no connection known: not refused for it
+
+
 def test_a_relay_only_member_never_leads_and_public_ones_lead_when_there_are_any() -> None:
     cfg = ElectionConfig(min_uptime_s=0.0)
     view = [Candidate("pub", 10.0, reachability=PUBLIC), Candidate("cone", 10.0, reachability=HOLE_PUNCHABLE),

@@ -111,7 +111,12 @@ def test_public_cone_and_symmetric_homes_train_together_and_outlive_the_relay(tm
     print(f"relay carried {relayed_bytes} B of {sent} B sent in all ({relayed_bytes / sent:.4f}); "
           f"a Δ weighs {delta_bytes:.0f} B; "
           f"shepherds {[names.get(s, s) for s in shepherds]}")
+    # Each node's start-up line: its verdict, with the bandwidth it measured to the bootstrap server.
+    for name, p in nodes.items():
+        line = next((ln for ln in p.log_tail(1_000_000).splitlines() if "reachability: " in ln), "")
+        assert f"reachability: {expected[name]} (" in line and "bandwidth to 1 peer: up" in line, (name, line)
     history = run_of(statuses["pub1"])["history"]
+
     assert [h["round"] for h in history] == list(range(1, ROUNDS + 1))
     # Every worker's Δ counted in every round, the relay-only one too, before and after the relay died.
     for name, s in statuses.items():

@@ -433,11 +433,13 @@ class Connectivity:
             self.reserved[info.peer_id.to_base58()] = relay_addr
         return ok
 
-    def report(self, me: str) -> str | None:
-        """The start-up line when the verdict changes (None when it did not)."""
+    def report(self, me: str, bandwidth: str = "") -> str | None:
+        """The start-up line when the verdict changes (None when it did not); ``bandwidth``: what
+        was measured to a few peers, in words (``pcp doctor``'s figures)."""
         if self.reachability == self.reported:
             return None
         self.reported = self.reachability
         relayed = self.relayed_addrs(me)
         via = f"; relayed address {relayed[0]}" if relayed else ""
-        return f"reachability: {self.reachability} ({ADVICE[self.reachability]}){via}"
+        bw = f"; {bandwidth}" if bandwidth else ""
+        return f"reachability: {self.reachability} ({ADVICE[self.reachability]}){bw}{via}"
