@@ -67,7 +67,7 @@ time_budget_s = {BUDGET_S}
 max_inner_steps = 100000
 deadline_s = {BUDGET_S * 3 + 20}
 rounds = {ROUNDS}
-min_quorum = {WORKERS}
+min_quorum = {WORKERS - 1}
 [election]
 rotate_every = 0
 """
