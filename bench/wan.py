@@ -28,7 +28,8 @@ Figures:
   blob service refuses relayed streams both ways.
 
 Knobs: ``PCP_BENCH_WAN_ROUNDS`` (5), ``PCP_BENCH_WAN_BUDGET`` (8 s),
-``PCP_BENCH_WAN_MODEL`` (tiny).
+``PCP_BENCH_WAN_MODEL`` (tiny), ``PCP_BENCH_WAN_ARMS`` (``wan,loopback``: which
+arms run; the figures of a skipped arm are null).
 """
 
 from __future__ import annotations
@@ -213,8 +214,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="pcp-bench-wan-") as tmp:
         root = Path(tmp)
-        wan = wan_arm(root)
-        loop = loopback_arm(root)
+        arms = os.environ.get("PCP_BENCH_WAN_ARMS", "wan,loopback").split(",")
+        empty = {"utilisation": None, "utilisation_per_worker": [], "round_s": None, "participants": [],
+                 "contributed_rounds": [], "phase_s_per_round": {}, "relayed_bytes": None, "bytes_sent": None,
+                 "relay_byte_share": None, "reachability": []}
+        wan = wan_arm(root) if "wan" in arms else empty
+        loop = loopback_arm(root) if "loopback" in arms else empty
     overhead = (wan["round_s"] - loop["round_s"]) if wan["round_s"] and loop["round_s"] else None
     print(json.dumps({
         "headline": wan["utilisation"],
