@@ -2,9 +2,10 @@
 
 Bootstrap (the relay) + 2 public nodes + 1 behind a cone NAT + 1 behind a
 symmetric NAT train the tiny GPT. Every worker's Δ is counted in every round,
-all end on one θ, the cone home's connections are direct (never relayed), the
-relay dies mid-run and the run goes on, and the relay carried control traffic
-only (its byte count stays far below what one Δ weighs).
+all end on one θ, only public nodes lead, the public nodes' connections to the
+cone home are direct (never relayed), the relay dies mid-run and the run goes
+on, the relay carried a small share of all bytes (control traffic only), and
+each node's start-up line gave its verdict with the bandwidth it measured.
 
 Marked ``netlab`` and ``slow``; skipped with one line where the lab cannot run.
 """
@@ -116,7 +117,6 @@ def test_public_cone_and_symmetric_homes_train_together_and_outlive_the_relay(tm
         line = next((ln for ln in p.log_tail(1_000_000).splitlines() if "reachability: " in ln), "")
         assert f"reachability: {expected[name]} (" in line and "bandwidth to 1 peer: up" in line, (name, line)
     history = run_of(statuses["pub1"])["history"]
-
     assert [h["round"] for h in history] == list(range(1, ROUNDS + 1))
     # Every worker's Δ counted in every round, the relay-only one too, before and after the relay died.
     for name, s in statuses.items():
