@@ -43,6 +43,7 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 COMMAND_MODULES = (
     "pcp_p2p.node.commands",
     "pcp_p2p.node.swarm_command",
+    "pcp_p2p.node.doctor",
     "pcp_p2p.compile.command",
     "pcp_p2p.diloco.command",
     "pcp_p2p.diloco.generate",

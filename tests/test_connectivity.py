@@ -7,6 +7,7 @@ marked ``netlab``, skipped with one line where the lab cannot run.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ from pcp_p2p.node.connectivity import (
     split_addrs,
     verdict,
 )
+from pcp_p2p.diloco.election import Candidate, ElectionConfig, eligible
 from pcp_p2p.node.node import NodeConfig, transport_addrs
+from pcp_p2p.node.reachability import known
 from pcp_p2p.testing.netlab import Host, Lab, LabProcess, LinkSpec, Nat, netlab, unavailable
 
 needs_lab = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
@@ -93,6 +96,37 @@ def test_bootstrap_servers_relay_by_default_and_workers_do_not(tmp_path: Path) -
     assert limits.data <= 1 << 20 and limits.duration <= 300  # control traffic, not blobs
 
 
+def test_a_stream_over_a_circuit_is_told_from_a_direct_one() -> None:
+    """What the blob service refuses both ways: a stream whose connection runs through a relay."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.node.connectivity import is_relayed, stream_is_relayed
+
+    def conn(addr: str) -> SimpleNamespace:
+        return SimpleNamespace(get_transport_addresses=lambda: [addr])
+
+    relayed = conn("/ip4/198.18.0.10/tcp/4001/p2p/" + ME + "/p2p-circuit")
+    direct = conn("/ip4/198.18.0.101/tcp/40000")
+    assert is_relayed(relayed) and not is_relayed(direct)
+    assert stream_is_relayed(SimpleNamespace(swarm_conn=relayed))
+    assert not stream_is_relayed(SimpleNamespace(swarm_conn=direct))
+    assert not stream_is_relayed(SimpleNamespace())  # no connection known: not refused for it
+
+
+def test_a_relay_only_member_never_leads_and_public_ones_lead_when_there_are_any() -> None:
+    cfg = ElectionConfig(min_uptime_s=0.0)
+    view = [Candidate("pub", 10.0, reachability=PUBLIC), Candidate("cone", 10.0, reachability=HOLE_PUNCHABLE),
+            Candidate("sym", 10.0, reachability=RELAY_ONLY)]
+    assert eligible(view, cfg) == ["pub"]
+    # No public candidate: cone homes lead, a relay-only node still never does.
+    assert eligible(view[1:], cfg) == ["cone"]
+    assert eligible(view[2:], cfg) == []
+    # Nobody has judged (127.0.0.1 swarms: no public observer): everyone is eligible, as before.
+    assert eligible([Candidate("a", 10.0), Candidate("b", 10.0)], cfg) == ["a", "b"]
+    # The run machine hands members' verdicts to the election, a stranger's odd word as unknown.
+    assert known("relay-only") == RELAY_ONLY and known("x" * 100) == UNKNOWN
+
+
 # --- in the lab --------------------------------------------------------------------------------
 
 
@@ -110,6 +144,16 @@ def wait_status(lab: Lab, host: Host, proc: LabProcess, ok: Any, *, deadline_s: 
         time.sleep(0.5)
     raise AssertionError(f"{proc.name}: condition not met within {deadline_s:.0f} s; last status: "
                          f"{str(last)[:1500]}\nits log ends:\n{proc.log_tail(1500)}")
+
+
+def wait_log(proc: LabProcess, text: str, *, deadline_s: float) -> bool:
+    """Whether ``text`` shows up in ``proc``'s log within ``deadline_s`` (polled: another process)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if text in proc.log_tail(1_000_000):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def member(status: dict[str, Any], peer_id: str) -> dict[str, Any] | None:
@@ -142,9 +186,10 @@ def test_cone_and_symmetric_homes_are_reached_through_the_bootstrap_relay(tmp_pa
                                  and (v == PUBLIC or bool(s["network"]["relayed_addrs"])), deadline_s=60)
                for name, (p, v) in expected.items()}
         assert own["pub"]["network"]["relayed_addrs"] == [] and own["pub"]["network"]["relay_hop"] is False
-        # ... and each said so in its start-up log, in one line.
+        # ... and each said so in its start-up log, in one line (written once the bandwidth to the
+        # bootstrap server is measured, a second or two after the verdict).
         for name, (p, v) in expected.items():
-            assert f"reachability: {v} (" in p.log_tail(100_000), name
+            assert wait_log(p, f"reachability: {v} (", deadline_s=30), name
         for name in ("cone", "sym"):
             assert own[name]["network"]["relayed_addrs"][0].startswith(f"{boot.addr}/p2p-circuit/p2p/")
 
@@ -198,3 +243,59 @@ def test_two_cone_homes_upgrade_their_relayed_connection_to_a_direct_one(tmp_pat
         # It comes back (same identity and port): alice reserves again.
         boot = lab.start_bootstrap(boot_host)
         wait_status(lab, alice_home, alice, lambda s: s["network"]["relayed_addrs"] == [relayed], deadline_s=40)
+
+
+# --- pcp doctor ------------------------------------------------------------------------------
+
+
+def test_doctor_words_follow_the_nodes_verdict() -> None:
+    from pcp_p2p.node.doctor import ADVICE, judge
+
+    assert judge(["10.1.0.2"], [], reached=False) == ("unreachable", "unknown")
+    assert judge(["10.1.0.2"], [Observation("198.18.1.1", 4000, 4000, INET)], reached=True)[0] == "hole-punched"
+    assert judge(["10.1.0.2"], [Observation("198.18.1.1", 6000, 4000, INET)], reached=True)[0] == "relay-only"
+    assert judge(["198.18.0.5"], [Observation("198.18.0.5", 4000, 4000, INET)], reached=True)[0] == "reachable"
+    assert set(ADVICE) >= {"reachable", "hole-punched", "relay-only", "unreachable"}
+
+
+def test_the_speed_test_server_spends_a_bounded_budget() -> None:
+    from pcp_p2p.node.doctor import SPEED_TESTS_PER_MIN, SpeedServer
+
+    server = SpeedServer()
+    assert all(server.admit(0.0) for _ in range(SPEED_TESTS_PER_MIN))
+    assert not server.admit(30.0)  # the minute's budget is spent
+    assert server.admit(60.0)  # and comes back a minute later
+
+
+@needs_lab
+@pytest.mark.netlab
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_pcp_doctor_tells_public_cone_and_symmetric_homes_apart_and_measures_their_links(tmp_path: Path) -> None:
+    """`pcp doctor --json` run in each kind of home: the verdict, the NAT kind and the bandwidth to the
+    bootstrap server and a public member, shaped at 8 Mbit/s up and 32 down."""
+    from pcp_p2p.node.local_swarm import pcp_command
+
+    with netlab(tmp_path) as lab:
+        boot_host, pub_host = lab.add_public("boot"), lab.add_public("pub")
+        link = LinkSpec(up_mbit=8, down_mbit=32)
+        homes = {"reachable": lab.add_public("me", link), "hole-punched": lab.add_home("cone", Nat.CONE, link),
+                 "relay-only": lab.add_home("sym", Nat.SYMMETRIC, link)}
+        boot = lab.start_bootstrap(boot_host)
+        pub = lab.start_node(pub_host, [boot.addr])
+        lab.wait_member(boot_host, boot, pub.peer_id, deadline_s=30)
+        for expected, host in homes.items():
+            res = lab.exec(host, *pcp_command(), "doctor", "--bootstrap", boot.addr, "--json", check=False)
+            assert res.returncode == 0, res.stderr[-2000:]
+            report = json.loads(res.stdout)
+            print(expected, report["nat"], [(p["up_mbit"], p["down_mbit"], p["error"]) for p in report["peers"]])
+            assert report["reachability"] == expected, report
+            measured = [p for p in report["peers"] if p["error"] is None]
+            assert {p["peer_id"] for p in measured} == {boot.peer_id, pub.peer_id}, report["peers"]
+            for p in measured:  # tbf lets a burst through first: loose bounds
+                assert 0.4 * 8 < p["up_mbit"] < 2.0 * 8 and 0.3 * 32 < p["down_mbit"] < 2.0 * 32, p
+        # A bootstrap that is not there: unreachable, exit status 1, the advice says what to check.
+        gone = boot.addr.replace("/tcp/4001/", "/tcp/4999/")
+        res = lab.exec(homes["hole-punched"], *pcp_command(), "doctor", "--bootstrap", gone, "--json",
+                       "--timeout", "5", check=False)
+        assert res.returncode == 1 and json.loads(res.stdout)["reachability"] == "unreachable"

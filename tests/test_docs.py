@@ -14,6 +14,7 @@ def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
     import pcp_p2p.diloco.runtime  # noqa: F401
     from pcp_p2p.dht.kinds import register_all
     from pcp_p2p.dht.records import KIND_RULES
+    from pcp_p2p.node.doctor import SPEED_PROTOCOL
     from pcp_p2p.node.membership import SWIM_PROTOCOL
     from pcp_p2p.node.messaging import MSG_PROTOCOL
     from pcp_p2p.node.status import STATUS_PROTOCOL
@@ -27,7 +28,7 @@ def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
     for kind in KIND_RULES:
         if kind != "bench":
             assert f"/pcp/{kind}/" in text, f"docs/protocol.md does not mention record kind {kind}"
-    for pid in (MSG_PROTOCOL, STATUS_PROTOCOL, blob_protocol.PROTOCOL_ID, SWIM_PROTOCOL):
+    for pid in (MSG_PROTOCOL, STATUS_PROTOCOL, blob_protocol.PROTOCOL_ID, SWIM_PROTOCOL, SPEED_PROTOCOL):
         assert pid in text, f"docs/protocol.md does not mention {pid}"
 
 

@@ -60,6 +60,7 @@ from pcp_p2p.errors import (
     VerificationError,
 )
 from pcp_p2p.node.budget import Pace
+from pcp_p2p.node.connectivity import stream_is_relayed
 from pcp_p2p.node.traffic import Traffic
 from pcp_p2p.wire import framing
 
@@ -192,6 +193,15 @@ class BlobServer:
 
     async def _handle(self, stream: INetStream) -> None:
         client = stream.muxed_conn.peer_id.to_base58()
+        if stream_is_relayed(stream):  # relays lend bandwidth for control traffic only
+            with trio.move_on_after(self.config.request_timeout):
+                try:
+                    await P.write_frame(stream, P.BlobReply(P.BUSY, "relayed connection: blobs go direct"),
+                                        timeout=self.config.request_timeout)
+                except Exception:
+                    pass
+            await close_stream(stream)
+            return
         try:
             try:
                 with trio.fail_after(self.config.request_timeout):

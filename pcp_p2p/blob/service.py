@@ -71,6 +71,7 @@ from pcp_p2p.errors import (
     PeerTimeout,
     ProtocolError,
 )
+from pcp_p2p.node.connectivity import stream_is_relayed
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.traffic import Traffic
 from pcp_p2p.wire import framing
@@ -408,6 +409,9 @@ class BlobService(BlobServer):
                     if info.addrs:
                         await self.host.connect(info)
                     stream = await self.host.new_stream(info.peer_id, [P.PROTOCOL_ID])
+                    if stream_is_relayed(stream):  # relays carry control traffic only
+                        await close_stream(stream)
+                        raise PeerGone(f"only a relayed connection to {info.peer_id}: blobs never cross a relay")
                 except PcpError:
                     raise
                 except Exception as exc:

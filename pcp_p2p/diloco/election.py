@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcp_p2p.dht.records import register_kind
+from pcp_p2p.node.reachability import PUBLIC, RELAY_ONLY
 from pcp_p2p.diloco.effects import LookupCommit, Rejected
 from pcp_p2p.diloco.messages import CommitRecord, sign, verify
 from pcp_p2p.errors import (
@@ -153,6 +154,7 @@ class Candidate:
     peer_id: str
     uptime_s: float
     can_compile: bool = True
+    reachability: str = "unknown"  # the member's own verdict (pcp_p2p.node.connectivity): public, relay-only, ...
 
 
 @dataclass(frozen=True)
@@ -202,7 +204,19 @@ class ElectionConfig:
 
 
 def eligible(view: Iterable[Candidate], config: ElectionConfig) -> list[str]:
-    return sorted({c.peer_id for c in view if c.can_compile and c.uptime_s >= config.min_uptime_s})
+    """The candidates that may lead: able to compile, up long enough, and reachable enough.
+
+    The shepherd is who every worker pulls θ from and who pulls every Δ, so it
+    must be dialable by all of them. A relay-only node (symmetric NAT) is
+    reachable through a relay alone, and relays carry control traffic only: it
+    never leads. A node behind a cone NAT is hole-punchable by other cone homes
+    but not by a relay-only one, so while any public candidate exists only the
+    public ones lead. Every member computes this from the same records, so the
+    ranking stays shared.
+    """
+    ok = [c for c in view if c.can_compile and c.uptime_s >= config.min_uptime_s and c.reachability != RELAY_ONLY]
+    public = [c for c in ok if c.reachability == PUBLIC]
+    return sorted({c.peer_id for c in (public or ok)})
 
 
 def ranked(run_id: str, term: int, candidates: Iterable[str]) -> list[str]:

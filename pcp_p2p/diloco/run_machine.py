@@ -166,6 +166,7 @@ class Member:
     can_compile: bool = True
     worker: bool = True  # role: a worker (not a client)
     in_run: bool = True  # lists this run
+    reachability: str = "unknown"  # its own verdict: a relay-only member never leads (election.eligible)
 
 
 @dataclass
@@ -430,7 +431,7 @@ class RunMachine:
     def candidates(self, now: float) -> list[Candidate]:
         """The live members that may lead the run, as the election ranks them."""
         return [
-            Candidate(m.peer_id, max(0.0, now - m.started_at), m.can_compile)
+            Candidate(m.peer_id, max(0.0, now - m.started_at), m.can_compile, m.reachability)
             for m in self.members
             # Bans are each node's own: filtering candidates on them would give nodes
             # different rankings. The owner's lists are the same everywhere.

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from pcp_p2p.node.reachability import known
 from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.departures import make_leave
@@ -268,7 +269,8 @@ class RunRuntime:
 
     def _members(self) -> list[Member]:
         return [Member(m.record.peer_id, m.record.started_at, m.record.capabilities.can_compile,
-                       m.record.role == "worker", self.run_id in m.record.runs)
+                       m.record.role == "worker", self.run_id in m.record.runs,
+                       known(m.record.reachability))
                 for m in self.node.membership.live()]
 
     def post(self, ev: Event) -> None:

@@ -60,6 +60,7 @@ from pcp_p2p.diloco import data as data_mod
 from pcp_p2p.diloco.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.audit import AuditReport
 from pcp_p2p.diloco.audit_desk import AuditDesk
+from pcp_p2p.diloco.deadlines import ArrivalDeadline
 from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
 from pcp_p2p.diloco.effects import (
     Banned,
@@ -190,6 +191,10 @@ class Shepherd:
         self.phase = Phase.WAITING if state.round < spec.round.rounds else Phase.FINISHED
         self.roster: dict[str, Join] = {}
         self.misses: dict[str, int] = {}  # assigned attempts missed since the last contribution
+        # Each attempt's deadline follows the arrivals seen (median + k·MAD per worker), inside
+        # [time_budget_s + slack, round.deadline_s]: see pcp_p2p.diloco.deadlines.
+        self.deadlines = ArrivalDeadline(spec.round.time_budget_s, spec.round.deadline_s)
+        self.announced_at = 0.0
         self.attempt = 0
         self.round_agg: RoundAggregator | None = None
         self.pending: dict[str, list[Submission]] = {}  # Δ blob CID -> submissions naming it
@@ -418,6 +423,7 @@ class Shepherd:
         except PcpError as exc:
             return self._refuse(sub, exc, now)
         agg.admit(sub, delta, score)
+        self.deadlines.observe(sub.worker, now - self.announced_at)
         return self._maybe_close(now)
 
     def _score(self, sub: Submission, delta: Params) -> float | None:
@@ -501,13 +507,14 @@ class Shepherd:
                 theta_cid=self.theta_cid,
                 artifacts=self.artifacts,
                 time_budget_s=self.spec.round.time_budget_s,
-                deadline=now + self.spec.round.deadline_s,
+                deadline=now + self.deadlines.deadline_s(workers),
                 assignments=assignments,
                 shepherd=self.peer_id,
                 dataset_cid=self.dataset_cid,
             ),
             self.identity,
         )
+        self.announced_at = now
         self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
         self.pending.clear()
         self._set_phase(Phase.COLLECTING)
@@ -522,10 +529,13 @@ class Shepherd:
             elif w in accepted:
                 self.misses[w] = 0
             else:
+                if w not in agg.reported:  # silent until the deadline (a refused Δ did arrive)
+                    self.deadlines.missed(w, agg.announcement.deadline - self.announced_at)
                 self.misses[w] = self.misses.get(w, 0) + 1
                 if self.misses[w] >= EVICT_AFTER_MISSES:
                     self.roster.pop(w, None)
                     self.misses.pop(w, None)  # forgotten with it: strangers' identities must not pile up
+        self.deadlines.forget(self.roster)
 
     def _discard(self, now: float, why: str = "") -> list[Effect]:
         agg = self.round_agg

@@ -374,6 +374,7 @@ def render_text(obj: dict[str, Any]) -> str:
             f"{c['throughput_gflops']:>7.0f} GFLOP/s  seen {m['last_seen_s']:.1f} s ago"
             + (f"  {m['state']}" if m.get("state") else "")
             + (f"  group of {c['group_ranks']}, {c['group_gflops']:.0f} GFLOP/s" if c.get("group_ranks") else "")
+            + (f"  {m['reachability']}" if m.get("reachability", "unknown") != "unknown" else "")
         )
     group = obj.get("group")
     if isinstance(group, dict):  # this node is rank 0 of an MPI worker group (docs/clusters.md)

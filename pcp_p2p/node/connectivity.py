@@ -43,11 +43,10 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
 from pcp_p2p.errors import PeerGone
+from pcp_p2p.node.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN, VERDICTS  # noqa: F401 (re-exported)
 
 log = logging.getLogger("pcp.connectivity")
 
-PUBLIC, HOLE_PUNCHABLE, RELAY_ONLY, UNKNOWN = "public", "hole-punchable", "relay-only", "unknown"
-VERDICTS = (PUBLIC, HOLE_PUNCHABLE, RELAY_ONLY, UNKNOWN)
 CIRCUIT = "/p2p-circuit"
 
 # What each verdict means to the person running the node (the start-up line).
@@ -137,6 +136,30 @@ def is_circuit(addr: str) -> bool:
     return CIRCUIT in addr
 
 
+def is_relayed(conn: Any) -> bool:
+    """Whether a swarm connection runs through a relay (its transport address has /p2p-circuit)."""
+    try:
+        return any(is_circuit(str(a)) for a in conn.get_transport_addresses())
+    except Exception:
+        return False
+
+
+def stream_is_relayed(stream: Any) -> bool:
+    """Whether a stream rides a relayed connection. Relays carry control traffic only: the blob
+    service refuses such streams both ways, so blobs, Δs and θ never cross a relay."""
+    conn = getattr(stream, "swarm_conn", None)
+    return conn is not None and is_relayed(conn)
+
+
+def has_direct(host: IHost, peer: ID) -> bool:
+    """Whether some open connection to ``peer`` is direct (dialled, accepted or hole-punched)."""
+    try:
+        conns = host.get_network().get_connections(peer)
+    except Exception:
+        return False
+    return any(not is_relayed(c) for c in conns)
+
+
 def _local_port(conn: Any) -> int | None:
     """The local TCP port of a swarm connection, found by walking its wrappers down to the socket.
 
@@ -209,8 +232,12 @@ def split_addrs(addrs: Iterable[str]) -> tuple[list[multiaddr.Multiaddr], list[m
 async def connect(host: IHost, peer: ID, addrs: Iterable[str], circuits: CircuitV2Transport | None) -> None:
     """Open a connection to ``peer``: its direct addresses first, then through its relays.
 
-    Raises PeerGone when none answers (callers put their own deadline around it).
+    Raises PeerGone when none answers (callers put their own deadline around it). A direct
+    connection already open (the peer behind NAT dialled us) is used as it is: no circuit is
+    opened beside it.
     """
+    if has_direct(host, peer):
+        return
     direct, circuit = split_addrs(addrs)
     errors: list[str] = []
     if direct:
@@ -243,6 +270,34 @@ async def circuit_dialer(host: IHost) -> AsyncIterator[CircuitV2Transport]:
     proto = CircuitV2Protocol(host, limits=budget.limits(), allow_hop=False)
     async with background_trio_service(proto):
         yield _transport(host, proto, budget)
+
+
+class CountingRelay(CircuitV2Protocol):
+    """The relay protocol, counting the bytes it splices between the two ends of its circuits.
+
+    ``relayed_bytes`` is what this relay carried for others (both directions):
+    the figure that shows relays carry control traffic only (``bench/wan.py``'s
+    ``relay_byte_share``, ``pcp status``'s ``network.relayed_bytes``).
+    """
+
+    relayed_bytes: int = 0
+    MAX_SOURCES = 64
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.relayed_from: dict[str, int] = {}  # bytes by the peer that sent them (who uses this relay)
+
+    async def _read_stream_with_retry(self, stream: Any, *args: Any, **kwargs: Any) -> bytes | None:
+        data = await super()._read_stream_with_retry(stream, *args, **kwargs)
+        if data:
+            self.relayed_bytes += len(data)
+            try:
+                src = stream.muxed_conn.peer_id.to_base58()
+            except Exception:
+                src = "?"
+            if src in self.relayed_from or len(self.relayed_from) < self.MAX_SOURCES:
+                self.relayed_from[src] = self.relayed_from.get(src, 0) + len(data)
+        return data
 
 
 class PunchBackoff:
@@ -285,7 +340,7 @@ class Connectivity:
         self.hop = hop
         self.budget = budget
         self.local_ips = tuple(local_ips)
-        self.protocol = CircuitV2Protocol(host, limits=budget.limits(), allow_hop=hop)
+        self.protocol = CountingRelay(host, limits=budget.limits(), allow_hop=hop)
         self.transport = _transport(host, self.protocol, budget)
         self.dcutr = DCUtRProtocol(host)
         self.reserved: dict[str, str] = {}  # relay peer id -> the relay's full multiaddr
@@ -378,11 +433,13 @@ class Connectivity:
             self.reserved[info.peer_id.to_base58()] = relay_addr
         return ok
 
-    def report(self, me: str) -> str | None:
-        """The start-up line when the verdict changes (None when it did not)."""
+    def report(self, me: str, bandwidth: str = "") -> str | None:
+        """The start-up line when the verdict changes (None when it did not); ``bandwidth``: what
+        was measured to a few peers, in words (``pcp doctor``'s figures)."""
         if self.reachability == self.reported:
             return None
         self.reported = self.reachability
         relayed = self.relayed_addrs(me)
         via = f"; relayed address {relayed[0]}" if relayed else ""
-        return f"reachability: {self.reachability} ({ADVICE[self.reachability]}){via}"
+        bw = f"; {bandwidth}" if bandwidth else ""
+        return f"reachability: {self.reachability} ({ADVICE[self.reachability]}){bw}{via}"

@@ -108,6 +108,7 @@ class MemberRecord(Message):
     runs: tuple[str, ...] = ()  # ids of the runs this node takes part in (how late joiners find runs)
     leads: tuple[str, ...] = ()  # ids of the runs this node is the shepherd of (how late joiners find it)
     state: str = "idle"  # what it is doing: idle, training, shepherd, ...
+    reachability: str = "unknown"  # its own verdict (pcp_p2p.node.reachability): public, hole-punchable, relay-only
 
 
 register_kind("member", MemberRecord)

@@ -66,7 +66,17 @@ from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node.capabilities import Capabilities, probe
-from pcp_p2p.node.connectivity import HOLE_PUNCHABLE, RELAY_ONLY, Connectivity, RelayBudget, connect, is_circuit
+from pcp_p2p.node.reachability import known
+from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
+from pcp_p2p.node.connectivity import (
+    HOLE_PUNCHABLE,
+    RELAY_ONLY,
+    Connectivity,
+    RelayBudget,
+    connect,
+    is_circuit,
+    is_public_ip,
+)
 from pcp_p2p.node.identity import Identity, load_or_create_identity
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.membership import (
@@ -345,6 +355,7 @@ class Node:
             runs=tuple(sorted(self.runs)),
             leads=tuple(sorted(self.leads)),
             state=self.state,
+            reachability=self.connectivity.reachability,
         )
 
     def _signed_member_record(self, *, refute: bool = False) -> SignedRecord:
@@ -607,6 +618,31 @@ class Node:
         conn = self.connectivity
         await self.bootstrapped.wait()
         started = trio.current_time()
+        bandwidth: list[str] = []  # the start-up line's figures, once measured
+        measured = trio.Event()
+        measuring = False
+
+        async def measure_links() -> None:
+            """Bandwidth to up to 3 bootstrap servers at public addresses (pcp doctor's test), for the
+            start-up line; none on a local swarm (127.0.0.1, a LAN), where it would only load the CPU."""
+            speeds = []
+            for addr in self.config.bootstrap[:3]:
+                try:
+                    ma = multiaddr.Multiaddr(addr)
+                    peer = info_from_p2p_addr(ma).peer_id
+                    if not is_public_ip(ma.value_for_protocol("ip4")):
+                        continue
+                except Exception:
+                    continue
+                speeds.append(await measure(self.host, peer, 1 << 20, 2 << 20, timeout=20.0))
+            ok = [s for s in speeds if s.error is None]
+            if ok:
+                up = sorted(s.up_mbit or 0.0 for s in ok)[len(ok) // 2]
+                down = sorted(s.down_mbit or 0.0 for s in ok)[len(ok) // 2]
+                bandwidth.append(f"bandwidth to {len(ok)} peer{'s' * (len(ok) > 1)}: up {up:.1f} Mbit/s, "
+                                 f"down {down:.1f} Mbit/s")
+            measured.set()
+
         while True:
             before = (conn.reachability, tuple(conn.relayed_addrs(self.peer_id)))
             conn.update()
@@ -619,9 +655,16 @@ class Node:
                 log.debug("hole punching to %s: trying again", peer)
             if (conn.reachability, tuple(conn.relayed_addrs(self.peer_id))) != before:
                 self._notify()
-            line = conn.report(self.peer_id)
-            if line is not None and (conn.reachability != "unknown" or trio.current_time() - started > 30):
-                log.info("%s", line)
+            # The first verdict on a real network (never on 127.0.0.1: nobody public observes
+            # us there) comes with the bandwidth to a few peers, measured once.
+            late = trio.current_time() - started > 30
+            if conn.reachability != "unknown" and conn.reported is None and not measuring:
+                measuring = True
+                self.nursery.start_soon(measure_links)
+            if (conn.reachability != "unknown" and (measured.is_set() or conn.reported is not None)) or late:
+                line = conn.report(self.peer_id, bandwidth[0] if bandwidth else "")
+                if line is not None:
+                    log.info("%s", line)
             await trio.sleep(1.0 if trio.current_time() - started < 30 else 15.0)
 
     # -- status -------------------------------------------------------------------
@@ -637,6 +680,7 @@ class Node:
                 state=m.record.state,
                 last_seen_s=round(max(0.0, now - m.last_seen), 3),
                 suspect=m.suspect_since is not None,
+                reachability=known(m.record.reachability),
             )
             for m in self.membership.live()
         ) if members else ()
@@ -647,6 +691,8 @@ class Node:
             "reachability": self.connectivity.reachability,
             "relayed_addrs": self.connectivity.relayed_addrs(self.peer_id),
             "relay_hop": self.connectivity.hop,
+            "relayed_bytes": self.connectivity.protocol.relayed_bytes,
+            "relayed_from": dict(self.connectivity.protocol.relayed_from),
             "connections": self.connectivity.connection_kinds(),
             "rejected": dict(self.rejected),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
@@ -757,6 +803,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
+                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer().handle)  # pcp doctor's bandwidth
                 node._signed_member_record()
                 nursery.start_soon(node._record_loop)
                 nursery.start_soon(node._swim_loop)

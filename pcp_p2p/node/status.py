@@ -53,6 +53,7 @@ class MemberStatus(Message):
     last_seen_s: float  # since the last evidence of life this node had (an answered probe, fresh news)
     state: str = "idle"
     suspect: bool = False  # SWIM: a probe went unanswered; dead unless it refutes in time
+    reachability: str = "unknown"  # the member's own verdict, from its record
 
 
 @wire_message("status.reply", max_size=MAX_REPLY)
@@ -162,6 +163,12 @@ async def fetch_status(
     if isinstance(outcome[0], PcpError):
         raise outcome[0]
     return outcome[0]
+
+
+async def ask_status(host: IHost, info: PeerInfo, addr: str, *, members: bool = True,
+                     timeout: float = 10.0) -> StatusReply:
+    """A status over a host the caller keeps running (``pcp doctor`` measures the same peers next)."""
+    return await _ask(host, info, addr, members, timeout)
 
 
 async def _ask(host: IHost, info: PeerInfo, addr: str, members: bool, timeout: float) -> StatusReply:

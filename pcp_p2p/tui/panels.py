@@ -95,12 +95,14 @@ def note(message: str) -> Markup:
 
 SWARM_COLS = (
     Col("  peer", 11), Col("backend", 7), Col("device", None), Col("GFLOP/s", 8, "right"),
-    Col("state", 9), Col("seen", 6, "right"),
+    Col("state", 9), Col("reach", 5), Col("seen", 6, "right"),
 )
+# A member's own reachability verdict (pcp_p2p.node.reachability), in five letters.
+REACH_SHORT = {"public": "pub", "hole-punchable": "punch", "relay-only": "relay"}
 
 
 def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
-    """Members: peer id, backend and device, measured throughput, state, last seen."""
+    """Members: peer id, backend and device, measured throughput, state, reachability, last seen."""
     g = ctx.glyphs
     me = obj.get("peer_id")
     shepherd = fmt.section(obj, "run").get("shepherd")
@@ -130,6 +132,8 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
             (None, device),
             (None, fmt.si(caps.get("throughput_gflops"))),
             ("ok" if state in ("training", "shepherd") else None, state),
+            ("warn" if m.get("reachability") == "relay-only" else None,
+             REACH_SHORT.get(str(m.get("reachability")), "-")),
             # SWIM probes each member every N periods or so: a long silence is normal, a suspicion is not.
             ("warn" if m.get("suspect") else None,
              "suspect" if m.get("suspect") else "-" if seen is None else f"{seen:.1f}s"),
