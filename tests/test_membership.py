@@ -107,6 +107,26 @@ async def test_failed_probes_slow_this_node_down_and_answered_ones_speed_it_up(
     assert m.health == score - 1  # an answered probe brings it back down
 
 
+def test_a_probe_whose_helpers_all_nack_blames_the_target_not_this_node() -> None:
+    """Lifeguard's nacks: helpers that could not reach the target either show that our
+    own links work, so the failed probe leaves our health score where it was."""
+    helper_ids = [Identity.generate() for _ in range(3)]
+    for nack_all in (True, False):
+        m = machine()
+        m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A), *(alive(h) for h in helper_ids))), 0.0)
+        effects, _ = m.tick(1.0)
+        ping = next(e for e in effects if isinstance(e, Send) and e.packet.kind == "ping")
+        target = ping.peer
+        effects, _ = m.tick(2.1)  # no ack: ask the helpers
+        reqs = [e for e in effects if isinstance(e, Send) and e.packet.kind == "ping_req"]
+        assert len(reqs) == 3
+        for req in reqs if nack_all else reqs[:2]:
+            m.receive(req.peer, SwimPacket("nack", req.packet.probe, target), 2.5)
+        m.tick(4.2)  # the probe times out: the target is suspect
+        assert m.get(target).suspect_since is not None  # type: ignore[union-attr]
+        assert m.health == (0 if nack_all else 1)
+
+
 async def test_suspect_that_answers_directly_is_cleared(autojump_clock: trio.testing.MockClock) -> None:
     m = machine(suspicion_s=10.0)
     m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)

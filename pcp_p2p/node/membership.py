@@ -19,7 +19,8 @@ protocol period whatever the size of the swarm:
   leaves the view: ``max_suspicion_s`` with one suspecter, down to
   ``suspicion_s`` with ``confirmations`` independent ones or a ``dead`` claim
   (Lifeguard); the suspect is told at once by a direct ping (Lifeguard's buddy
-  system). A node whose own probes fail raises a local health score that scales
+  system). A node whose own probes fail, without every helper it asked answering
+  that the target is silent to it too (Lifeguard's nacks), raises a local health score that scales
   its period and timeouts (Lifeguard's local health): a starved node accuses no one. Nodes refute by re-signing their member
   record with a higher ``seq``: the incarnation is ``(boot, seq)``, boot being the
   record's ``started_at`` in ms (so a restarted node starts above its old self)
@@ -237,6 +238,8 @@ class _Probe:
     target: str
     started: float
     indirect_sent: bool = False
+    helpers: set[str] = field(default_factory=set)  # asked to ping the target for us
+    nacked: set[str] = field(default_factory=set)  # helpers that answered "no ack from it"
 
 
 @dataclass
@@ -426,6 +429,9 @@ class Membership:
             if answered is not None and answered.suspect_since is not None:
                 self._clear_suspicion(answered)
         probe = self._probe
+        if (packet.kind == "nack" and probe is not None and packet.probe == probe.id
+                and packet.target == probe.target and sender in probe.helpers):
+            probe.nacked.add(sender)
         if packet.kind == "ack" and probe is not None and packet.probe == probe.id and packet.target == probe.target:
             # Direct (sender is the target) or relayed by a helper we asked.
             target = self._members.get(probe.target)
@@ -455,7 +461,12 @@ class Membership:
             if probe.target not in self._members:
                 self._probe = None
             elif age >= self._scaled(cfg.probe_timeout_s):
-                self._health = min(cfg.max_health, self._health + 1)
+                # Lifeguard's nack rule: helpers that answered "the target did not ack me
+                # either" show that our own links work, so the failure is the target's and
+                # our health score stays. Without it every holder of a dead node slowed
+                # itself down, which delayed the detection of the next death.
+                if not probe.helpers or probe.nacked != probe.helpers:
+                    self._health = min(cfg.max_health, self._health + 1)
                 self._suspect(probe.target, now, self.self_peer_id)
                 self._probe = None
                 # Tell the suspect at once (Lifeguard's buddy system): a live node
@@ -469,6 +480,7 @@ class Membership:
                 t = self._members[probe.target]
                 card = Gossip("alive", probe.target, *t.incarnation, t.signed_bytes)
                 for helper in self.rng.sample(helpers, min(cfg.indirect_k, len(helpers))):
+                    probe.helpers.add(helper)
                     updates = (card, *self._piggyback()[: cfg.max_piggyback - 1])
                     req = SwimPacket("ping_req", probe.id, probe.target, updates=updates)
                     effects.append(Send(helper, self._members[helper].record.addrs, self._count(req),
