@@ -94,8 +94,8 @@ SWIM_PROTOCOL = "/pcp/swim/1.0.0"
 MAX_PACKET = 64 * 1024
 DEFAULT_PERIOD_S = 1.0
 # How long a SIGKILLed node stays in views on a quiet loopback swarm, about at most:
-# probe_timeout (3 s) + the longest suspicion (12 s, one suspecter); with the usual
-# three suspecters it is nearer 10 s. Tests and docs take it as the bound.
+# probe_timeout (2.5 s) + the longest suspicion (12 s, one suspecter); with the usual
+# three suspecters it is nearer 8 s. Tests and docs take it as the bound.
 DEFAULT_TIMEOUT_S = 15.0
 
 
@@ -153,9 +153,9 @@ class SwimPacket(Message):
 class SwimConfig:
     period_s: float = DEFAULT_PERIOD_S
     ping_timeout_s: float = 1.0
-    probe_timeout_s: float = 3.0  # direct + indirect, from the ping
+    probe_timeout_s: float = 2.5  # direct + indirect, from the ping
     indirect_k: int = 3
-    suspicion_s: float = 4.0  # with `confirmations` independent suspecters; one alone waits max_suspicion_s
+    suspicion_s: float = 3.0  # with `confirmations` independent suspecters; one alone waits max_suspicion_s
     max_suspicion_s: float = 12.0
     max_health: int = 8  # timeouts and the probe period scale by (1 + local health score)
     confirmations: int = 3
