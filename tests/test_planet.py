@@ -52,3 +52,15 @@ def test_the_verification_cache_is_put_back_and_never_caches_a_failure() -> None
             else:
                 raise AssertionError("a bad signature verified")
     assert worker.verify is real and election.verify is real
+
+
+def test_pcp_sim_prints_the_figures_of_one_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from pcp_p2p.cli import main
+
+    assert main(["sim", "--nodes", "12", "--rounds", "2", "--pool", "4", "--shepherd-kills", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nodes"] == 12 and out["rounds_committed"] == 2 and 0 < out["goodput"] <= 1
+    assert main(["sim", "--nodes", "12", "--pool", "13"]) == 1  # a ConfigError, reported the CLI's way
+    assert "--pool" in capsys.readouterr().err

@@ -188,12 +188,12 @@ class PlanetConfig:
     nodes: int
     rounds: int = 50
     churn: float = 0.3  # departures over the run, as a share of ``nodes``
-    graceful: float = 0.2  # share of departures that announce themselves (the rest: kills)
+    graceful: float = 0.1  # share of departures that announce themselves (the rest: kills)
     down_mean_s: float = 300.0  # a departed node returns after an exponential downtime of this mean
-    shepherd_kills: int = 2  # extra kills of whoever leads, spread over the run
-    pool: int = 32  # shepherd-capable members (can_compile), from the fastest uplinks
+    shepherd_kills: int = 1  # extra kills of whoever leads, spread over the run
+    pool: int = 16  # shepherd-capable members (can_compile), from the fastest uplinks
     view_lag_s: tuple[float, float] = (0.5, 5.0)  # per node: how late it sees the pool change
-    holder_view_every_s: float = 2.0
+    holder_view_every_s: float = 10.0
     dht_delay_s: float = 0.5
     compile_s: float = 5.0
     speed_median: float = 64.0  # tokens/s
@@ -218,7 +218,8 @@ class PlanetResult:
     goodput: float  # rounds committed / attempts
     round_time_s: float  # mean virtual seconds per committed round
     shepherd_bytes_per_round: float  # sent by leading nodes (messages and blobs served), per committed round
-    election_convergence_s: list[float]  # per election: vacancy to 95% of live nodes following its holder
+    election_convergence_s: list[float]  # per new term: from the vacancy (the start, the leader's death) or
+    # the first node following it (a rotation) to 95% of live nodes following its holder
     elections: int
     departures: int  # graceful leaves and kills (incl. shepherd kills)
     kills: int
@@ -446,7 +447,8 @@ class Planet:
         self.returns = 0
         self.rejected: dict[str, int] = {}
         self.term_followers: dict[int, int] = {}
-        self.vacancy_at: float | None = 0.0  # the run starts vacant
+        self.vacancy_at: float | None = 0.0  # the run starts vacant; a leader's death makes it so
+        self.term_since: dict[int, float] = {}  # new terms not yet followed by 95% of live nodes
         self.convergence: list[float] = []
         self.finished = False
         self.end_time: float | None = None
@@ -551,6 +553,8 @@ class Planet:
                     self.send(node, peer, leave)
         else:
             self.kills += 1
+        if m.shepherd is not None or m.becoming:
+            self.vacancy_at = self.now  # the next term's convergence counts from here
         node.alive, node.machine, node.leading = False, None, False
         node.epoch += 1
         node.up_free = self.now
@@ -677,10 +681,14 @@ class Planet:
         node.term_seen = term
         if term is None:
             return
-        count = self.term_followers[term] = self.term_followers.get(term, 0) + 1
-        if self.vacancy_at is not None and count >= 0.95 * len(self.live):
-            self.convergence.append(self.now - self.vacancy_at)
+        if term not in self.term_followers:  # a new term: from the vacancy, or (a rotation) from now
+            self.term_since[term] = self.vacancy_at if self.vacancy_at is not None else self.now
             self.vacancy_at = None
+        count = self.term_followers[term] = self.term_followers.get(term, 0) + 1
+        since = self.term_since.get(term)
+        if since is not None and count >= 0.95 * len(self.live):
+            self.convergence.append(self.now - since)
+            del self.term_since[term]
 
     # --- the world's services --------------------------------------------------------------------
 
@@ -877,7 +885,7 @@ class Planet:
 
     def expected_run_s(self) -> float:
         r = self.spec.round
-        return self.cfg.rounds * (r.deadline_s + 30.0)
+        return self.cfg.rounds * (r.deadline_s + 5.0)
 
     def _departure(self) -> None:
         cfg = self.cfg
@@ -912,7 +920,6 @@ class Planet:
         for n in self.nodes:
             if n.alive and n.machine is not None and n.machine.shepherd is not None:
                 self.departures += 1
-                self.vacancy_at = self.now
                 self.stop(n, graceful=False)
                 self.at(self.now + self.rng.expovariate(1 / self.cfg.down_mean_s), self._return, n)
                 return
