@@ -21,6 +21,7 @@ def test_a_small_planet_commits_every_round_through_churn_and_a_shepherd_kill() 
     assert r.finished and r.rounds_committed == ROUNDS
     assert ROUNDS <= r.rounds_attempted and r.goodput == round(ROUNDS / r.rounds_attempted, 4)
     assert r.kills >= 1 and r.departures >= r.kills  # the forced kill struck, churn ran
+    assert r.leader_departures >= 1 and r.terms >= 2  # ... a leader, and another term took the run over
     assert r.round_time_s > 0 and r.virtual_s >= ROUNDS * r.round_time_s * 0.99
     assert r.shepherd_bytes_per_round > 1000  # an announcement and a commit to each worker, at least
     assert r.election_convergence_s and all(x >= 0 for x in r.election_convergence_s)

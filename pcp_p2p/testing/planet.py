@@ -81,9 +81,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pcp_p2p.cid import cid_of
 from pcp_p2p.diloco import aggregate, commits, departures, election, messages, shepherd, worker
 from pcp_p2p.diloco.departures import make_leave
-from pcp_p2p.diloco.effects import Discarded, Finished, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.effects import Rejected, RunInner, Send, StoreBlob
 from pcp_p2p.diloco.election import ElectionConfig, Lease, PublishLease, commit_key
-from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, Submission
+from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.outer import OuterState
 from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.diloco.reputation import ReputationLedger
@@ -218,12 +218,14 @@ class PlanetResult:
     goodput: float  # rounds committed / attempts
     round_time_s: float  # mean virtual seconds per committed round
     shepherd_bytes_per_round: float  # sent by leading nodes (messages and blobs served), per committed round
+    elections: int  # terms that some node followed
     election_convergence_s: list[float]  # per new term: from the vacancy (the start, the leader's death) or
     # the first node following it (a rotation) to 95% of live nodes following its holder
-    elections: int
     departures: int  # graceful leaves and kills (incl. shepherd kills)
     kills: int
     returns: int
+    leader_departures: int  # departures (kills included) of a node that led or was setting its term up
+    terms: int  # terms that committed a round on the winning chain
     seated_mean: float  # workers per commit (participants)
     val_loss_first: float | None
     val_loss_last: float | None
@@ -358,7 +360,7 @@ class PNode:
 
     __slots__ = ("index", "identity", "peer_id", "down", "up", "lat", "speed", "pool", "machine", "alive",
                  "epoch", "started_at", "lease", "blobs", "pins", "up_free", "wake", "view_due", "leading",
-                 "view_seen", "setup_epoch", "member", "term_seen", "ended")
+                 "view_seen", "setup_epoch", "setup_term", "member", "term_seen", "ended")
 
     def __init__(self, index: int, identity: Identity, link: tuple[float, float, float], speed: float) -> None:
         self.index = index
@@ -378,8 +380,9 @@ class PNode:
         self.wake: float | None = None  # the machine's timer in the heap
         self.view_due = False  # a view refresh is scheduled
         self.leading = False
-        self.view_seen = -1  # the version of the view last posted
+        self.view_seen: tuple[int, bool] | None = None  # (version, whole run?) of the view last posted
         self.setup_epoch = 0  # bumped to cancel a set-up in progress
+        self.setup_term: int | None = None  # the term being set up
         self.member: Member | None = None
         self.term_seen: int | None = None
         self.ended: str | None = None
@@ -402,7 +405,7 @@ class Planet:
         self.run_id = run_id_of(sign_spec(self.spec, owner))
         self.target = self.spec.targets[0]
         self.artifact_cid = cid_of(SIM_ARTIFACT)
-        self.election_cfg = election.ElectionConfig(
+        self.election_cfg = ElectionConfig(
             lease_s=self.spec.election.lease_s, renew_every_s=self.spec.election.renew_every_s,
             grace_s=self.spec.election.grace_s, min_uptime_s=0.0, rotate_every=self.spec.election.rotate_every,
             claim_timeout_s=self.spec.election.claim_timeout_s, settle_s=3.0,
@@ -443,6 +446,7 @@ class Planet:
         self.attempts: set[tuple[int, int, int]] = set()
         self.shepherd_bytes = 0
         self.departures = 0
+        self.leader_departures = 0
         self.kills = 0
         self.returns = 0
         self.rejected: dict[str, int] = {}
@@ -512,7 +516,7 @@ class Planet:
         version = (self.live_version if node.leading else self.pool_version, node.leading)
         if version == node.view_seen:
             return
-        node.view_seen = version  # type: ignore[assignment]
+        node.view_seen = version
         self.handle(node, MembersSeen(self._live_members() if node.leading else self._pool_members()))
 
     def _holder_view(self, node: PNode, epoch: int) -> None:
@@ -525,7 +529,8 @@ class Planet:
 
     def start(self, node: PNode) -> None:
         node.alive, node.started_at, node.ended, node.leading = True, self.now, None, False
-        node.view_seen, node.view_due, node.wake, node.term_seen = -1, False, None, None
+        node.view_seen, node.view_due, node.wake, node.term_seen = None, False, None, None
+        node.setup_term = None
         # a ledger file is written only by a node whose shepherd commits: a few dozen in a run
         ledger = ReputationLedger(self.ledger_dir / f"{node.index}.json", self.run_id)
         m = node.machine = RunMachine.for_spec(
@@ -555,6 +560,7 @@ class Planet:
             self.kills += 1
         if m.shepherd is not None or m.becoming:
             self.vacancy_at = self.now  # the next term's convergence counts from here
+            self.leader_departures += 1
         node.alive, node.machine, node.leading = False, None, False
         node.epoch += 1
         node.up_free = self.now
@@ -597,7 +603,7 @@ class Planet:
             # a node that leads sees the whole run before its lease fans out (see the module doc)
             node.leading = True
             extra = m.on_members(self._live_members(), self.now)
-            node.view_seen = (self.live_version, True)  # type: ignore[assignment]
+            node.view_seen = (self.live_version, True)
             effects = effects + extra
             self.at(self.now + self.cfg.holder_view_every_s, self._holder_view, node, node.epoch)
         me = node.peer_id
@@ -639,10 +645,14 @@ class Planet:
                 if e.cid not in node.blobs:
                     self.fetch(node, e.cid, None, None, None)
             elif isinstance(e, SetUpShepherd):
+                node.setup_epoch += 1  # (one set-up at a time, as the runtime's)
+                node.setup_term = e.become.term
                 self.at(self.now + self.cfg.compile_s, self._set_up, node, node.epoch, node.setup_epoch, e)
             elif isinstance(e, CancelSetUp):
-                node.setup_epoch += 1
-                self.at(self.now, self._setup_cancelled, node, node.epoch, e)
+                if node.setup_term is not None:  # cancelled: its end is posted now, as a cancelled task's
+                    node.setup_epoch += 1
+                    self.at(self.now, self.handle, node, SetUpEnded(node.setup_term))
+                    node.setup_term = None
             elif isinstance(e, Leads):
                 if not e.leading:
                     node.leading = False
@@ -653,21 +663,14 @@ class Planet:
             elif isinstance(e, RunEnded):
                 node.ended = e.phase
                 self._check_done()
-            elif isinstance(e, Discarded):
-                pass
-            elif isinstance(e, Finished):
-                pass
-            elif type(e).__name__ == "Rejected":
+            elif isinstance(e, Rejected):
                 key = type(e.error).__name__
                 self.rejected[key] = self.rejected.get(key, 0) + 1
+            # Discarded, Finished, CommitAccepted, CancelInner (a superseded result is ignored by
+            # the worker), Audit, LookUpOwnerRecord, Stopped: nothing to do in this world
         if node.alive:
             self._follow(node)
             self._arm(node)
-
-    def _setup_cancelled(self, node: PNode, epoch: int, e: CancelSetUp) -> None:
-        m = node.machine
-        if node.epoch == epoch and m is not None and m.becoming_term is not None:
-            self.handle(node, SetUpEnded(m.becoming_term))
 
     def _follow(self, node: PNode) -> None:
         """Election convergence: how many live nodes follow each term's holder."""
@@ -847,6 +850,7 @@ class Planet:
         m = node.machine
         if node.epoch != epoch or not node.alive or m is None or node.setup_epoch != setup:
             return
+        node.setup_term = None
         become = e.become
         kw: dict[str, Any] = dict(
             spec=self.spec, run_id=self.run_id, identity=node.identity, term=become.term,
@@ -978,8 +982,9 @@ def simulate(cfg: PlanetConfig) -> PlanetResult:
         rounds_attempted=len(p.attempts), goodput=round(committed / attempted, 4),
         round_time_s=round(end / committed, 2) if committed else math.inf,
         shepherd_bytes_per_round=round(p.shepherd_bytes / committed) if committed else math.inf,
-        election_convergence_s=[round(x, 2) for x in p.convergence], elections=len({c.term for c in chain}),
-        departures=p.departures, kills=p.kills, returns=p.returns,
+        election_convergence_s=[round(x, 2) for x in p.convergence], elections=len(p.term_followers),
+        departures=p.departures, kills=p.kills, returns=p.returns, leader_departures=p.leader_departures,
+        terms=len({c.term for c in chain}),
         seated_mean=round(sum(len(c.participants) for c in chain) / len(chain), 1) if chain else 0.0,
         val_loss_first=p.problem.loss(p.problem.initial()) if first_commit else None,
         val_loss_last=vals[-1] if vals else None, virtual_s=round(end, 1), wall_s=round(wall, 2),
