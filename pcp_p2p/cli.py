@@ -48,6 +48,7 @@ COMMAND_MODULES = (
     "pcp_p2p.diloco.command",
     "pcp_p2p.diloco.generate",
     "pcp_p2p.export.command",
+    "pcp_p2p.testing.sim_command",
 )
 
 

@@ -331,6 +331,9 @@ class Shepherd:
         """The roster is full: the member that missed the most rounds makes room; if every
         member is contributing, the join is refused. So identities that join and never
         submit cannot lock honest newcomers out, and contributors never lose their seat."""
+        if not any(self.misses.values()):  # nobody missed a round: refused in O(R) in C, not a sort
+            # per join (a full roster hears every seatless worker's join again each deadline)
+            raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers, all contributing)")
         idle = max(sorted(self.roster), key=lambda w: self.misses.get(w, 0))
         if self.misses.get(idle, 0) == 0:
             raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers, all contributing)")
