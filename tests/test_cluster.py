@@ -220,18 +220,3 @@ def test_status_and_metrics_show_the_group() -> None:
     assert "group    1/2 ranks via mpich, 207 GFLOP/s" in text and "dropped: round 2: rank 1 died" in text
     got = {f.name: f.samples[0].value for f in families(obj) if f.name.startswith("pcp_group")}
     assert got == {"pcp_group_ranks": 1.0, "pcp_group_gflops": 207.0}
-
-
-def test_a_group_refuses_runs_it_cannot_take_part_in_honestly() -> None:
-    from pcp_p2p.cluster.group import GroupCannotAudit, fits_group
-    from pcp_p2p.diloco.runs import RunBook, TrustPolicy
-    from pcp_p2p.diloco.spec import parse_spec, sign_spec
-    from pcp_p2p.node.identity import Identity
-
-    owner = Identity.generate()
-    book = RunBook(TrustPolicy(any_owner=True), fits=fits_group)
-    audited = sign_spec(parse_spec('name = "audited"'), owner)  # the default audits 4% of submissions
-    with pytest.raises(GroupCannotAudit) as err:
-        book.offer(audited)
-    assert err.value.refusal_reason == "group_not_auditable" and "audit_rate" in str(err.value)
-    assert book.offer(sign_spec(parse_spec('name = "plain"\n[aggregation]\naudit_rate = 0.0'), owner)) is not None

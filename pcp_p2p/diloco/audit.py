@@ -93,11 +93,13 @@ import hashlib
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from pcp_p2p.cid import check_cid, cid_of
+from pcp_p2p.cluster.split import group_state
+from pcp_p2p.diloco import group_replay
 from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, RoundAnnouncement, Submission, sign, verify
 from pcp_p2p.diloco.tensors import Params, codec_of, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import pseudo_gradient  # the worker's own formula for Δ
@@ -466,6 +468,26 @@ class ReplayInput(NamedTuple):
     steps: int
 
 
+class ReplayResult(Protocol):
+    """What one replay hands back (:class:`~pcp_p2p.diloco.engine.Replay`)."""
+
+    theta: Params
+    state_out: str
+    losses: tuple[float, ...]
+
+
+def impossible_claim(sub: Submission, assignment: DataAssignment, chunk_steps: int) -> bool:
+    """Whether ``sub`` claims what no honest worker (or worker group) can: checkable without a replay."""
+    s, cap = sub.steps, (assignment.max_steps // chunk_steps) * chunk_steps
+    if s <= 0 or s % chunk_steps != 0 or s > cap:
+        return True
+    try:
+        group_replay.check_split(sub, assignment, chunk_steps)
+    except RejectedUpdate:
+        return True
+    return False
+
+
 class AuditJob:
     """The auditor's side of one audit, sans-IO: gather the inputs, replay, judge, report.
 
@@ -485,6 +507,7 @@ class AuditJob:
         self.theta: Params | None = None
         self.payload: bytes | None = None
         self.state: InnerState | None = None
+        self.states: dict[int, InnerState] = {}  # a worker group's ranks' starting states
         self.state_ok = False
         self.offer: StateOffer | None = None
 
@@ -516,7 +539,7 @@ class AuditJob:
         check_cid(cid, data)
         if cid == self.req.submission_cid and self.sub is None:
             self.sub = check_submission(self.req, data)
-            if self.sub.state_in == FRESH_STATE:
+            if self.sub.state_in == FRESH_STATE or (self.sub.group and group_replay.fresh_parts(self.sub)):
                 self.state_ok = True
             if self.sub.delta_inline is not None:
                 self.payload = self.sub.delta_inline
@@ -531,23 +554,60 @@ class AuditJob:
         elif cid == sub.delta_cid and self.payload is None:
             self.payload = data
         if self.offer is not None and cid == self.offer.blob_cid and not self.state_ok and self.theta is not None:
+            if sub.group:
+                self._on_group_state(sub, data)
+                return
             state = decode_inner_state(data, self.theta)
             if inner_state_digest(state) != sub.state_in:
                 raise HashMismatch("the served inner state does not hash to the submission's state_in")
             self.state, self.state_ok = state, True
 
+    def _on_group_state(self, sub: Submission, data: bytes) -> None:
+        """A group's state bundle: every stateful rank's blob, each hashing to its part's ``state_in``."""
+        assert self.theta is not None
+        blobs = group_replay.decode_group_state(data, group_replay.stateful_ranks(sub))
+        states: dict[int, InnerState] = {}
+        for part in group_replay.contributing(sub):
+            if part.rank in blobs:
+                state = decode_inner_state(blobs[part.rank], self.theta)
+                if inner_state_digest(state) != part.state_in:
+                    raise HashMismatch(f"rank {part.rank}'s served state does not hash to its part's state_in")
+                states[part.rank] = state
+        self.states, self.state_ok = states, True
+
     def ready(self) -> bool:
         return self.sub is not None and self.theta is not None and self.payload is not None and self.state_ok
 
     def impossible_steps(self) -> bool:
-        """A claim no honest executor makes: not whole chunks, or above the assignment's cap."""
+        """A claim no honest executor makes: not whole chunks, above the assignment's cap, or a bad group split."""
         assert self.sub is not None
-        s, cap = self.sub.steps, (self.req.assignment.max_steps // self.chunk_steps) * self.chunk_steps
-        return s <= 0 or s % self.chunk_steps != 0 or s > cap
+        return impossible_claim(self.sub, self.req.assignment, self.chunk_steps)
 
     def replay_input(self) -> ReplayInput:
-        assert self.ready() and self.sub is not None and self.theta is not None
+        assert self.ready() and self.sub is not None and self.theta is not None and not self.sub.group
         return ReplayInput(self.theta, self.state, self.req.assignment, self.sub.steps)
+
+    def replay_inputs(self) -> list[ReplayInput]:
+        """Every replay the round needs: one, or one per contributing part of a worker group's split."""
+        assert self.ready() and self.sub is not None and self.theta is not None
+        sub = self.sub
+        if not sub.group:
+            return [self.replay_input()]
+        pieces = group_replay.part_assignments(sub, self.req.assignment)
+        return [ReplayInput(self.theta, self.states.get(p.rank), a, p.steps)
+                for p, a in zip(sub.group, pieces) if p.steps > 0]
+
+    def finish_replays(self, replays: Sequence[ReplayResult]) -> AuditReport:
+        """Judge the results of :meth:`replay_inputs` (in its order): a group's are recombined first."""
+        assert self.sub is not None and self.theta is not None and self.payload is not None
+        sub = self.sub
+        if not sub.group:
+            (rep,) = replays
+            return self.finish(rep.theta, rep.state_out, rep.losses)
+        theta_local, losses = group_replay.combine_replays(sub, self.theta, [(r.theta, r.losses) for r in replays])
+        state_out = group_state({p.rank: r.state_out for p, r in zip(group_replay.contributing(sub), replays)})
+        tolerance = group_replay.group_tolerance(sub, self.theta, pseudo_gradient(self.theta, theta_local))
+        return self.finish(theta_local, state_out, losses, tolerance)
 
     def finish(self, theta_local: Params, state_out: str, losses: Sequence[float],
                tolerance: float = 0.0) -> AuditReport:
@@ -689,8 +749,7 @@ def verify_evidence(ev: Evidence, *, rate: float | None = None, is_shepherd: She
     if differs == ("steps",):
         if chunk_steps is None:
             raise VerificationError("evidence: an impossible-step claim needs chunk_steps to check")
-        cap = (first.assignment.max_steps // chunk_steps) * chunk_steps
-        if 0 < sub.steps <= cap and sub.steps % chunk_steps == 0:
+        if not impossible_claim(sub, first.assignment, chunk_steps):
             raise VerificationError("evidence: the claimed step count was possible")
     return sub.worker
 
@@ -707,9 +766,9 @@ def decode_evidence(data: bytes) -> Evidence:
 
 __all__ = [
     "AuditJob", "AuditReport", "AuditRequest", "DIFFERS", "Evidence", "InnerState", "MATCH", "MISMATCH",
-    "PlannedAudit", "ReplayInput", "StateChain", "StateOffer", "UNAVAILABLE",
+    "PlannedAudit", "ReplayInput", "ReplayResult", "StateChain", "StateOffer", "UNAVAILABLE",
     "check_request", "check_submission", "claimed_differs", "decode_evidence", "decode_inner_state",
-    "delta_cid_of", "encode_evidence", "encode_inner_state", "fresh_state", "inner_state_digest",
+    "delta_cid_of", "encode_evidence", "encode_inner_state", "fresh_state", "impossible_claim", "inner_state_digest",
     "judge", "losses_digest", "make_evidence", "make_offer", "pick_auditor", "plan_audits",
     "should_audit", "state_to_export", "verify_evidence",
 ]

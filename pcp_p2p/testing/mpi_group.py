@@ -45,8 +45,6 @@ seq_len = 32
 [round]
 time_budget_s = 60.0
 max_inner_steps = {steps}
-[aggregation]
-audit_rate = 0.0
 """
 
 
