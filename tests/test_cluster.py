@@ -155,6 +155,11 @@ def test_two_ranks_equal_one_process_training_both_sub_shards(compiled: Path) ->
     g = res["group"]
     assert g["size"] == 2 and g["live"] == 2 and g["last_round"]["ranks"] == [0, 1]
     assert res["state_in"] == FRESH_STATE and res["state_out"].startswith("grp-")
+    # the group's next round (from its kept state) audited as the swarm audits it: the signed split, each rank's
+    # start state served over MPI, every part replayed and recombined: bit for bit what the allreduce made
+    au = res["audit"]
+    assert au["verdict"] == "match" and au["max_abs_diff"] == 0.0, au
+    assert au["parts"] == [[0, 10, 10], [1, 10, 10]] and au["served_ranks"] == [0, 1]
 
 
 @pytest.mark.mpi
