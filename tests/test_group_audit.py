@@ -79,6 +79,26 @@ def test_group_state_bundle_is_checked() -> None:
         group_replay.decode_group_state(blob[:-1], [0, 2])
 
 
+def test_the_state_chain_holds_per_rank_for_a_group() -> None:
+    chain = audit.StateChain()
+    first = group_sub(PARTS)
+    chain.check(first)
+    chain.committed([first])
+    # rank 1 sat the next round out: rank 0 alone starts from its committed end state (the group's name differs)
+    alone = group_sub((GroupPart(0, 20, 10, "a" * 64, "c" * 64), GroupPart(1, 0, 0, "", "")))
+    assert alone.state_in != first.state_out
+    chain.check(alone)
+    forged = group_sub((GroupPart(0, 10, 10, "a" * 64, "c" * 64), GroupPart(1, 10, 5, "f" * 64, "d" * 64)))
+    with pytest.raises(RejectedUpdate):
+        chain.check(forged)  # rank 1's start is no committed end state
+    again = audit.StateChain.from_dict(chain.to_dict())
+    again.check(alone)
+    with pytest.raises(RejectedUpdate):
+        again.check(forged)
+    with pytest.raises(RejectedUpdate):
+        audit.StateChain(strict=True).check(alone)  # no chain known, strict: fresh only
+
+
 def _request(sub_bytes: bytes, auditor: Identity, assignment: DataAssignment = ASSIGN) -> audit.AuditRequest:
     beacon = next(b for b in (f"b{i}" for i in range(5000)) if audit.should_audit(RUN, 0, 1, 0, W.peer_id, 0.05, b))
     return sign(audit.AuditRequest(

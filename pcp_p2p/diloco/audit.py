@@ -100,7 +100,7 @@ import numpy as np
 from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.cluster.split import group_state
 from pcp_p2p.diloco import group_replay
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, RoundAnnouncement, Submission, sign, verify
+from pcp_p2p.diloco.messages import FRESH_STATE, MAX_GROUP_PARTS, DataAssignment, RoundAnnouncement, Submission, sign, verify
 from pcp_p2p.diloco.tensors import Params, codec_of, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import pseudo_gradient  # the worker's own formula for Δ
 from pcp_p2p.errors import (
@@ -223,18 +223,28 @@ class StateChain:
     to its own round's audit draw. ``strict``: a worker with no recorded chain
     must start fresh (right when the chain is known from the run's start, or
     carried over a term change with :meth:`to_dict`/:meth:`from_dict`).
+
+    A worker group (``Submission.group``) keeps one inner state per rank, and a
+    rank that sat a round out or left the group changes which ranks name the
+    group's state; so for a group the rule holds per part: each contributing
+    rank starts fresh or from the end state of a part of one of the group's
+    last ``keep`` committed rounds (each exposed to that round's audit draw).
     """
 
     def __init__(self, keep: int = 4, strict: bool = False) -> None:
         self.keep = keep
         self.strict = strict
         self._outs: dict[str, deque[str]] = {}
+        self._rank_outs: dict[str, deque[str]] = {}  # worker groups: end states of their parts
 
     def check(self, sub: Submission) -> None:
         """:class:`RejectedUpdate` unless ``sub`` commits to states and starts from an allowed one."""
         if not sub.state_in or not sub.state_out:
             raise RejectedUpdate("the submission commits to no inner state, so it cannot be audited")
         if sub.state_in == FRESH_STATE:
+            return
+        if sub.group:
+            self._check_parts(sub)
             return
         known = self._outs.get(sub.worker)
         if known is None:
@@ -244,21 +254,48 @@ class StateChain:
         if sub.state_in not in known:
             raise RejectedUpdate(f"inner state {sub.state_in:.16} is not the end of one of its committed rounds")
 
+    def _check_parts(self, sub: Submission) -> None:
+        known = self._rank_outs.get(sub.worker)
+        for part in group_replay.contributing(sub):
+            if part.state_in == FRESH_STATE:
+                continue
+            if known is None:
+                if self.strict:
+                    raise RejectedUpdate("a worker group without committed rounds must start from fresh moments")
+                continue
+            if part.state_in not in known:
+                raise RejectedUpdate(f"rank {part.rank}'s inner state {part.state_in:.16} is not the end of a part "
+                                     "of one of the group's committed rounds")
+
     def committed(self, subs: Iterable[Submission]) -> None:
         for sub in subs:
             if sub.state_out:
                 outs = self._outs.setdefault(sub.worker, deque(maxlen=self.keep))
                 if sub.state_out not in outs:
                     outs.append(sub.state_out)
+            ends = [p.state_out for p in group_replay.contributing(sub)]
+            if ends:
+                cap = self.keep * len(sub.group)
+                old = self._rank_outs.get(sub.worker, ())
+                ranks = deque(old, maxlen=max(cap, len(old)))
+                ranks.extend(e for e in ends if e not in ranks)
+                self._rank_outs[sub.worker] = ranks
 
     def to_dict(self) -> dict[str, list[str]]:
-        return {w: list(outs) for w, outs in sorted(self._outs.items())}
+        """Per worker its committed end states; a group's part end states under ``"<worker>/ranks"``."""
+        out = {w: list(outs) for w, outs in sorted(self._outs.items())}
+        out.update({f"{w}/ranks": list(outs) for w, outs in sorted(self._rank_outs.items())})
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Sequence[str]], keep: int = 4, strict: bool = True) -> StateChain:
         chain = cls(keep, strict)
         for w, outs in d.items():
-            chain._outs[w] = deque(list(outs)[-keep:], maxlen=keep)
+            if w.endswith("/ranks"):
+                ends = list(outs)[-keep * MAX_GROUP_PARTS :]
+                chain._rank_outs[w[: -len("/ranks")]] = deque(ends, maxlen=max(len(ends), keep))
+            else:
+                chain._outs[w] = deque(list(outs)[-keep:], maxlen=keep)
         return chain
 
 
