@@ -102,7 +102,7 @@ TAG_REPLY = 12  # rank k -> rank 0
 TAG_ALIVE = 13  # rank k -> rank 0, every heartbeat
 HELLO_TIMEOUT_S = 120.0  # ranks import numpy and IREE and measure their speed before they say hello
 SETUP_TIMEOUT_S = 120.0  # a rank starts its executor (a child process) and loads the artifact
-KEEP_GROUP_STATES = 8
+KEEP_GROUP_STATES = 8  # two names a round (state_in, state_out): as many rounds as each rank keeps (KEEP_STATES)
 
 
 @dataclass
