@@ -83,6 +83,11 @@ all of it the replays themselves (``audit_rate`` × 1.0): the rate *is* the
 budget, and auditability itself is ≤ 0.25%. So the default is 0.04 (≈ 4.3%),
 under the 5% goal.
 
+A worker group's round (``Submission.group``, an MPI cluster joining as one
+worker) is audited the same way, part by part: :mod:`~pcp_p2p.diloco.group_replay`
+checks its split, :meth:`AuditJob.replay_inputs` lists one replay per rank and
+:meth:`AuditJob.finish_replays` recombines them as the group did before judging.
+
 Everything here is sans-IO: messages, pure checks, and :class:`AuditJob`, a
 small machine the runtime feeds blobs and offers and asks what to fetch.
 """
