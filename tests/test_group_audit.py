@@ -70,6 +70,17 @@ def test_a_split_that_does_not_tile_or_add_up_is_refused(why: str, parts: tuple[
     assert audit.impossible_claim(sub, ASSIGN, CHUNK), why
 
 
+def test_only_a_sum_of_three_or_more_parts_gets_a_rounding_allowance() -> None:
+    import numpy as np
+
+    theta = {"w": np.array([1.0, -2.0, 0.5], np.float32)}
+    delta = {"w": np.array([1e-3, -2e-3, 0.0], np.float32)}
+    assert group_replay.group_tolerance(group_sub(PARTS), theta, delta) == 0.0  # one float64 addition: exact
+    three = PARTS + (GroupPart(2, 5, 5, FRESH_STATE, "e" * 64),)
+    tol = group_replay.group_tolerance(group_sub(three), theta, delta)
+    assert tol == 2.0 * float(np.spacing(np.float32(2.0)))  # fp32 codec: two float32 ulps of max |θ|, no more
+
+
 def test_group_state_bundle_is_checked() -> None:
     blob = group_replay.encode_group_state({2: b"two", 0: b"zero"})
     assert group_replay.decode_group_state(blob, [0, 2]) == {0: b"zero", 2: b"two"}
