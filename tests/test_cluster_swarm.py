@@ -40,8 +40,10 @@ deadline_s = 30.0
 rounds = 2
 min_quorum = 1
 [aggregation]
-audit_rate = 0.0
+audit_rate = 1.0
 """
+# every submission is audited: the plain worker replays the group's rounds (its split, part by part, from the
+# rank states the group serves over MPI) and the group's rank 0 replays the plain worker's
 
 
 async def test_a_two_rank_group_trains_as_one_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +58,8 @@ async def test_a_two_rank_group_trains_as_one_worker(tmp_path: Path, monkeypatch
         await swarm.wait_views({plain.peer_id, group.peer_id}, deadline_s=60)
         await create_run(swarm, boot.addr, tmp_path, SPEC)
         statuses = await wait_for(swarm, [plain, group],
-                                  lambda s: all(st.get("phase") == "finished" for st in s.values()) and len(s) == 2,
+                                  lambda s: len(s) == 2 and all(st.get("phase") == "finished" for st in s.values())
+                                  and all(st.get("audits", {}).get("match", 0) >= 1 for st in s.values()),
                                   300)
         node = to_json(await swarm.status(group))
         peers = {m["peer_id"]: m for m in node["members"]}
@@ -67,6 +70,8 @@ async def test_a_two_rank_group_trains_as_one_worker(tmp_path: Path, monkeypatch
         with trio.fail_after(30):
             assert await group.process.wait() == 0  # type: ignore[union-attr]
     del peers
+    for st in statuses.values():  # each audited the other, and every replay matched
+        assert st["audits"].get("match", 0) >= 1 and not st["audits"].get("mismatch"), st["audits"]
     run = statuses[group.peer_id]
     history = run["history"]
     assert [h["round"] for h in history] == [1, 2]

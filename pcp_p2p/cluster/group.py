@@ -33,8 +33,14 @@ States. Each rank keeps its own AdamW state (as DiLoCo wants); the group's
 state is named by the digests of its ranks' states (:func:`~pcp_p2p.cluster.split.group_state`),
 and rank 0 remembers which rank state each group name stands for, so the
 worker's state chain (and the shepherd's :class:`~pcp_p2p.diloco.audit.StateChain`)
-works unchanged. A group's round cannot be replayed by a single auditor yet, so
-a group refuses runs with ``aggregation.audit_rate > 0`` (:class:`~pcp_p2p.errors.ConfigError`).
+works unchanged.
+
+Audits. The group signs its split with its Δ (``Submission.group``: per rank,
+the sub-shard's step cap, the steps trained, its state digests), so any worker
+of the same target can replay every part and recombine them exactly as the
+allreduce did (:mod:`pcp_p2p.diloco.group_replay`). When the group's round is
+audited, :meth:`GroupEngine.export_state` gathers each rank's starting state
+over MPI into one bundle for the auditor.
 """
 
 from __future__ import annotations
@@ -55,7 +61,20 @@ import numpy as np
 
 from pcp_p2p.cluster.comm import Cancelled, DeadlineComm
 from pcp_p2p.cluster.launch import Launch
-from pcp_p2p.cluster.messages import Done, Hello, Ping, Ready, Reduce, Setup, Stop, Train, frame, unframe
+from pcp_p2p.cluster.messages import (
+    Done,
+    Export,
+    Hello,
+    Ping,
+    Ready,
+    Reduce,
+    Setup,
+    StateBlob,
+    Stop,
+    Train,
+    frame,
+    unframe,
+)
 from pcp_p2p.cluster.split import (
     GROUP_STATE_PREFIX,
     group_state,
@@ -66,7 +85,8 @@ from pcp_p2p.cluster.split import (
     weighted_flat,
 )
 from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.messages import FRESH_STATE
+from pcp_p2p.diloco.group_replay import encode_group_state
+from pcp_p2p.diloco.messages import FRESH_STATE, GroupPart
 from pcp_p2p.diloco.tensors import pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import InnerResult
 from pcp_p2p.errors import ConfigError, ExecutorError, PcpError, PeerTimeout
@@ -82,7 +102,7 @@ TAG_REPLY = 12  # rank k -> rank 0
 TAG_ALIVE = 13  # rank k -> rank 0, every heartbeat
 HELLO_TIMEOUT_S = 120.0  # ranks import numpy and IREE and measure their speed before they say hello
 SETUP_TIMEOUT_S = 120.0  # a rank starts its executor (a child process) and loads the artifact
-KEEP_GROUP_STATES = 8
+KEEP_GROUP_STATES = 8  # two names a round (state_in, state_out): as many rounds as each rank keeps (KEEP_STATES)
 
 
 @dataclass
@@ -105,28 +125,6 @@ def own_hello(rank: int) -> Hello:
 
     return Hello(rank=rank, host=socket.gethostname(), pid=os.getpid(), target=best_cpu_target().name,
                  gflops=float(measure_gflops(0.3)))
-
-
-class GroupCannotAudit(ConfigError):
-    """A run that audits submissions: a group's Δ cannot be replayed by one auditor yet."""
-
-    refusal_reason = "group_not_auditable"
-
-
-def check_group_run(spec: Any) -> None:
-    """:class:`GroupCannotAudit` unless a worker group can take part in this run honestly."""
-    if spec.aggregation.audit_rate > 0:
-        raise GroupCannotAudit(
-            "a worker group's Δ cannot be replayed by a single auditor yet: it joins only runs with "
-            f"aggregation.audit_rate = 0 (this run audits {spec.aggregation.audit_rate:g} of submissions)")
-
-
-def fits_group(spec: Any) -> None:
-    """The run book's check for a group's node: the machine's target, and a run the group can join."""
-    from pcp_p2p.diloco.service import fits_this_machine
-
-    fits_this_machine(spec)
-    check_group_run(spec)
 
 
 class WorkerGroup:
@@ -286,7 +284,6 @@ class WorkerGroup:
         from pcp_p2p.diloco.spec import run_id_of
         from pcp_p2p.wire import encode
 
-        check_group_run(signed_spec.spec)
         run_id = run_id_of(signed_spec)
         setup = frame(Setup(run_id, encode(signed_spec), manifest, shepherd),
                       Path(vmfb_path).read_bytes(), encode_dataset(local.dataset))
@@ -316,6 +313,11 @@ class WorkerGroup:
 
     def _reply(self, rank: int, kind: type, deadline: float, wanted: Callable[[Any], bool],
                cancel: threading.Event | None = None) -> Any:
+        """The next reply of ``kind`` from ``rank`` that ``wanted`` accepts (see :meth:`_reply_framed`)."""
+        return self._reply_framed(rank, kind, deadline, wanted, cancel)[0]
+
+    def _reply_framed(self, rank: int, kind: type, deadline: float, wanted: Callable[[Any], bool],
+                      cancel: threading.Event | None = None) -> tuple[Any, list[memoryview]]:
         """The next reply of ``kind`` from ``rank`` that ``wanted`` accepts (stale ones are skipped).
 
         Waits in short slices: when the launcher reports a death meanwhile, the census
@@ -333,12 +335,12 @@ class WorkerGroup:
                     raise
                 continue
             try:
-                msg, _ = unframe(data, Hello, Ready, Done)
+                msg, parts = unframe(data, Hello, Ready, Done, StateBlob)
             except PcpError as exc:
                 log.warning("group: rank %d sent a malformed reply: %s", rank, exc)
                 continue
             if isinstance(msg, kind) and wanted(msg):
-                return msg
+                return msg, parts
 
 
 class GroupEngine:
@@ -377,7 +379,42 @@ class GroupEngine:
         return self.local.replay(*args)
 
     def export_state(self, digest: str) -> bytes:
-        raise ExecutorError("a worker group's inner state is spread over its ranks; it cannot be exported")
+        """The group state ``digest`` for an auditor: every stateful rank's blob, gathered over MPI.
+
+        The bundle is :func:`~pcp_p2p.diloco.group_replay.encode_group_state`; fresh ranks are left
+        out (the auditor starts them fresh). A rank that died since cannot serve its part, so the
+        export fails (the audit says ``unavailable``).
+        """
+        per_rank = self._states.get(digest)
+        if per_rank is None:
+            raise ExecutorError(f"group inner state {digest:.16} is no longer kept")
+        with self.group._lock:
+            return self._export(per_rank)
+
+    def _export(self, per_rank: dict[int, str]) -> bytes:
+        g = self.group
+        g.settle()
+        self.epoch += 1
+        epoch = self.epoch
+        blobs: dict[int, bytes] = {}
+        deadline = g.clock() + g.timeout_s
+        for r, d in sorted(per_rank.items()):
+            if d == FRESH_STATE:
+                continue
+            if r == 0:
+                blobs[0] = self.local.export_state(d)
+                continue
+            if not g.ranks[r].alive:
+                raise ExecutorError(f"rank {r}, which holds part of this state, has left the group")
+            try:
+                g.dc.send(r, TAG_ORDER, frame(Export(epoch, self.run_id, d)), deadline)
+                reply, parts = g._reply_framed(r, StateBlob, deadline, lambda m: m.epoch == epoch)
+            except PeerTimeout as exc:
+                raise ExecutorError(f"rank {r} did not serve its inner state: {exc}") from exc
+            if reply.error or reply.digest != d or len(parts) != 1:
+                raise ExecutorError(f"rank {r} cannot serve its inner state {d:.16}: {reply.error}")
+            blobs[r] = bytes(parts[0])
+        return encode_group_state(blobs)
 
     def run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
         with self.group._lock:
@@ -449,11 +486,19 @@ class GroupEngine:
         total_steps = sum(results[r].steps for r in contributing)
         state_in = group_state({r: results[r].state_in for r in contributing})
         state_out = group_state({r: results[r].state_out for r in contributing})
-        if state_out != FRESH_STATE:
-            self._states[state_out] = {r: results[r].state_out for r in contributing}
-            self._states.move_to_end(state_out)
-            while len(self._states) > KEEP_GROUP_STATES:
-                self._states.popitem(last=False)
+        # both names are kept: state_out to start the next round from, state_in to serve an audit of this one
+        for name, which in ((state_in, "state_in"), (state_out, "state_out")):
+            if name != FRESH_STATE:
+                self._states[name] = {r: getattr(results[r], which) for r in contributing}
+                self._states.move_to_end(name)
+        while len(self._states) > KEEP_GROUP_STATES:
+            self._states.popitem(last=False)
+        split = tuple(
+            GroupPart(r, subs[r].max_steps, results[r].steps if r in contributing else 0,
+                      results[r].state_in if r in contributing else "",
+                      results[r].state_out if r in contributing else "")
+            for r in members
+        )
         train_s = max(t_reduce - t0, 1e-9)
         for r in contributing:
             g.ranks[r].steps = results[r].steps
@@ -465,7 +510,7 @@ class GroupEngine:
                         "train_s": round(t_reduce - t0, 3), "allreduce_s": round(t_end - t_reduce, 4)}
         return InnerResult(eff.round, eff.attempt, theta, total_steps,
                            mean_losses([results[r].losses for r in contributing]), state_out,
-                           state_in=state_in, state_out=state_out)
+                           state_in=state_in, state_out=state_out, group=split)
 
     def _reduce(self, members: tuple[int, ...], own: np.ndarray | None, eff: RunInner, epoch: int) -> np.ndarray | None:
         """Σ t_k·Δ_k over ``members``; None if the allreduce timed out (every other member is then dropped)."""
@@ -587,7 +632,7 @@ class _Follower:
                 log.error("rank %d: nothing from rank 0 for %.0f s; leaving the group", self.launch.rank, silence_s)
                 return 3
             try:
-                msg, parts = unframe(data, Setup, Train, Reduce, Ping, Stop)
+                msg, parts = unframe(data, Setup, Train, Reduce, Export, Ping, Stop)
             except PcpError as exc:
                 log.warning("rank %d: a malformed order: %s", self.launch.rank, exc)
                 continue
@@ -600,10 +645,24 @@ class _Follower:
                 self._reply(self._train(msg, parts))
             elif isinstance(msg, Reduce):
                 self._reduce(msg)
+            elif isinstance(msg, Export):
+                self._export(msg)
 
-    def _reply(self, msg: Any) -> None:
+    def _export(self, msg: Export) -> None:
+        """Serve a kept inner state to rank 0 (an auditor replays the group's round from it)."""
+        engine = self.engines.get(msg.run_id)
         try:
-            self.dc.send(0, TAG_REPLY, frame(msg), self.dc.clock() + 30.0)
+            if engine is None:
+                raise ExecutorError("no executor for this run on this rank")
+            blob = engine.export_state(msg.digest)
+        except PcpError as exc:
+            self._reply(StateBlob(msg.epoch, msg.digest, error=f"{type(exc).__name__}: {exc}"))
+            return
+        self._reply(StateBlob(msg.epoch, msg.digest), blob)
+
+    def _reply(self, msg: Any, *parts: bytes) -> None:
+        try:
+            self.dc.send(0, TAG_REPLY, frame(msg, *parts), self.dc.clock() + 30.0)
         except PeerTimeout as exc:
             log.warning("rank %d: a reply to rank 0 was not taken: %s", self.launch.rank, exc)
 
@@ -668,5 +727,4 @@ class _Follower:
             e.executor.close()
 
 
-__all__ = ["GROUP_STATE_PREFIX", "GroupCannotAudit", "GroupEngine", "RankInfo", "WorkerGroup", "check_group_run",
-           "fits_group", "serve_follower"]
+__all__ = ["GROUP_STATE_PREFIX", "GroupEngine", "RankInfo", "WorkerGroup", "serve_follower"]

@@ -80,6 +80,24 @@ class Reduce(Message):
     members: tuple[int, ...]
 
 
+@wire_message("group.export", max_size=4 * 1024)
+class Export(Message):
+    """Send this rank's kept inner state ``digest`` (an auditor replays the group's round from it)."""
+
+    epoch: int
+    run_id: str
+    digest: str
+
+
+@wire_message("group.state", max_size=4 * 1024)
+class StateBlob(Message):
+    """The answer to :class:`Export` (part 0: the state blob, unless ``error``)."""
+
+    epoch: int
+    digest: str
+    error: str = ""
+
+
 @wire_message("group.ping", max_size=256)
 class Ping(Message):
     """Rank 0 is alive (a rank that hears nothing for its watchdog's time leaves)."""
@@ -92,8 +110,8 @@ class Stop(Message):
     reason: str
 
 
-ORDERS = (Setup, Train, Reduce, Ping, Stop)
-REPLIES = (Hello, Ready, Done)
+ORDERS = (Setup, Train, Reduce, Export, Ping, Stop)
+REPLIES = (Hello, Ready, Done, StateBlob)
 
 
 def frame(msg: Message, *parts: bytes) -> bytes:

@@ -158,6 +158,11 @@ class RoundAggregator:
                 f"{sub.worker:.16}… claims {sub.steps} steps; its measured speed allows "
                 f"at most {assignment.max_steps} in {a.time_budget_s:g} s"
             )
+        if sub.group:  # a worker group's split must tile its assignment and add up (audits replay it)
+            from pcp_p2p.diloco.engine import CHUNK_STEPS
+            from pcp_p2p.diloco.group_replay import check_split
+
+            check_split(sub, assignment, CHUNK_STEPS)
         if len(sub.losses) > sub.steps or not all(math.isfinite(x) for x in sub.losses):
             raise RejectedUpdate("losses: more than one per step, or not finite")
         if (sub.delta_cid is None) == (sub.delta_inline is None):

@@ -83,6 +83,11 @@ all of it the replays themselves (``audit_rate`` × 1.0): the rate *is* the
 budget, and auditability itself is ≤ 0.25%. So the default is 0.04 (≈ 4.3%),
 under the 5% goal.
 
+A worker group's round (``Submission.group``, an MPI cluster joining as one
+worker) is audited the same way, part by part: :mod:`~pcp_p2p.diloco.group_replay`
+checks its split, :meth:`AuditJob.replay_inputs` lists one replay per rank and
+:meth:`AuditJob.finish_replays` recombines them as the group did before judging.
+
 Everything here is sans-IO: messages, pure checks, and :class:`AuditJob`, a
 small machine the runtime feeds blobs and offers and asks what to fetch.
 """
@@ -93,12 +98,14 @@ import hashlib
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from pcp_p2p.cid import check_cid, cid_of
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, RoundAnnouncement, Submission, sign, verify
+from pcp_p2p.cluster.split import group_state
+from pcp_p2p.diloco import group_replay
+from pcp_p2p.diloco.messages import FRESH_STATE, MAX_GROUP_PARTS, DataAssignment, RoundAnnouncement, Submission, sign, verify
 from pcp_p2p.diloco.tensors import Params, codec_of, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import pseudo_gradient  # the worker's own formula for Δ
 from pcp_p2p.errors import (
@@ -221,18 +228,28 @@ class StateChain:
     to its own round's audit draw. ``strict``: a worker with no recorded chain
     must start fresh (right when the chain is known from the run's start, or
     carried over a term change with :meth:`to_dict`/:meth:`from_dict`).
+
+    A worker group (``Submission.group``) keeps one inner state per rank, and a
+    rank that sat a round out or left the group changes which ranks name the
+    group's state; so for a group the rule holds per part: each contributing
+    rank starts fresh or from the end state of a part of one of the group's
+    last ``keep`` committed rounds (each exposed to that round's audit draw).
     """
 
     def __init__(self, keep: int = 4, strict: bool = False) -> None:
         self.keep = keep
         self.strict = strict
         self._outs: dict[str, deque[str]] = {}
+        self._rank_outs: dict[str, deque[str]] = {}  # worker groups: end states of their parts
 
     def check(self, sub: Submission) -> None:
         """:class:`RejectedUpdate` unless ``sub`` commits to states and starts from an allowed one."""
         if not sub.state_in or not sub.state_out:
             raise RejectedUpdate("the submission commits to no inner state, so it cannot be audited")
         if sub.state_in == FRESH_STATE:
+            return
+        if sub.group:
+            self._check_parts(sub)
             return
         known = self._outs.get(sub.worker)
         if known is None:
@@ -242,21 +259,48 @@ class StateChain:
         if sub.state_in not in known:
             raise RejectedUpdate(f"inner state {sub.state_in:.16} is not the end of one of its committed rounds")
 
+    def _check_parts(self, sub: Submission) -> None:
+        known = self._rank_outs.get(sub.worker)
+        for part in group_replay.contributing(sub):
+            if part.state_in == FRESH_STATE:
+                continue
+            if known is None:
+                if self.strict:
+                    raise RejectedUpdate("a worker group without committed rounds must start from fresh moments")
+                continue
+            if part.state_in not in known:
+                raise RejectedUpdate(f"rank {part.rank}'s inner state {part.state_in:.16} is not the end of a part "
+                                     "of one of the group's committed rounds")
+
     def committed(self, subs: Iterable[Submission]) -> None:
         for sub in subs:
             if sub.state_out:
                 outs = self._outs.setdefault(sub.worker, deque(maxlen=self.keep))
                 if sub.state_out not in outs:
                     outs.append(sub.state_out)
+            ends = [p.state_out for p in group_replay.contributing(sub)]
+            if ends:
+                cap = self.keep * len(sub.group)
+                old = self._rank_outs.get(sub.worker, ())
+                ranks = deque(old, maxlen=max(cap, len(old)))
+                ranks.extend(e for e in ends if e not in ranks)
+                self._rank_outs[sub.worker] = ranks
 
     def to_dict(self) -> dict[str, list[str]]:
-        return {w: list(outs) for w, outs in sorted(self._outs.items())}
+        """Per worker its committed end states; a group's part end states under ``"<worker>/ranks"``."""
+        out = {w: list(outs) for w, outs in sorted(self._outs.items())}
+        out.update({f"{w}/ranks": list(outs) for w, outs in sorted(self._rank_outs.items())})
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Sequence[str]], keep: int = 4, strict: bool = True) -> StateChain:
         chain = cls(keep, strict)
         for w, outs in d.items():
-            chain._outs[w] = deque(list(outs)[-keep:], maxlen=keep)
+            if w.endswith("/ranks"):
+                ends = list(outs)[-keep * MAX_GROUP_PARTS :]
+                chain._rank_outs[w[: -len("/ranks")]] = deque(ends, maxlen=max(len(ends), keep))
+            else:
+                chain._outs[w] = deque(list(outs)[-keep:], maxlen=keep)
         return chain
 
 
@@ -466,6 +510,26 @@ class ReplayInput(NamedTuple):
     steps: int
 
 
+class ReplayResult(Protocol):
+    """What one replay hands back (:class:`~pcp_p2p.diloco.engine.Replay`)."""
+
+    theta: Params
+    state_out: str
+    losses: tuple[float, ...]
+
+
+def impossible_claim(sub: Submission, assignment: DataAssignment, chunk_steps: int) -> bool:
+    """Whether ``sub`` claims what no honest worker (or worker group) can: checkable without a replay."""
+    s, cap = sub.steps, (assignment.max_steps // chunk_steps) * chunk_steps
+    if s <= 0 or s % chunk_steps != 0 or s > cap:
+        return True
+    try:
+        group_replay.check_split(sub, assignment, chunk_steps)
+    except RejectedUpdate:
+        return True
+    return False
+
+
 class AuditJob:
     """The auditor's side of one audit, sans-IO: gather the inputs, replay, judge, report.
 
@@ -485,6 +549,7 @@ class AuditJob:
         self.theta: Params | None = None
         self.payload: bytes | None = None
         self.state: InnerState | None = None
+        self.states: dict[int, InnerState] = {}  # a worker group's ranks' starting states
         self.state_ok = False
         self.offer: StateOffer | None = None
 
@@ -516,7 +581,7 @@ class AuditJob:
         check_cid(cid, data)
         if cid == self.req.submission_cid and self.sub is None:
             self.sub = check_submission(self.req, data)
-            if self.sub.state_in == FRESH_STATE:
+            if self.sub.state_in == FRESH_STATE or (self.sub.group and group_replay.fresh_parts(self.sub)):
                 self.state_ok = True
             if self.sub.delta_inline is not None:
                 self.payload = self.sub.delta_inline
@@ -531,23 +596,60 @@ class AuditJob:
         elif cid == sub.delta_cid and self.payload is None:
             self.payload = data
         if self.offer is not None and cid == self.offer.blob_cid and not self.state_ok and self.theta is not None:
+            if sub.group:
+                self._on_group_state(sub, data)
+                return
             state = decode_inner_state(data, self.theta)
             if inner_state_digest(state) != sub.state_in:
                 raise HashMismatch("the served inner state does not hash to the submission's state_in")
             self.state, self.state_ok = state, True
 
+    def _on_group_state(self, sub: Submission, data: bytes) -> None:
+        """A group's state bundle: every stateful rank's blob, each hashing to its part's ``state_in``."""
+        assert self.theta is not None
+        blobs = group_replay.decode_group_state(data, group_replay.stateful_ranks(sub))
+        states: dict[int, InnerState] = {}
+        for part in group_replay.contributing(sub):
+            if part.rank in blobs:
+                state = decode_inner_state(blobs[part.rank], self.theta)
+                if inner_state_digest(state) != part.state_in:
+                    raise HashMismatch(f"rank {part.rank}'s served state does not hash to its part's state_in")
+                states[part.rank] = state
+        self.states, self.state_ok = states, True
+
     def ready(self) -> bool:
         return self.sub is not None and self.theta is not None and self.payload is not None and self.state_ok
 
     def impossible_steps(self) -> bool:
-        """A claim no honest executor makes: not whole chunks, or above the assignment's cap."""
+        """A claim no honest executor makes: not whole chunks, above the assignment's cap, or a bad group split."""
         assert self.sub is not None
-        s, cap = self.sub.steps, (self.req.assignment.max_steps // self.chunk_steps) * self.chunk_steps
-        return s <= 0 or s % self.chunk_steps != 0 or s > cap
+        return impossible_claim(self.sub, self.req.assignment, self.chunk_steps)
 
     def replay_input(self) -> ReplayInput:
-        assert self.ready() and self.sub is not None and self.theta is not None
+        assert self.ready() and self.sub is not None and self.theta is not None and not self.sub.group
         return ReplayInput(self.theta, self.state, self.req.assignment, self.sub.steps)
+
+    def replay_inputs(self) -> list[ReplayInput]:
+        """Every replay the round needs: one, or one per contributing part of a worker group's split."""
+        assert self.ready() and self.sub is not None and self.theta is not None
+        sub = self.sub
+        if not sub.group:
+            return [self.replay_input()]
+        pieces = group_replay.part_assignments(sub, self.req.assignment)
+        return [ReplayInput(self.theta, self.states.get(p.rank), a, p.steps)
+                for p, a in zip(sub.group, pieces) if p.steps > 0]
+
+    def finish_replays(self, replays: Sequence[ReplayResult]) -> AuditReport:
+        """Judge the results of :meth:`replay_inputs` (in its order): a group's are recombined first."""
+        assert self.sub is not None and self.theta is not None and self.payload is not None
+        sub = self.sub
+        if not sub.group:
+            (rep,) = replays
+            return self.finish(rep.theta, rep.state_out, rep.losses)
+        theta_local, losses = group_replay.combine_replays(sub, self.theta, [(r.theta, r.losses) for r in replays])
+        state_out = group_state({p.rank: r.state_out for p, r in zip(group_replay.contributing(sub), replays)})
+        tolerance = group_replay.group_tolerance(sub, self.theta, pseudo_gradient(self.theta, theta_local))
+        return self.finish(theta_local, state_out, losses, tolerance)
 
     def finish(self, theta_local: Params, state_out: str, losses: Sequence[float],
                tolerance: float = 0.0) -> AuditReport:
@@ -689,8 +791,7 @@ def verify_evidence(ev: Evidence, *, rate: float | None = None, is_shepherd: She
     if differs == ("steps",):
         if chunk_steps is None:
             raise VerificationError("evidence: an impossible-step claim needs chunk_steps to check")
-        cap = (first.assignment.max_steps // chunk_steps) * chunk_steps
-        if 0 < sub.steps <= cap and sub.steps % chunk_steps == 0:
+        if not impossible_claim(sub, first.assignment, chunk_steps):
             raise VerificationError("evidence: the claimed step count was possible")
     return sub.worker
 
@@ -707,9 +808,9 @@ def decode_evidence(data: bytes) -> Evidence:
 
 __all__ = [
     "AuditJob", "AuditReport", "AuditRequest", "DIFFERS", "Evidence", "InnerState", "MATCH", "MISMATCH",
-    "PlannedAudit", "ReplayInput", "StateChain", "StateOffer", "UNAVAILABLE",
+    "PlannedAudit", "ReplayInput", "ReplayResult", "StateChain", "StateOffer", "UNAVAILABLE",
     "check_request", "check_submission", "claimed_differs", "decode_evidence", "decode_inner_state",
-    "delta_cid_of", "encode_evidence", "encode_inner_state", "fresh_state", "inner_state_digest",
+    "delta_cid_of", "encode_evidence", "encode_inner_state", "fresh_state", "impossible_claim", "inner_state_digest",
     "judge", "losses_digest", "make_evidence", "make_offer", "pick_auditor", "plan_audits",
     "should_audit", "state_to_export", "verify_evidence",
 ]

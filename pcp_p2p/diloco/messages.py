@@ -52,6 +52,27 @@ class DataAssignment(Message):
     max_steps: int
 
 
+MAX_GROUP_PARTS = 256
+"""The most ranks a worker group's submission may name (its split is signed and replayed part by part)."""
+
+
+@wire_struct
+class GroupPart(Message):
+    """One rank's piece of a worker group's round (see :mod:`pcp_p2p.cluster.split`).
+
+    Its position ``k`` in :attr:`Submission.group` makes it shard ``s·K + k`` of
+    ``N·K`` of the group's assignment with seed ``sub_seed(seed, k)`` and step cap
+    ``max_steps``; ``steps`` is what it trained (0: it contributed nothing).
+    ``rank`` names its state in the group's state digest.
+    """
+
+    rank: int
+    max_steps: int
+    steps: int
+    state_in: str
+    state_out: str
+
+
 @wire_message("diloco.announce", max_size=1 << 20)
 class RoundAnnouncement(Message):
     """The shepherd opens round ``round`` (attempt ``attempt``) from θ ``theta_cid``."""
@@ -99,6 +120,10 @@ class Submission(Message):
     # "" = no commitment (a submission that cannot be audited).
     state_in: str = ""
     state_out: str = ""
+    # A worker group's split of the round over its ranks, one part per rank in
+    # sub-shard order; () = one process trained the whole assignment. With it an
+    # auditor replays every part and recombines them (pcp_p2p.diloco.audit).
+    group: tuple[GroupPart, ...] = ()
     signature: bytes = b""
 
 

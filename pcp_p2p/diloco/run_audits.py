@@ -23,6 +23,7 @@ from pcp_p2p.diloco.audit import (
     make_offer,
     state_to_export,
 )
+from pcp_p2p.diloco.group_replay import stateful_ranks
 from pcp_p2p.errors import LocalError, OverBudget, PcpError, VerificationError
 from pcp_p2p.wire import Message, encode
 
@@ -124,14 +125,18 @@ class AuditClerk:
                         for cid in wanted:
                             public = cid == req.submission_cid or (job.sub is not None
                                                                    and cid == job.sub.base_theta_cid)
+                            # a worker group's state is one (m, v) pair per stateful rank
+                            copies = 2 * max(1, len(stateful_ranks(job.sub)) if job.sub is not None else 1)
                             data = await rt.io.fetch_bytes(cid, req.shepherd if public else req.worker,
-                                                           keep=False, max_size=rt.state_bound(2))
+                                                           keep=False, max_size=rt.state_bound(copies))
                             job.on_blob(cid, data)
                     if job.impossible_steps():
                         report = job.finish_impossible()
                     else:
-                        rep = await trio.to_thread.run_sync(rt.engine.replay, *job.replay_input())
-                        report = job.finish(rep.theta, rep.state_out, rep.losses)
+                        engine = rt.engine
+                        inputs = job.replay_inputs()  # a worker group's round: one per part, then recombined
+                        reps = await trio.to_thread.run_sync(lambda: [engine.replay(*i) for i in inputs])
+                        report = job.finish_replays(reps)
                 except PcpError as exc:
                     report = job.give_up(f"{type(exc).__name__}: {exc}")
             if report is None:

@@ -69,10 +69,6 @@ class TrainingService:
                  flag_owners: frozenset[str] = frozenset()) -> None:
         self.node = node
         self.book = RunBook(trust, fits=fits_this_machine)
-        if node.config.worker_group is not None:  # an MPI worker group also refuses what it cannot do honestly
-            from pcp_p2p.cluster.group import fits_group
-
-            self.book.fits = fits_group
         self.runtimes: dict[str, RunRuntime] = {}
         self.trust_file = trust_file
         self.flag_owners = flag_owners  # --trust: kept whatever the file says

@@ -69,6 +69,7 @@ from pcp_p2p.diloco.effects import (
 from pcp_p2p.diloco.messages import (
     INLINE_DELTA_LIMIT,
     CommitRecord,
+    GroupPart,
     Join,
     RoundAnnouncement,
     Submission,
@@ -114,6 +115,7 @@ class InnerResult:
     inner_state: Any
     state_in: str = ""  # digest of the inner state the run started from (FRESH_STATE, or "" untracked)
     state_out: str = ""  # digest of the inner state it ended with ("" untracked)
+    group: tuple[GroupPart, ...] = ()  # a worker group's split of the round (Submission.group)
 
 
 def pseudo_gradient(theta: Params, theta_local: Params) -> Params:
@@ -356,6 +358,7 @@ class Worker:
                 losses=tuple(float(x) for x in result.losses),
                 state_in=result.state_in,
                 state_out=result.state_out,
+                group=result.group,
             ),
             self.identity,
         )

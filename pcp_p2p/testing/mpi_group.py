@@ -45,8 +45,6 @@ seq_len = 32
 [round]
 time_budget_s = 60.0
 max_inner_steps = {steps}
-[aggregation]
-audit_rate = 0.0
 """
 
 
@@ -169,10 +167,52 @@ def _equal(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     ref = combine(theta, parts)
     diff = max(float(np.max(np.abs(res.theta[k] - ref[k]))) for k in ref)
     scale = max(float(np.max(np.abs(theta[k] - ref[k]))) for k in ref)
+    # a second round from the group's kept state, audited as the swarm would audit it
+    res2 = engine.run(_round(engine, theta, 1, cfg["steps"], res.inner_state), threading.Event())
     return {"max_abs_diff": diff, "delta_max_abs": scale, "steps": res.steps,
             "tokens": res.steps * local.spec.tokens_per_step, "reference": per_rank,
             "group": group.status(), "group_s": group_s, "single_s": single_s,
-            "state_in": res.state_in, "state_out": res.state_out}
+            "state_in": res.state_in, "state_out": res.state_out,
+            "audit": _audit_round(engine, local, theta, _round(engine, theta, 1, cfg["steps"]), res2)}
+
+
+def _audit_round(engine: Any, auditor: Any, theta: dict[str, np.ndarray], eff: Any, res: Any) -> dict[str, Any]:
+    """Sign the group's round as its worker would, serve its state bundle over MPI, replay it as an auditor."""
+    from pcp_p2p.cid import cid_of
+    from pcp_p2p.diloco import audit
+    from pcp_p2p.diloco.engine import CHUNK_STEPS
+    from pcp_p2p.diloco.group_replay import check_split, decode_group_state, stateful_ranks
+    from pcp_p2p.diloco.messages import Submission, sign
+    from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
+    from pcp_p2p.diloco.worker import pseudo_gradient
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.wire import encode
+
+    worker, auditor_id, shepherd = Identity.generate(), Identity.generate(), Identity.generate()
+    spec = auditor.spec
+    a = replace(eff.assignment, worker=worker.peer_id)
+    codec = spec.round.delta_codec
+    sub = sign(Submission(
+        run_id="group-run", term=0, round=1, attempt=0, worker=worker.peer_id, base_theta_cid=params_cid(theta),
+        codec=codec, delta_cid=None, delta_inline=codec_of(codec).encode(pseudo_gradient(theta, res.theta)),
+        steps=res.steps, tokens=res.steps * spec.tokens_per_step, losses=res.losses, state_in=res.state_in,
+        state_out=res.state_out, group=res.group), worker)
+    check_split(sub, a, CHUNK_STEPS)  # what the shepherd checks before it accepts the group's Δ
+    sub_bytes = encode(sub)
+    req = sign(audit.AuditRequest(
+        run_id="group-run", term=0, round=1, attempt=0, worker=worker.peer_id, submission_cid=cid_of(sub_bytes),
+        beacon="b", assignment=a, target="t", artifact_cid="a", dataset_cid="d", auditor=auditor_id.peer_id,
+        shepherd=shepherd.peer_id), shepherd)
+    job = audit.AuditJob(req, auditor_id, chunk_steps=CHUNK_STEPS)
+    job.on_blob(req.submission_cid, sub_bytes)
+    job.on_blob(params_cid(theta), pack_tensors(theta, "fp32"))
+    bundle = engine.export_state(res.state_in)  # every rank's start state, gathered over MPI
+    job.on_offer(audit.make_offer(req, res.state_in, bundle, worker))
+    job.on_blob(cid_of(bundle), bundle)
+    report = job.finish_replays([auditor.replay(*i) for i in job.replay_inputs()])
+    return {"verdict": report.verdict, "differs": list(report.differs), "max_abs_diff": report.max_abs_diff,
+            "parts": [[p.rank, p.max_steps, p.steps] for p in res.group],
+            "served_ranks": list(decode_group_state(bundle, stateful_ranks(sub)))}
 
 
 def _kill(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
