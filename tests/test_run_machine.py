@@ -123,3 +123,28 @@ def test_a_term_whose_set_up_failed_is_not_renewed_so_it_lapses(tmp_path) -> Non
     at = failed.election.next_wakeup
     assert renewals(failed.tick(at)) == []  # the holder that cannot lead lets its lease lapse
     assert renewals(compiling.tick(at))  # while the set-up is still under way, the lease is renewed
+
+
+def test_fork_choice_drops_the_losing_rounds_from_what_status_shows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A node on the losing side of a partition showed rounds of term 0 as committed; the winning
+    term 1 continues from an earlier round (Worker.on_commit's fork choice). Status must then show
+    the winning chain only, and say how many rounds it dropped (the netlab partition test drives
+    this with real processes; this is the bookkeeping alone)."""
+    from pcp_p2p.diloco.messages import CommitRecord
+
+    m = lone_machine(tmp_path)
+    me = m.peer_id
+
+    def commit(term: int, round_: int, theta: str) -> CommitRecord:
+        return CommitRecord(run_id="run", term=term, round=round_, attempt=0, prev_theta_cid="", theta_cid=theta,
+                            checkpoint_cid="", participants=(me,), tokens=1, mean_loss=1.0, val_loss=None,
+                            shepherd="s")
+
+    for r in range(5):  # rounds 1..5 in term 0, this node counted in each
+        m._commit_seen(commit(0, r, f"old{r}"), 2.0 + r)
+    m._commit_seen(commit(1, 2, "new2"), 10.0)  # term 1's round 3 wins over term 0's rounds 3..5
+    assert [(h["round"], h["term"], h["theta"]) for h in m.stats.history] == [
+        (1, 0, "old0"), (2, 0, "old1"), (3, 1, "new2")]
+    assert m.stats.contributed_rounds == [1, 2, 3] and m.stats.superseded == 3
+    m._commit_seen(commit(1, 3, "new3"), 11.0)  # the winning chain goes on: nothing more dropped
+    assert [h["round"] for h in m.stats.history] == [1, 2, 3, 4] and m.stats.superseded == 3

@@ -182,6 +182,7 @@ class RunStats:
     bytes_submitted: int = 0  # encoded submissions sent (what this worker puts on the wire per round)
     first_train_at: float | None = None  # the first inner run started
     last_commit_at: float | None = None  # the latest commit arrived
+    superseded: int = 0  # commits this node had shown, replaced by fork choice (a higher term's chain)
 
 
 class RunMachine:
@@ -557,6 +558,19 @@ class RunMachine:
 
     def _commit_seen(self, rec: CommitRecord, now: float) -> None:
         self.stats.last_commit_at = now
+        # Fork choice (Worker.on_commit): a higher term's commit may land at or below a round this
+        # node already showed as committed (it sat on the losing side of a partition). Those rounds
+        # are lost, not committed: the history and the rounds counted for us shed them, so status
+        # never presents the losing side's chain as committed.
+        lost = 0
+        while self.stats.history and self.stats.history[-1]["round"] >= rec.round + 1:
+            self.stats.history.pop()
+            lost += 1
+        if lost:
+            self.stats.superseded += lost
+            self.stats.contributed_rounds[:] = [r for r in self.stats.contributed_rounds if r < rec.round + 1]
+            log.warning("run %s: fork choice: term %d's round %d supersedes %d round(s) this node had committed",
+                        self.run_id[:16], rec.term, rec.round + 1, lost)
         if rec.checkpoint_cid:
             self._out.append(ReplicateCheckpoint(rec.checkpoint_cid))
         self._out.append(CommitAccepted(rec))

@@ -105,4 +105,5 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "admission": rt.spec.admission.mode,
         "banned": len(m.ledger.bans()),
         "history": list(stats.history),
+        "superseded": stats.superseded,  # rounds dropped from history by fork choice (docs/election.md)
     }
