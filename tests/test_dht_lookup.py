@@ -217,3 +217,34 @@ async def test_a_peer_that_refuses_the_value_answers_with_peer_gone(swarm3) -> N
     with trio.fail_after(10), pytest.raises(PeerGone):
         await rpc.put_value(a.host, b.host.get_id(), forged.key.encode(), encode(forged))
     assert b.dht.value_store.get(forged.key.encode()) is None
+
+
+async def test_a_kad_request_to_a_peer_without_kad_fails_cleanly_and_the_peer_lives(swarm3) -> None:
+    """A client host (no KAD handler) is asked through py-libp2p's own negotiation, never pipelined:
+    pipelined bytes after an ``na`` would take a py-libp2p listener's host down."""
+    import multiaddr
+    from libp2p import new_host
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from pcp_p2p.node.status import fetch_status
+
+    boot, a, b = swarm3
+    client = new_host(key_pair=Identity.generate().key_pair)
+    async with client.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        await client.connect(info_from_p2p_addr(multiaddr.Multiaddr(a.addrs()[0])))
+        with trio.fail_after(10):
+            while not a.host.get_peerstore().get_protocols(client.get_id()):
+                await trio.sleep(0.05)  # identify has not reported the client's protocols yet
+        assert not rpc.speaks_kad(a.host, client.get_id())
+        from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
+
+        # A request whose bytes end in a newline and are not UTF-8: what py-libp2p's
+        # listener, after its "na", would take for a proposal and fail to decode.
+        nasty = KadMessage(type=KadMessage.MessageType.GET_VALUE, key=b"/pcp/member/\xd5\n")
+        assert nasty.SerializeToString().endswith(b"\xd5\n")
+        with trio.fail_after(10), pytest.raises(PeerGone):
+            await rpc.kad_request(a.host, client.get_id(), nasty)
+        # Had the request been pipelined, the client's host would have died with a
+        # UnicodeDecodeError, failing this block; it runs on, and a still answers.
+        await trio.sleep(0.2)
+        assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id

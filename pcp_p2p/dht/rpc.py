@@ -10,10 +10,13 @@ DHT logic, was most of a 120 ms get.
 :func:`kad_request` sends the multistream header, the protocol and the
 length-prefixed request in ONE write on a fresh yamux stream, then reads the
 two echoes and the answer (multistream-select allows this: a listener reads
-the proposals in order; Go's "lazy" client does the same). A peer that does
-not speak KAD answers ``na`` and the request fails with
-:class:`~pcp_p2p.errors.PeerGone`; it is never read as anything else. The
-same KAD wire messages as py-libp2p's own, so either side may be either code.
+the proposals in order; Go's "lazy" client does the same). Only to a peer whose
+identify listed the KAD protocol, though: py-libp2p 0.8.1's listener, after
+answering ``na``, reads the request bytes as the next proposal, fails to
+decode them as text, and the UnicodeDecodeError takes its whole host down (a
+bench's status client died so). Any other peer gets py-libp2p's own
+negotiation first (``host.new_stream``). The same KAD wire messages as
+py-libp2p's own, so either side may be either code.
 
 The request builders and answer readers below mirror what py-libp2p's
 ``_get_from_peer``/``_store_at_peer`` send and check (the sender's signed
@@ -58,16 +61,22 @@ async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
     that does not parse. The stream is closed on every path.
     """
     body = request.SerializeToString()
+    pipelined = speaks_kad(host, peer)
     try:
-        stream = await host.get_network().new_stream(peer)
+        if pipelined:
+            stream = await host.get_network().new_stream(peer)
+        else:
+            stream = await host.new_stream(peer, [PROTOCOL_ID])
     except Exception as exc:
-        raise PeerGone(f"no stream to {peer}: {exc}") from exc
+        raise PeerGone(f"no KAD stream to {peer}: {exc}") from exc
     try:
-        await stream.write(_KAD_PREAMBLE + varint.encode(len(body)) + body)
-        if await read_delim(stream) != MULTISTREAM:
-            raise PeerGone(f"{peer} does not speak multistream-select")
-        if (await read_delim(stream)).decode(errors="replace") != str(PROTOCOL_ID):
-            raise PeerGone(f"{peer} refused {PROTOCOL_ID}")
+        framed = varint.encode(len(body)) + body
+        await stream.write(_KAD_PREAMBLE + framed if pipelined else framed)
+        if pipelined:
+            if await read_delim(stream) != MULTISTREAM:
+                raise PeerGone(f"{peer} does not speak multistream-select")
+            if (await read_delim(stream)).decode(errors="replace") != str(PROTOCOL_ID):
+                raise PeerGone(f"{peer} refused {PROTOCOL_ID}")
         answer_bytes = await read_varint_prefixed_bytes_limited(stream, MAX_ANSWER)
     except PeerGone:
         raise
@@ -88,6 +97,14 @@ async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
     if not maybe_consume_signed_record(answer, host, peer):
         raise MalformedMessage(f"{peer} sent an invalid signed peer record")
     return answer
+
+
+def speaks_kad(host: IHost, peer: ID) -> bool:
+    """Whether identify told us ``peer`` serves the KAD protocol (then a request may be pipelined)."""
+    try:
+        return str(PROTOCOL_ID) in [str(p) for p in host.get_peerstore().get_protocols(peer) or ()]
+    except Exception:
+        return False
 
 
 def _request(host: IHost, kind: int, key: bytes) -> Message:

@@ -229,7 +229,9 @@ class PcpKadDHT(KadDHT):
         peers = self.routing_table.find_local_closest_peers(key_bytes, K)
         thin = len(peers) < MIN_START_PEERS
         if thin:
-            peers = list(dict.fromkeys([*peers, *self.host.get_connected_peers()]))
+            known = [p for p in self.host.get_connected_peers()  # clients (identify says no KAD) left out
+                     if (protocols := self.routing_table._protocols(p)) is None or str(PROTOCOL_ID) in protocols]
+            peers = list(dict.fromkeys([*peers, *known]))
         return [p for p in peers if p != self.local_peer_id], thin
 
     def _newer(self, key: str) -> Callable[[bytes, bytes], bool]:
