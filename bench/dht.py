@@ -3,15 +3,21 @@
 Each node is a real PCP node (py-libp2p host, Kademlia in server mode, signed
 records through the ``pcp`` validator). The parent drives them over
 stdin/stdout: node i stores a signed record, a different node j reads it back;
-50 of each. With 8 nodes every node is among the k=20 closest and holds a
-replica after a store, so a get is timed twice: from the local replica, and
-with that replica dropped first so the value has to come from the network (the
-figure comparable to the Go daemon's). Every operation is timed inside the node that runs it.
+50 of each. A put returns once the closest peer acknowledged (PUT_QUORUM in
+pcp_p2p/dht/lookup.py); the other replicas are stored in the background, and
+their completion is timed apart (``put_all_replicas``) and awaited before the
+next operation, so no operation is timed with the last one's leftovers. With 8
+nodes every node is among the k=20 closest and then holds a replica, so a get
+is timed twice: from the local replica, and with that replica dropped first so
+the value has to come from the network (the figure comparable to the Go
+daemon's). Every operation is timed inside the node that runs it.
 
-Baseline measured in the same run: the round trip of one status request over a
-libp2p stream between two of the same nodes (connection already open) — the
-floor under any DHT operation here. Reference figures from a peer system with a
-Go libp2p daemon per node on the same machine: store 14 ms, get 10 ms (medians).
+Baselines measured in the same run, between two of the same nodes (connection
+already open): one KAD request/response on a stream that is already open and
+negotiated (``same_stream``: the floor under any DHT RPC here), and one status
+request on a fresh stream (negotiation included, as py-libp2p's ``new_stream``
+does it). Reference figures from a peer system with a Go libp2p daemon per node
+on the same machine: store 14 ms, get 10 ms (medians) — the issue's goals.
 
     .venv/bin/python bench/dht.py [--nodes 8] [--ops 50]
 """
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import trio
 
-GO_STORE_MS, GO_GET_MS = 14.0, 10.0
+GO_STORE_MS, GO_GET_MS = 14.0, 10.0  # the issue's goals: medians at most these
 
 
 # --- child: one node, driven over stdin/stdout -------------------------------------
@@ -72,6 +78,13 @@ async def child(data_dir: Path, bootstrap: str) -> None:
                     await node.put_record(rec)
                 except Exception:
                     ok = False
+                put_s = time.perf_counter() - t
+                # The put returns once PUT_QUORUM replicas acknowledged; the other
+                # replicas are stored in the background. Wait for that too (timed
+                # apart), so the next operation is not timed with this one's leftovers.
+                await node.dht.wait_idle()
+                print(json.dumps({"ok": ok, "s": put_s, "replicated_s": time.perf_counter() - t}), flush=True)
+                continue
             elif cmd["op"] == "get":
                 if not cmd["local"]:  # drop our replica so the get has to ask the network
                     node.dht.value_store.remove(record_key("bench", cmd["name"]).encode())
@@ -95,7 +108,25 @@ async def child(data_dir: Path, bootstrap: str) -> None:
                     await stream.close()
                     times.append(time.perf_counter() - t1)
                 times = times[1:]
-                print(json.dumps({"ok": True, "times": times}), flush=True)
+                # The same request/response on ONE open, negotiated KAD stream:
+                # no stream set-up at all, the floor under any DHT RPC.
+                from libp2p.kad_dht.common import PROTOCOL_ID
+                from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
+                from libp2p.utils.varint import encode_varint_prefixed, read_varint_prefixed_bytes_limited
+
+                req = KadMessage()
+                req.type = KadMessage.MessageType.GET_VALUE
+                req.key = b"/pcp/bench/absent"
+                body = encode_varint_prefixed(req.SerializeToString())
+                kad = await node.host.new_stream(info.peer_id, [PROTOCOL_ID])
+                same = []
+                for _ in range(cmd["reps"] + 1):
+                    t1 = time.perf_counter()
+                    await kad.write(body)
+                    await read_varint_prefixed_bytes_limited(kad, 1 << 20)
+                    same.append(time.perf_counter() - t1)
+                await kad.close()
+                print(json.dumps({"ok": True, "times": times, "same_stream": same[1:]}), flush=True)
                 continue
             elif cmd["op"] == "refresh":
                 await node._refresh()
@@ -156,8 +187,9 @@ def main() -> None:
                 n.ask(op="refresh")
             print(f"{len(nodes)} nodes up; {args.ops} puts and gets between different nodes", file=sys.stderr)
 
-            rtt = nodes[0].ask(op="rtt", addr=nodes[1].addr, reps=20)["times"]
-            puts, gets, local_gets, failures = [], [], [], 0
+            r = nodes[0].ask(op="rtt", addr=nodes[1].addr, reps=20)
+            rtt, same_stream = r["times"], r["same_stream"]
+            puts, replicated, gets, local_gets, failures = [], [], [], [], 0
             for k in range(args.ops):
                 src = nodes[k % len(nodes)]
                 dst = nodes[(k + 1 + k // len(nodes)) % len(nodes)]
@@ -165,6 +197,7 @@ def main() -> None:
                     dst = nodes[(k + 1) % len(nodes)]
                 r = src.ask(op="put", n=k)
                 puts.append(r["s"])
+                replicated.append(r["replicated_s"])
                 failures += not r["ok"]
                 g = dst.ask(op="get", name=f"{src.peer_id}-{k}", n=k, local=True)
                 local_gets.append(g["s"])
@@ -179,9 +212,11 @@ def main() -> None:
 
     ms = lambda s: round(s * 1000, 2)  # noqa: E731
     put_med, get_med, rtt_med = statistics.median(puts), statistics.median(gets), statistics.median(rtt)
+    same_med = statistics.median(same_stream)
     result = {
         "headline": ms(put_med),
         "target": GO_STORE_MS,
+        "get_target_ms": GO_GET_MS,
         "better": "lower",
         "unit": "ms (median DHT store)",
         "nodes": args.nodes,
@@ -189,10 +224,14 @@ def main() -> None:
         "failures": failures,
         "put_median_ms": ms(put_med),
         "put_p95_ms": ms(pct(puts, 0.95)),
+        "put_all_replicas_median_ms": ms(statistics.median(replicated)),
         "get_median_ms": ms(get_med),
         "get_p95_ms": ms(pct(gets, 0.95)),
         "get_local_replica_median_ms": ms(statistics.median(local_gets)),
+        "baseline_same_stream_rtt_median_ms": ms(same_med),
         "baseline_stream_rtt_median_ms": ms(rtt_med),
+        "put_vs_same_stream_rtt": round(put_med / same_med, 2),
+        "get_vs_same_stream_rtt": round(get_med / same_med, 2),
         "put_vs_rtt": round(put_med / rtt_med, 2),
         "get_vs_rtt": round(get_med / rtt_med, 2),
         "go_daemon_store_median_ms": GO_STORE_MS,

@@ -5,8 +5,10 @@ GPT with rotation off, so terms change only by failover. Each time a round has
 committed, the current shepherd is SIGKILLed (a stopwatch starts) and the
 stopwatch stops when the next round commits under a new term; the killed node is
 then restarted with its data dir and rejoins as a worker. Repeated ``--kills``
-times; the headline is the median, printed beside the lease duration it is
-bounded by (target: under twice the lease).
+times; the headline is the median, printed beside the lease duration (the old
+bound: failover waited for the lease to lapse; now followers fail over after
+missing the shepherd's direct heartbeats, see docs/election.md). Target: the
+issue's goal, 3 s.
 
 Baseline measured in the same run: the median time between two consecutive
 commits with no kill, so the figure can be read as "how much longer than a
@@ -30,6 +32,7 @@ from pathlib import Path
 import trio
 
 LEASE_S = 6.0
+GOAL_S = 3.0  # issue #20: at most this from SIGKILL to the next committed round (median)
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -73,6 +76,12 @@ rotate_every = 0
                         run = to_json(await swarm.status(w, timeout=5)).get("run") or {}
                     except PcpError:
                         continue
+                    except BaseExceptionGroup:  # noqa: B036
+                        # fetch_status's throwaway host, cancelled at its deadline on a
+                        # loaded machine, can surface as a group of Cancelled from py-libp2p's
+                        # services: no answer from this node this time (an outer
+                        # cancellation is re-raised at the next checkpoint anyway).
+                        continue
                     hist = run.get("history") or []
                     if hist and len(hist) > best[0]:
                         best = (len(hist), hist[-1]["term"], run.get("shepherd"))
@@ -112,7 +121,7 @@ rotate_every = 0
     med = statistics.median(times)
     return {
         "headline": round(med, 2),
-        "target": 2 * LEASE_S,
+        "target": GOAL_S,
         "better": "lower",
         "unit": "s (SIGKILL of the shepherd to the next committed round, median)",
         "lease_s": LEASE_S,

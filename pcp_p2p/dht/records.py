@@ -18,7 +18,9 @@ leases, checkpoints) add their kind there.
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +38,7 @@ NAMESPACE = "pcp"
 MAX_RECORD_SIZE = 16 * 1024
 MAX_TTL_S = 7 * 24 * 3600.0
 CLOCK_SKEW_S = 120.0  # a signer's clock may run this far ahead of ours
+VERIFIED_CACHE_SIZE = 4096  # records whose signature and shape were checked, by content digest
 
 
 @wire_message("dht.record", max_size=MAX_RECORD_SIZE)
@@ -135,33 +138,58 @@ class VerifiedRecord:
     payload: Message
 
 
+_verified: OrderedDict[bytes, tuple[VerifiedRecord, KindRule]] = OrderedDict()
+
+
 def verify_record(data: bytes, *, key: str | None = None, now: float | None = None) -> VerifiedRecord:
     """Decode and check a record; raise a typed error on any problem.
 
     Checks, in order: size and shape, the key it is stored under, the kind's
     payload type, the signature by the claimed signer, the validity window, and
     the kind's rule about who may sign the key.
+
+    The checks that depend on nothing but the bytes (shape, signature, payload,
+    the kind's rule) are remembered by content digest: one record is checked by
+    the DHT validator when it arrives, again when a lookup selects it and when
+    ``get_record`` hands it out, and every replica of it is the same bytes. The
+    key and the validity window are checked on every call.
     """
     if len(data) > MAX_RECORD_SIZE:
         raise OversizedMessage(f"record of {len(data)} bytes > {MAX_RECORD_SIZE}")
-    rec = decode(data, SignedRecord)
+    digest = hashlib.blake2b(data, digest_size=32).digest()
+    hit = _verified.get(digest)
+    if hit is not None and KIND_RULES.get(hit[0].kind) is hit[1]:
+        _verified.move_to_end(digest)
+        verified = hit[0]
+    else:
+        verified, rule = _verify_content(data)
+        _verified[digest] = (verified, rule)
+        if len(_verified) > VERIFIED_CACHE_SIZE:
+            _verified.popitem(last=False)
+    rec = verified.record
     if key is not None and rec.key != key:
         raise VerificationError(f"record for {rec.key!r:.80} stored under {key!r:.80}")
+    t = time.time() if now is None else now
+    if rec.expires_at <= t:
+        raise ExpiredRecord(f"record {rec.key} expired {t - rec.expires_at:.0f} s ago")
+    if rec.issued_at > t + CLOCK_SKEW_S:
+        raise ExpiredRecord(f"record {rec.key} issued {rec.issued_at - t:.0f} s in the future")
+    return verified
+
+
+def _verify_content(data: bytes) -> tuple[VerifiedRecord, KindRule]:
+    """The checks of :func:`verify_record` that depend on the bytes alone."""
+    rec = decode(data, SignedRecord)
     kind, name = split_record_key(rec.key)
     rule = KIND_RULES.get(kind)
     if rule is None:
         raise MalformedMessage(f"unknown record kind {kind!r:.40}")
     verify_signature(rec.signer, signing_bytes(rec), rec.signature)
-    t = time.time() if now is None else now
     if not (rec.expires_at > rec.issued_at and rec.expires_at - rec.issued_at <= MAX_TTL_S):
         raise ExpiredRecord("record validity window is empty or too long")
-    if rec.expires_at <= t:
-        raise ExpiredRecord(f"record {rec.key} expired {t - rec.expires_at:.0f} s ago")
-    if rec.issued_at > t + CLOCK_SKEW_S:
-        raise ExpiredRecord(f"record {rec.key} issued {rec.issued_at - t:.0f} s in the future")
     payload = decode(rec.payload, rule.payload_type)
     rule.check(name, rec.signer, payload)
-    return VerifiedRecord(rec, kind, name, payload)
+    return VerifiedRecord(rec, kind, name, payload), rule
 
 
 def newer(a: SignedRecord, b: SignedRecord) -> bool:

@@ -18,24 +18,34 @@ installed library: an entry needs a dialable address and, once identify has
 told us the peer's protocols, the KAD protocol among them. A peer that opened a
 KAD stream before identify finished is looked at again once it has (a short,
 bounded wait in the table's own nursery), so a server that dialled us still
-gets in. :class:`PcpKadDHT` is a ``KadDHT`` with that table.
+gets in. :class:`PcpKadDHT` is a ``KadDHT`` with that table, and with
+``get_value``/``put_value`` driven by the machines of :mod:`pcp_p2p.dht.lookup`
+(start from the routing table, ask in parallel, stop early, finish stores and
+corrections off the caller's path) on the same KAD wire protocol.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import KadDHT
-from libp2p.kad_dht.routing_table import RoutingTable
+from libp2p.kad_dht.routing_table import RoutingTable, peer_id_to_key
+from libp2p.kad_dht.utils import xor_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+from pcp_p2p.dht import rpc
+from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, K, PUT_QUORUM, ClosestWalk, StoreFanout, ValueLookup
+from pcp_p2p.errors import PcpError
 
 log = logging.getLogger("pcp.dht")
 
@@ -44,6 +54,9 @@ log = logging.getLogger("pcp.dht")
 IDENTIFY_WAIT_S = 10.0
 IDENTIFY_POLL_S = 0.1  # py-libp2p sets no event when identify completes: the peerstore is read again
 MAX_PENDING = 256  # peers awaiting that check at once; more are simply not added
+RPC_TIMEOUT_S = 5.0  # one GET_VALUE / PUT_VALUE / FIND_NODE; a lookup asks another peer meanwhile
+MAX_BACKGROUND = 32  # puts' remainders and entry corrections running at once; beyond, the caller waits
+MIN_START_PEERS = 5  # fewer in the routing table: connected peers are asked too (as py-libp2p does)
 
 
 def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
@@ -179,3 +192,241 @@ class PcpKadDHT(KadDHT):
         self.peer_routing.routing_table = self.routing_table
         if self.rt_refresh_manager is not None:  # random walk: not used by PCP, kept consistent anyway
             self.rt_refresh_manager.routing_table = self.routing_table
+
+
+    # -- lookups (pcp_p2p.dht.lookup) ---------------------------------------------------
+
+    _background: int = 0
+    _idle: trio.Event | None = None
+
+    async def wait_idle(self) -> None:
+        """Until no background work (a put's replication, an entry correction) is running:
+        for benchmarks and tests that must not time one operation's leftovers into the next."""
+        while self._background:
+            if self._idle is None or self._idle.is_set():
+                self._idle = trio.Event()
+            await self._idle.wait()
+
+    def _distance_to(self, key_bytes: bytes) -> Callable[[ID], int]:
+        target = hashlib.sha256(key_bytes).digest()
+        cache: dict[ID, int] = {}
+
+        def distance(peer: ID) -> int:
+            if peer not in cache:
+                cache[peer] = xor_distance(peer_id_to_key(peer), target)
+            return cache[peer]
+
+        return distance
+
+    def _start_peers(self, key_bytes: bytes) -> tuple[list[ID], bool]:
+        """The routing table's closest peers to the key, and whether the table is thin.
+
+        A thin table (fewer than ``MIN_START_PEERS``: the node is bootstrapping)
+        is topped up with connected peers, as py-libp2p does, and the operation
+        asks them all at once and learns from every answer, instead of trusting
+        the table's few entries to be the closest.
+        """
+        peers = self.routing_table.find_local_closest_peers(key_bytes, K)
+        thin = len(peers) < MIN_START_PEERS
+        if thin:
+            known = [p for p in self.host.get_connected_peers()  # clients (identify says no KAD) left out
+                     if (protocols := self.routing_table._protocols(p)) is None or str(PROTOCOL_ID) in protocols]
+            peers = list(dict.fromkeys([*peers, *known]))
+        return [p for p in peers if p != self.local_peer_id], thin
+
+    def _newer(self, key: str) -> Callable[[bytes, bytes], bool]:
+        def newer(a: bytes, b: bytes) -> bool:
+            assert self.validator is not None
+            return self.validator.select(key, [b, a]) == 1
+
+        return newer
+
+    def _valid(self, key: str, value: bytes) -> bool:
+        assert self.validator is not None
+        try:
+            self.validator.validate(key, value)
+            return True
+        except Exception as exc:
+            log.debug("dropping an invalid value for %s: %s", key, exc)
+            return False
+
+    async def get_value(self, key: str, quorum: int = 0) -> bytes | None:
+        """The newest valid value of ``key``: the local replica, else a :class:`ValueLookup`.
+
+        Peers are asked ``ALPHA`` at a time from the routing table's closest;
+        the lookup stops at ``quorum`` (default ``GET_QUORUM``) valid answers.
+        The winner is kept locally; replicas found stale are corrected in the
+        background.
+        """
+        if self.validator is None:
+            raise ValueError("Validator required for DHT operations")
+        key_bytes = key.encode("utf-8")
+        local = self.value_store.get(key_bytes)
+        if local is not None:
+            return local.value
+        start, thin = self._start_peers(key_bytes)
+        lookup: ValueLookup[ID] = ValueLookup(self._distance_to(key_bytes), self._newer(key),
+                                             started_at=trio.current_time(),
+                                             quorum=quorum or (len(start) if thin else GET_QUORUM),
+                                             hedge_s=0.0 if thin else HEDGE_S)
+        lookup.add_candidates(start)
+        records: dict[bytes, Record] = {}
+        changed = trio.Event()
+
+        async with trio.open_nursery() as nursery:
+
+            def launch() -> None:
+                for peer in lookup.next_queries(trio.current_time()):
+                    nursery.start_soon(ask, peer)
+                if lookup.done:
+                    nursery.cancel_scope.cancel()
+
+            async def ask(peer: ID) -> None:
+                nonlocal changed
+                result = None
+                with trio.move_on_after(RPC_TIMEOUT_S):
+                    try:
+                        result = await rpc.get_value(self.host, peer, key_bytes,
+                                                     closer_if_found=thin or lookup.quorum > 1)
+                    except PcpError as exc:
+                        log.debug("GET_VALUE at %s: %s", peer, exc)
+                if result is None:
+                    lookup.on_failure(peer)
+                else:
+                    rec, closer = result
+                    value = None
+                    if rec is not None and self._valid(key, rec.value):
+                        value = rec.value
+                        records.setdefault(value, rec)
+                    lookup.on_answer(peer, value, closer)
+                    await self._learn([peer, *closer] if thin else [peer])
+                launch()
+                changed.set()
+
+            launch()
+            while True:  # hedging: one more query in flight each HEDGE_S without an answer
+                with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
+                    await changed.wait()
+                changed = trio.Event()
+                launch()
+        if lookup.best is None:
+            return None
+        best = records[lookup.best]
+        self.value_store.put_record(key_bytes, best)
+        stale = lookup.stale_peers()
+        if stale:
+            await self._off_path(self._store_at_all, stale, key_bytes, lookup.best)
+        return lookup.best
+
+    async def put_value(self, key: str, value: bytes) -> None:
+        """Store locally, then at the routing table's ``K`` closest peers at once.
+
+        Returns once ``PUT_QUORUM`` stores were acknowledged (or all answered);
+        the remaining stores, and a :class:`ClosestWalk` that stores at any
+        closer peer it finds, finish in the background.
+        """
+        if self.validator is None:
+            raise ValueError("Validator required for DHT operations")
+        self.validator.validate(key, value)
+        key_bytes = key.encode("utf-8")
+        old = self.value_store.get(key_bytes)
+        if old is not None and old.value != value and self.validator.select(key, [value, old.value]) != 0:
+            raise ValueError("Refusing to replace newer value with the older one")
+        self.value_store.put(key_bytes, value)
+
+        start, thin = self._start_peers(key_bytes)
+        fanout: StoreFanout[ID] = StoreFanout(quorum=len(start) if thin else PUT_QUORUM)
+        fanout.add_targets(start)
+        async with trio.open_nursery() as nursery:
+
+            def launch() -> None:
+                for peer in fanout.next_urgent():
+                    nursery.start_soon(store, peer)
+
+            async def store(peer: ID) -> None:
+                ok = await self._store_at(peer, key_bytes, value)
+                fanout.on_result(peer, ok)
+                if ok:
+                    await self._learn([peer])
+                launch()
+
+            launch()
+        if fanout.acked == 0 and fanout.failed:
+            log.debug("put of %s: no peer acknowledged the store", key)
+        await self._off_path(self._replicate, key_bytes, value, fanout)
+
+    async def _replicate(self, key_bytes: bytes, value: bytes, fanout: StoreFanout[ID]) -> None:
+        """The rest of a put, one RPC at a time (gentle on a shared CPU): the remaining closest
+        peers of the routing table, then a :class:`ClosestWalk` storing at any closer peer it finds."""
+        for peer in fanout.rest():
+            fanout.on_result(peer, await self._store_at(peer, key_bytes, value))
+        walk: ClosestWalk[ID] = ClosestWalk(self._distance_to(key_bytes), alpha=1)
+        walk.add(self._start_peers(key_bytes)[0])
+        while not walk.done:
+            for peer in walk.next_queries():
+                closer: list[ID] | None = None
+                with trio.move_on_after(RPC_TIMEOUT_S):
+                    try:  # GET_VALUE, not FIND_NODE: see pcp_p2p.dht.rpc
+                        closer = (await rpc.get_value(self.host, peer, key_bytes))[1]
+                    except PcpError as exc:
+                        log.debug("GET_VALUE (closer peers) at %s: %s", peer, exc)
+                if closer is None:
+                    walk.on_failure(peer)
+                    continue
+                await self._learn([peer, *closer])
+                fanout.add_targets(walk.on_answer(peer, closer))
+                for new in fanout.rest():
+                    fanout.on_result(new, await self._store_at(new, key_bytes, value))
+
+    async def _learn(self, peers: list[ID]) -> None:
+        """Peers that answered a KAD request, or that one named, go into the routing table (as
+        py-libp2p's own lookups add them; the table's rules still apply)."""
+        for peer in peers:
+            if peer != self.local_peer_id and not self.routing_table.peer_in_table(peer):
+                await self.routing_table.add_peer(peer)
+
+    async def _store_at(self, peer: ID, key_bytes: bytes, value: bytes) -> bool:
+        """PUT_VALUE at one peer; False when it refused (it may hold a newer value) or did not answer."""
+        with trio.move_on_after(RPC_TIMEOUT_S):
+            try:
+                return await rpc.put_value(self.host, peer, key_bytes, value)
+            except PcpError as exc:
+                log.debug("PUT_VALUE at %s: %s", peer, exc)
+        return False
+
+    async def _store_at_all(self, peers: list[ID], key_bytes: bytes, value: bytes) -> None:
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(self._store_at, peer, key_bytes, value)
+
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
+        """Start ``fn(*args)`` in the DHT's own nursery, off the caller's path; False when there
+        is none (not running) or ``MAX_BACKGROUND`` jobs already run: the caller then awaits it."""
+        nursery = self.routing_table._nursery
+        if nursery is None or self._background >= MAX_BACKGROUND:
+            return False
+        self._background += 1
+
+        async def job() -> None:
+            try:
+                await _quietly(fn, *args)
+            finally:
+                self._background -= 1
+                if not self._background and self._idle is not None:
+                    self._idle.set()
+
+        nursery.start_soon(job)
+        return True
+
+    async def _off_path(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Run ``fn(*args)`` in the background if the budget allows, else here."""
+        if not self._spawn(fn, *args):
+            await _quietly(fn, *args)
+
+
+async def _quietly(fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    """Background DHT work must never take the DHT down: log and drop its errors."""
+    try:
+        await fn(*args)
+    except Exception as exc:
+        log.debug("background DHT work failed: %s", exc)

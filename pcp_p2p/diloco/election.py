@@ -60,7 +60,10 @@ Lifecycle of a term, as seen by one node::
     HOLDER   --commit completing rotate_every rounds-->      VACANT   (StepDown "rotation")
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
+    HOLDER   --tick, heartbeat_s since the last beat-->      HOLDER   (SendHeartbeat)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
+    FOLLOWER --no heartbeat from the holder for suspect_s--> VACANT   (failover; holder suspected)
+    VACANT   --the suspected holder's heartbeat, term open--> FOLLOWER (it was slow, not dead)
     FOLLOWER --the holder announced its departure-->         VACANT   (failover, at once)
 """
 
@@ -112,6 +115,21 @@ class Lease(Message):
     from_round: int
     from_theta_cid: str
     from_checkpoint_cid: str
+    signature: bytes = b""
+
+
+@wire_message("diloco.heartbeat", max_size=1024)
+class Heartbeat(Message):
+    """The holder of ``term`` is alive: sent straight to the run's members every ``heartbeat_s``.
+
+    Signed like a lease; a follower that has heard none for ``suspect_s``
+    suspects the holder and fails over without waiting for the lease to lapse
+    (see ``Election.on_heartbeat``)."""
+
+    run_id: str
+    term: int
+    holder: str
+    sent_at: float
     signature: bytes = b""
 
 
@@ -188,6 +206,13 @@ class ElectionConfig:
     rounds: int | None = None
     """The run's number of rounds: once a commit of the last one is known, no term is claimed
     (``None``: the run never ends, as far as the election knows)."""
+    heartbeat_s: float = 0.0
+    """The holder sends a signed :class:`Heartbeat` straight to the run's members this often
+    (0: none; failover waits for the lease to lapse)."""
+    suspect_s: float | None = None
+    """A follower that heard no heartbeat (nor renewal) from the holder this long suspects it
+    (default ``3 * heartbeat_s``): it fails over, and leaves the holder out of the next
+    term's ranking, without waiting for the lease to lapse."""
 
     def validate(self) -> ElectionConfig:
         if not (0 < self.renew_every_s < self.lease_s):
@@ -196,7 +221,17 @@ class ElectionConfig:
             raise ConfigError("election: max_skew_s >= 0 and max_claim_age_s > 0")
         if self.grace_s < 0 or self.min_uptime_s < 0 or self.rotate_every < 0 or self.claim_timeout_s <= 0:
             raise ConfigError("election: grace_s, min_uptime_s, rotate_every >= 0 and claim_timeout_s > 0")
+        if self.heartbeat_s < 0 or (self.heartbeat_s > 0 and not self.heartbeat_s < self.suspect_window_s):
+            raise ConfigError("election: heartbeat_s >= 0, and below suspect_s")
         return self
+
+    @property
+    def heartbeats(self) -> bool:
+        return self.heartbeat_s > 0
+
+    @property
+    def suspect_window_s(self) -> float:
+        return 3 * self.heartbeat_s if self.suspect_s is None else self.suspect_s
 
     @property
     def fresh_window_s(self) -> float:
@@ -232,6 +267,13 @@ class PublishLease:
 
     lease: Lease
     renewal: bool
+
+
+@dataclass(frozen=True)
+class SendHeartbeat:
+    """Send ``heartbeat`` straight to every member of the run (the holder does, every ``heartbeat_s``)."""
+
+    heartbeat: Heartbeat
 
 
 @dataclass(frozen=True)
@@ -293,6 +335,7 @@ class CommitChecked:
 
 ElectionEffect = (
     LookupLease | PublishLease | BecomeShepherd | FollowShepherd | StepDown | LookupCommit | Rejected | CommitChecked
+    | SendHeartbeat
 )
 
 
@@ -340,6 +383,9 @@ class Election:
         self.role = Role.VACANT
         self._now: float | None = None
         self.settle_until: float | None = None  # no claim before: lookups are on their way
+        self.last_heard: float | None = None  # when the current holder last showed it is alive (our clock)
+        self.suspected: dict[str, float] = {}  # holder -> since when this node has not heard it
+        self.last_beat: float | None = None  # as the holder: when our last heartbeat (or lease) went out
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
         # The latest term's lease accepted from the network since start: with the anchor, what
@@ -380,9 +426,15 @@ class Election:
     def next_wakeup(self) -> float | None:
         c = self.config
         if self.role is Role.HOLDER and self.lease is not None:
-            return min(self.lease.issued + c.renew_every_s, self.lease.expiry)
+            due = min(self.lease.issued + c.renew_every_s, self.lease.expiry)
+            if c.heartbeats and self.last_beat is not None:
+                due = min(due, self.last_beat + c.heartbeat_s)
+            return due
         if self.role is Role.FOLLOWER and self.lease is not None:
-            return self.lease.expiry + c.grace_s
+            due = self.lease.expiry + c.grace_s
+            if c.heartbeats and self.last_heard is not None:
+                due = min(due, self.last_heard + c.suspect_window_s)
+            return due
         if self.role is Role.VACANT and self.vacant_since is not None:
             now = self.vacant_since if self._now is None else self._now
             if self.settle_until is not None and now < self.settle_until:
@@ -513,6 +565,46 @@ class Election:
             return []
         return self._end_term(now, "failover")
 
+    def on_heartbeat(self, hb: Heartbeat, now: float) -> list[ElectionEffect]:
+        """A heartbeat arrived straight from ``hb.holder``.
+
+        Only the holder of the lease this node accepted for ``hb.term`` counts:
+        its signature is checked; one for an older term (a deposed holder, a
+        delayed packet) or a term not accepted here is dropped without effect. A
+        holder heard again after this node suspected it, while no later term was
+        accepted, is followed again (it was slow, not dead).
+        """
+        self._now = now
+        lease = self.lease
+        if hb.run_id != self.run_id or lease is None or hb.term != lease.term or hb.holder != lease.holder:
+            return []
+        if hb.holder == self.peer_id:
+            return []
+        try:
+            verify(hb, hb.holder)
+        except PcpError as exc:
+            return [Rejected(hb.holder, exc)]
+        if hb.sent_at > now + self.config.max_skew_s:
+            return [Rejected(hb.holder, ExpiredRecord(f"heartbeat sent {hb.sent_at - now:.1f} s in the future"))]
+        self._heard(hb.holder, now)
+        if (self.role is Role.VACANT and not self.ended_by_rotation and now < lease.expiry
+                and self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover"):
+            self.role = Role.FOLLOWER  # suspected too early: it is alive, and nobody took its term
+            self.vacant_since = None
+            self.settle_until = None
+            self.history[-1].ended = None
+        return []
+
+    def _heard(self, holder: str, now: float) -> None:
+        if self.lease is not None and holder == self.lease.holder:
+            self.last_heard = now
+        self.suspected.pop(holder, None)
+
+    def _suspect(self, holder: str, now: float) -> None:
+        self.suspected[holder] = now
+        while len(self.suspected) > MAX_DEPARTED:
+            del self.suspected[min(self.suspected, key=self.suspected.__getitem__)]
+
     def on_lease(self, lease: Lease | bytes, now: float) -> list[ElectionEffect]:
         """A lease arrived (gossip, direct send or DHT lookup)."""
         self._now = now
@@ -535,6 +627,7 @@ class Election:
         if cur is not None and lease.term == cur.term and lease.holder == cur.holder:
             if lease.issued > cur.issued:
                 self.lease = lease  # a renewal
+                self._heard(lease.holder, now)
                 if self.role is Role.VACANT and not self.ended_by_rotation and lease.holder != self.peer_id:
                     self.role = Role.FOLLOWER  # it came back before we failed over
                     self.vacant_since = None
@@ -550,6 +643,7 @@ class Election:
         self.witnessed = lease
         self.ended_by_rotation = False
         self.vacant_since = None
+        self._heard(lease.holder, now)
         self.history.append(TermRecord(lease.term, lease.holder, lease.from_round))
         if lease.holder == self.peer_id:
             # our own lease echoed back after a restart: we do not remember serving it
@@ -700,12 +794,15 @@ class Election:
         (uptime then >= ``min_uptime_s``): a member that joined after the claim
         cannot outrank the holder of an established term. The previous term's
         holder is left out when its lease had lapsed by the time of the claim
-        (failover): it is presumed dead even where the membership view has not
-        caught up yet. After a rotation it stays in.
+        (failover), or when this node suspects it (no heartbeat for
+        ``suspect_s``): it is presumed dead even where the membership view has
+        not caught up yet. A verifier that still hears it keeps it in, so a claim
+        that left it out is held back there until that node's own silence agrees
+        (or the lease lapses). After a rotation it stays in.
         """
         age = max(0.0, (self.view_at if self.view_at is not None else claimed_at) - claimed_at)
         cands = {p for p in self.view if self.uptime.get(p, float("inf")) - age >= self.config.min_uptime_s}
-        if prev is not None and prev.term < term and prev.expiry <= claimed_at:
+        if prev is not None and prev.term < term and (prev.expiry <= claimed_at or prev.holder in self.suspected):
             cands.discard(prev.holder)
         order = ranked(self.run_id, term, cands)
         return order[0] if order else None
@@ -805,6 +902,7 @@ class Election:
                 # no term outlives max_claim_age_s (verifiers refuse older claims): hand over
                 return self._end_term(now, "aged")
             if now >= lease.issued + c.renew_every_s:
+                self.last_beat = now  # the renewal goes to every member: it is a heartbeat too
                 renewed = sign(
                     Lease(
                         run_id=self.run_id, term=lease.term, holder=self.peer_id, claimed_at=lease.claimed_at,
@@ -815,9 +913,17 @@ class Election:
                 )
                 self.lease = renewed
                 return [PublishLease(renewed, renewal=True)]
+            if c.heartbeats and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
+                self.last_beat = now
+                beat = sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now),
+                            self.identity)
+                return [SendHeartbeat(beat)]
             return []
         if self.role is Role.FOLLOWER and lease is not None:
             if now >= lease.expiry + c.grace_s:
+                return self._end_term(now, "failover")
+            if c.heartbeats and self.last_heard is not None and now >= self.last_heard + c.suspect_window_s:
+                self._suspect(lease.holder, now)
                 return self._end_term(now, "failover")
             return []
         if self.role is Role.VACANT:
@@ -899,6 +1005,7 @@ class Election:
         self.ended_by_rotation = False
         self.vacant_since = None
         self.role = Role.HOLDER
+        self.last_beat = now  # the new lease goes to every member: the first heartbeat
         self.history.append(TermRecord(term, self.peer_id, lease.from_round))
         return [
             PublishLease(lease, renewal=False),

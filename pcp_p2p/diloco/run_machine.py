@@ -50,6 +50,8 @@ input                      effect
 ``on_members`` (1 s)       candidates filtered (admission, departures) to the election;
                            owner-record lookups (stop, allowlist) and catch-up when due
 ``on_message`` Lease       election: ``PublishLease``/``SetUpShepherd``/follow/step down
+``on_message`` Heartbeat   election (a follower that stops hearing them fails over);
+                           the holder's ``SendHeartbeat``: one ``Send`` per run member
 ``on_message`` Join, Sub.  to the shepherd; kept while compiling; refused otherwise
 ``on_message`` Commit      election first; ``CommitChecked`` → worker; last one: adopt
 ``on_message`` Announce.   to the worker
@@ -100,9 +102,11 @@ from pcp_p2p.diloco.election import (
     Election,
     ElectionConfig,
     FollowShepherd,
+    Heartbeat,
     Lease,
     LookupLease,
     PublishLease,
+    SendHeartbeat,
     StepDown,
 )
 from pcp_p2p.diloco.lifecycle import STOP_KIND, STOP_LOOKUP_EVERY_S, STOPPED, StopLatch, StopOrder
@@ -502,6 +506,8 @@ class RunMachine:
     def _message(self, sender: str, msg: Message, now: float) -> None:
         if isinstance(msg, Lease):
             self._election(self.election.on_lease(msg, now), now)
+        elif isinstance(msg, Heartbeat):
+            self._election(self.election.on_heartbeat(msg, now), now)
         elif isinstance(msg, (AuditRequest, StateOffer)):
             self._out.append(Audit(sender, msg))
         elif isinstance(msg, Leave):
@@ -696,6 +702,8 @@ class RunMachine:
                 self.becoming = False
                 self._out.append(Leads(False))
                 log.info("run %s: stepping down from term %d (%s)", self.run_id[:16], e.term, e.reason)
+            elif isinstance(e, SendHeartbeat):
+                self._out += [Send(peer, e.heartbeat) for peer in self.run_members()]
             elif isinstance(e, LookupLease):
                 self._lookups_pending += 1  # on_lookups_done once every asked lookup answered
                 self._out.append(LookUpLease())
@@ -830,12 +838,29 @@ def max_claim_age(spec: RunSpec) -> float:
     return e.rotate_every * (r.deadline_s + 10.0) * 3 + e.claim_timeout_s + 2 * e.lease_s
 
 
+HEARTBEAT_FAILOVER = False
+"""Whether runs use the election's heartbeat failover (``ElectionConfig.heartbeat_s``). Off: in
+``bench/failover.py`` on a loaded 2-core machine it measured worse than lease expiry (11–99 s
+against 10–11 s: spurious suspicions of a busy shepherd, term changes during a successor's
+compile); the mechanism is tested on MockClock and kept for when that is understood."""
+HEARTBEATS_PER_RENEWAL = 4  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.5 s)
+SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (3 s)
+# (3 missed beats, 1.5 s, deposed busy shepherds on a loaded 2-core machine: a commit
+# can keep a shepherd's event loop from sending for over a second.)
+
+
 def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig:
-    """The election of ``spec``'s run, as every node runs it."""
+    """The election of ``spec``'s run, as every node runs it.
+
+    Heartbeat timing is derived from the spec's renewal interval (not spec
+    fields of its own: every member still times out alike, and a run's id,
+    a hash of its spec, does not change with this release)."""
     e = spec.election
     return ElectionConfig(
         lease_s=e.lease_s, renew_every_s=e.renew_every_s, grace_s=e.grace_s,
         min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
         settle_s=settle_s, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(spec),
         rounds=spec.round.rounds,
+        heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL if HEARTBEAT_FAILOVER else 0.0,
+        suspect_s=SUSPECT_AFTER_BEATS * e.renew_every_s / HEARTBEATS_PER_RENEWAL,
     ).validate()

@@ -102,6 +102,9 @@ MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 OWNER_RECORDS: dict[str, type] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
 
 
+TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often
+
+
 class RunRuntime:
     """Drives one run on one node until the run finishes or the node stops."""
 
@@ -224,6 +227,7 @@ class RunRuntime:
             if self._stopped_before():
                 return
             await self._start()
+            last_tick = float("-inf")
             while not self.finished.is_set():
                 now = self.clock()
                 wake = self.machine.next_wakeup
@@ -232,8 +236,13 @@ class RunRuntime:
                 wait = 3600.0 if wake is None else max(wake - now, 0.5 if wake <= now else 0.0)
                 with trio.move_on_after(wait):
                     self._dispatch(await self._inbox.receive())
-                    continue
-                self._carry_out(self.machine.tick(self.clock()))
+                    # A steady flow of messages must not starve the deadlines (a shepherd's
+                    # heartbeats): tick once one is due, at most every TICK_FLOOR_S.
+                    due = self.machine.next_wakeup
+                    if due is None or self.clock() < due or self.clock() - last_tick < TICK_FLOOR_S:
+                        continue
+                last_tick = self.clock()
+                self._carry_out(self.machine.tick(last_tick))
             # Finished: let in-flight work (the final commit's sends, announcements)
             # complete, but not forever; a stopped run has nothing more to say.
             grace = STOP_GRACE_S if self.machine.stop_latch.stopped else FINISH_GRACE_S

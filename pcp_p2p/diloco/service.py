@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from pcp_p2p.diloco.election import Lease
+from pcp_p2p.diloco.election import Heartbeat, Lease
 from pcp_p2p.diloco.messages import ROUND_MESSAGES
 from pcp_p2p.diloco.owner_runs import OWNER_RUNS_KIND, OwnerRuns
 from pcp_p2p.diloco.runs import KnownRun, NoAllowedTarget, RunBook, TrustPolicy
@@ -78,7 +78,7 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
+        self.node.messenger.register((*ROUND_MESSAGES, Lease, Heartbeat, AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
                                      self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status

@@ -104,6 +104,7 @@ from pcp_p2p.node.status import (
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
 from pcp_p2p.node.traffic import Traffic, count_host_traffic
+from pcp_p2p.node import yamux_credit
 from pcp_p2p.wire import decode, encode
 from pcp_p2p.wire.framing import read_frame, reset_quietly, write_frame
 
@@ -753,6 +754,7 @@ def _local_ipv4s() -> list[str]:
 async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> AsyncIterator[Node]:
     """Start a node; it runs until the ``async with`` block ends."""
     register_all_kinds()
+    yamux_credit.install()  # go-yamux's window-update rule: a third of the frames per small RPC
     identity = identity or load_or_create_identity(config.data_dir)
     listen = [_parse_listen(a) for a in config.listen]
     for a in config.bootstrap:

@@ -1,0 +1,165 @@
+"""One KAD request/response in one round trip: multistream-select pipelined with the request.
+
+``host.new_stream`` in py-libp2p 0.8.1 negotiates a protocol in two round
+trips (the multistream header, then the protocol, each written and echoed in
+turn) and the KAD code then writes the length prefix and the message as two
+more frames: three round trips and half a dozen socket writes per RPC, each
+write a wake-up of another process. On a loaded 2-core machine that, not the
+DHT logic, was most of a 120 ms get.
+
+:func:`kad_request` sends the multistream header, the protocol and the
+length-prefixed request in ONE write on a fresh yamux stream, then reads the
+two echoes and the answer (multistream-select allows this: a listener reads
+the proposals in order; Go's "lazy" client does the same). Only to a peer whose
+identify listed the KAD protocol, though: py-libp2p 0.8.1's listener, after
+answering ``na``, reads the request bytes as the next proposal, fails to
+decode them as text, and the UnicodeDecodeError takes its whole host down (a
+bench's status client died so). Any other peer gets py-libp2p's own
+negotiation first (``host.new_stream``). The same KAD wire messages as
+py-libp2p's own, so either side may be either code.
+
+The request builders and answer readers below mirror what py-libp2p's
+``_get_from_peer``/``_store_at_peer`` send and check (the sender's signed
+peer record, closer peers with their signed records into the peerstore),
+without their extra round trips. There is no FIND_NODE here: py-libp2p's
+server resets a FIND_NODE whose key is longer than 50 bytes and not a peer
+id, and every ``/pcp/<kind>/<name>`` key is longer; a GET_VALUE answer names
+the closer peers just the same (keys up to 128 bytes).
+"""
+
+from __future__ import annotations
+
+import varint
+from libp2p.abc import IHost
+from libp2p.kad_dht.common import PROTOCOL_ID
+from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
+from libp2p.kad_dht.utils import maybe_consume_signed_record
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import env_to_send_in_RPC
+from libp2p.utils.varint import encode_delim, read_delim, read_varint_prefixed_bytes_limited
+from multiaddr import Multiaddr
+
+from pcp_p2p.errors import MalformedMessage, PeerGone
+
+MULTISTREAM = b"/multistream/1.0.0"
+MAX_ANSWER = 4 * 1024 * 1024  # py-libp2p's MAX_DHT_MESSAGE_SIZE: a closer-peers list with records
+CLOSER_ADDR_TTL_S = 600  # how long addresses learned from an answer stay in the peerstore
+
+
+def _preamble(protocol: str) -> bytes:
+    return encode_delim(MULTISTREAM) + encode_delim(protocol.encode())
+
+
+_KAD_PREAMBLE = _preamble(str(PROTOCOL_ID))
+
+
+async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
+    """Send ``request`` to ``peer`` on a new KAD stream and return its answer (one round trip).
+
+    Raises :class:`PeerGone` when the stream cannot be opened, the peer refuses
+    the protocol or closes early, and :class:`MalformedMessage` for an answer
+    that does not parse. The stream is closed on every path.
+    """
+    body = request.SerializeToString()
+    pipelined = speaks_kad(host, peer)
+    try:
+        if pipelined:
+            stream = await host.get_network().new_stream(peer)
+        else:
+            stream = await host.new_stream(peer, [PROTOCOL_ID])
+    except Exception as exc:
+        raise PeerGone(f"no KAD stream to {peer}: {exc}") from exc
+    try:
+        framed = varint.encode(len(body)) + body
+        await stream.write(_KAD_PREAMBLE + framed if pipelined else framed)
+        if pipelined:
+            if await read_delim(stream) != MULTISTREAM:
+                raise PeerGone(f"{peer} does not speak multistream-select")
+            if (await read_delim(stream)).decode(errors="replace") != str(PROTOCOL_ID):
+                raise PeerGone(f"{peer} refused {PROTOCOL_ID}")
+        answer_bytes = await read_varint_prefixed_bytes_limited(stream, MAX_ANSWER)
+    except PeerGone:
+        raise
+    except Exception as exc:
+        raise PeerGone(f"KAD request to {peer} failed: {exc}") from exc
+    finally:
+        try:
+            await stream.close()
+        except Exception:
+            pass
+    answer = Message()
+    try:
+        answer.ParseFromString(answer_bytes)
+    except Exception as exc:
+        raise MalformedMessage(f"unparsable KAD answer from {peer}: {exc}") from exc
+    if answer.type != request.type:
+        raise MalformedMessage(f"KAD answer of type {answer.type} to a request of type {request.type}")
+    if not maybe_consume_signed_record(answer, host, peer):
+        raise MalformedMessage(f"{peer} sent an invalid signed peer record")
+    return answer
+
+
+def speaks_kad(host: IHost, peer: ID) -> bool:
+    """Whether identify told us ``peer`` serves the KAD protocol (then a request may be pipelined)."""
+    try:
+        return str(PROTOCOL_ID) in [str(p) for p in host.get_peerstore().get_protocols(peer) or ()]
+    except Exception:
+        return False
+
+
+def _request(host: IHost, kind: int, key: bytes) -> Message:
+    msg = Message()
+    msg.type = kind
+    msg.key = key
+    msg.senderRecord = env_to_send_in_RPC(host)[0]
+    return msg
+
+
+def _closer(host: IHost, answer: Message) -> list[ID]:
+    """The peers an answer names (their addresses and signed records go to the peerstore)."""
+    out: list[ID] = []
+    local = host.get_id()
+    for entry in answer.closerPeers:
+        if not entry.id or not maybe_consume_signed_record(entry, host):
+            continue
+        try:
+            peer = ID(entry.id)
+        except Exception:
+            continue
+        if peer == local or peer in out:
+            continue
+        addrs = []
+        for raw in entry.addrs:
+            try:
+                addrs.append(Multiaddr(raw))
+            except Exception:
+                pass
+        if addrs:
+            host.get_peerstore().add_addrs(peer, addrs, CLOSER_ADDR_TTL_S)
+        out.append(peer)
+    return out
+
+
+async def get_value(
+    host: IHost, peer: ID, key: bytes, *, closer_if_found: bool = True
+) -> tuple[Record | None, list[ID]]:
+    """GET_VALUE: the peer's record for ``key`` (unvalidated: the caller validates) and closer peers.
+
+    ``closer_if_found=False`` skips the closer peers when a record came back (a
+    lookup that stops at the first record needs none): each carries a signed
+    peer record, and checking eight signatures costs more than the rest of the answer.
+    """
+    answer = await kad_request(host, peer, _request(host, Message.MessageType.GET_VALUE, key))
+    record = answer.record if answer.HasField("record") and answer.record.value else None
+    if record is not None and not closer_if_found:
+        return record, []
+    return record, _closer(host, answer)
+
+
+async def put_value(host: IHost, peer: ID, key: bytes, value: bytes) -> bool:
+    """PUT_VALUE: store ``value`` at ``peer``; True once it acknowledged the key."""
+    msg = _request(host, Message.MessageType.PUT_VALUE, key)
+    msg.record.key = key
+    msg.record.value = value
+    answer = await kad_request(host, peer, msg)
+    return answer.key == key

@@ -1,0 +1,250 @@
+"""The sans-IO lookup machines of pcp_p2p.dht.lookup, the one-round-trip KAD RPC, the record cache."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from pcp_p2p.dht import records as records_mod
+from pcp_p2p.dht import rpc
+from pcp_p2p.dht.lookup import ClosestWalk, StoreFanout, ValueLookup
+from pcp_p2p.dht.records import sign_record, verify_record
+from pcp_p2p.errors import ExpiredRecord, PeerGone, VerificationError
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import encode
+
+
+def by_number(p: int) -> int:
+    """Peers are ints; distance to the key is the int itself (0 is closest)."""
+    return p
+
+
+def newer(a: bytes, b: bytes) -> bool:
+    return a > b  # values are b"v1" < b"v2": a higher version is newer
+
+
+def lookup(**kw: object) -> ValueLookup[int]:
+    return ValueLookup(by_number, newer, **kw)  # type: ignore[arg-type]
+
+
+# -- ValueLookup ----------------------------------------------------------------------
+
+
+def test_get_asks_the_closest_peer_first_and_hedges_one_more_per_interval() -> None:
+    lk = lookup(started_at=100.0, hedge_s=0.02, alpha=3)
+    lk.add_candidates([5, 1, 3, 9])
+    assert lk.next_queries(100.0) == [1]
+    assert lk.next_queries(100.01) == []  # the first is still within its hedge interval
+    assert lk.next_wakeup(100.01) == pytest.approx(100.02)
+    assert lk.next_queries(100.021) == [3]
+    assert lk.next_queries(100.5) == [5]  # alpha reached: no more however long it waits
+    assert lk.next_queries(101.0) == []
+    assert lk.next_wakeup(101.0) == float("inf")
+
+
+def test_get_stops_at_the_first_valid_answer() -> None:
+    lk = lookup(started_at=0.0)
+    lk.add_candidates([1, 2, 3])
+    assert lk.next_queries(0.0) == [1]
+    lk.on_answer(1, b"v1")
+    assert lk.done and lk.best == b"v1"
+    assert lk.next_queries(10.0) == []
+
+
+def test_a_failed_or_empty_answer_frees_its_slot_at_once() -> None:
+    lk = lookup(started_at=0.0, hedge_s=1.0)
+    lk.add_candidates([1, 2, 3])
+    assert lk.next_queries(0.0) == [1]
+    lk.on_failure(1)
+    assert lk.next_queries(0.001) == [2]  # no wait for the hedge timer
+    lk.on_answer(2, None)
+    assert lk.next_queries(0.002) == [3]
+    lk.on_answer(3, None)
+    assert lk.done and lk.best is None  # nobody left: converged without a value
+
+
+def test_with_a_quorum_the_newest_value_wins_and_stale_replicas_are_named() -> None:
+    lk = lookup(started_at=0.0, quorum=3, hedge_s=0.0)
+    lk.add_candidates([1, 2, 3, 4])
+    assert lk.next_queries(0.0) == [1, 2, 3]
+    lk.on_answer(1, b"v1")
+    lk.on_answer(2, b"v2")
+    assert not lk.done
+    lk.on_answer(3, b"v1")
+    assert lk.done and lk.best == b"v2"
+    assert sorted(lk.stale_peers()) == [1, 3]
+
+
+def test_closer_peers_from_answers_are_asked_before_farther_ones() -> None:
+    lk = lookup(started_at=0.0, hedge_s=0.0, alpha=1, k=2)
+    lk.add_candidates([10, 20, 30])
+    assert lk.next_queries(0.0) == [10]
+    lk.on_answer(10, None, closer=[2, 40])
+    assert lk.next_queries(0.0) == [2]
+    lk.on_answer(2, None, closer=[1])
+    assert lk.next_queries(0.0) == [1]
+    lk.on_answer(1, None)
+    # The two closest (1, 2) answered; every candidate left (20, 30, 40) is farther than 10.
+    assert lk.done and lk.next_queries(0.0) == []
+
+
+def test_a_lookup_never_exceeds_its_query_budget() -> None:
+    lk = lookup(started_at=0.0, hedge_s=0.0, alpha=2, max_queries=3)
+    lk.add_candidates(range(100, 200))
+    asked: list[int] = []
+    for _ in range(10):
+        for p in lk.next_queries(0.0):
+            asked.append(p)
+            lk.on_answer(p, None, closer=[p - 100])  # always someone closer
+    assert len(asked) == 3 and lk.done
+
+
+# -- StoreFanout ----------------------------------------------------------------------
+
+
+def test_put_waits_for_quorum_then_hands_the_rest_to_the_background() -> None:
+    fan: StoreFanout[int] = StoreFanout(quorum=1)
+    fan.add_targets([1, 2, 3, 4])
+    assert fan.next_urgent() == [1]
+    assert fan.next_urgent() == []  # one in flight is enough for a quorum of one
+    fan.on_result(1, False)
+    assert not fan.satisfied
+    assert fan.next_urgent() == [2]  # a failure hands out the next closest
+    fan.on_result(2, True)
+    assert fan.satisfied
+    assert fan.rest() == [3, 4]
+    assert fan.add_targets([3, 5]) == [5]  # a walk's finds: only new peers
+    assert fan.rest() == [5]
+
+
+def test_put_with_nobody_to_ask_is_satisfied_at_once() -> None:
+    fan: StoreFanout[int] = StoreFanout(quorum=2)
+    assert fan.satisfied and fan.next_urgent() == []
+
+
+def test_put_whose_targets_all_fail_is_satisfied_when_all_answered() -> None:
+    fan: StoreFanout[int] = StoreFanout(quorum=2)
+    fan.add_targets([1, 2])
+    assert fan.next_urgent() == [1, 2]
+    fan.on_result(1, False)
+    assert not fan.satisfied
+    fan.on_result(2, False)
+    assert fan.satisfied and fan.acked == 0
+
+
+# -- ClosestWalk ----------------------------------------------------------------------
+
+
+def test_walk_reports_peers_that_enter_the_k_closest_and_stops_without_progress() -> None:
+    walk: ClosestWalk[int] = ClosestWalk(by_number, alpha=1, k=3)
+    walk.add([10, 20, 30])
+    assert walk.next_queries() == [10]
+    assert walk.on_answer(10, [5, 40]) == [5]  # 40 is not among the 3 closest
+    assert walk.next_queries() == [5]
+    assert walk.on_answer(5, [10, 20]) == []  # nothing new: no progress
+    assert walk.done
+
+
+# -- records: the verification cache --------------------------------------------------
+
+
+def _member(identity: Identity, ttl_s: float = 60.0, now: float = 1000.0) -> bytes:
+    from pcp_p2p.dht.kinds import register_all
+    from pcp_p2p.node.membership import MemberRecord
+    from tests.conftest import TEST_CAPS
+
+    register_all()
+    rec = MemberRecord(identity.peer_id, ("/ip4/127.0.0.1/tcp/1",), "worker", 0.0, TEST_CAPS)
+    return encode(sign_record(identity, "member", identity.peer_id, rec, ttl_s=ttl_s, now=now))
+
+
+def test_a_record_is_signature_checked_once_but_its_window_and_key_every_time(monkeypatch) -> None:
+    ident = Identity.generate()
+    data = _member(ident)
+    key = f"/pcp/member/{ident.peer_id}"
+    calls = []
+    real = records_mod.verify_signature
+    monkeypatch.setattr(records_mod, "verify_signature", lambda *a: (calls.append(1), real(*a))[1])
+    assert verify_record(data, key=key, now=1001.0).name == ident.peer_id
+    assert verify_record(data, key=key, now=1002.0).name == ident.peer_id
+    assert len(calls) == 1
+    with pytest.raises(ExpiredRecord):
+        verify_record(data, key=key, now=1061.0)  # expired: the cache does not hide it
+    with pytest.raises(VerificationError):
+        verify_record(data, key="/pcp/member/someone-else", now=1001.0)
+
+
+def test_a_forged_copy_of_a_cached_record_is_still_refused() -> None:
+    from pcp_p2p.dht.records import SignedRecord
+    from pcp_p2p.errors import BadSignature
+    from pcp_p2p.wire import decode
+
+    ident = Identity.generate()
+    data = _member(ident)
+    verify_record(data, now=1001.0)
+    forged = encode(dataclasses.replace(decode(data, SignedRecord), expires_at=1050.0))
+    with pytest.raises(BadSignature):
+        verify_record(forged, now=1001.0)
+
+
+# -- rpc: one round trip against py-libp2p's own KAD server ---------------------------
+
+
+async def test_pipelined_kad_requests_are_understood_by_the_library_server(swarm3) -> None:
+    import time
+
+    from pcp_p2p.dht.records import SignedRecord
+    from pcp_p2p.wire import decode
+
+    boot, a, b = swarm3
+    # Newer than the member record a has already stored at b (an equal or older one is refused).
+    signed = decode(_member(a.identity, now=time.time() + 1), SignedRecord)
+    key = signed.key.encode()
+    assert await rpc.put_value(a.host, b.host.get_id(), key, encode(signed))
+    stored = b.dht.value_store.get(key)
+    assert stored is not None and stored.value == encode(signed)
+    record, closer = await rpc.get_value(a.host, b.host.get_id(), key)
+    assert record is not None and record.value == encode(signed)
+    assert boot.host.get_id() in closer  # b names the peers it knows (not a, who asked)
+
+
+async def test_a_peer_that_refuses_the_value_answers_with_peer_gone(swarm3) -> None:
+    boot, a, b = swarm3
+    mallory = Identity.generate()
+    forged = sign_record(mallory, "member", a.peer_id, a._signed_member_record(), ttl_s=60)
+    with trio.fail_after(10), pytest.raises(PeerGone):
+        await rpc.put_value(a.host, b.host.get_id(), forged.key.encode(), encode(forged))
+    assert b.dht.value_store.get(forged.key.encode()) is None
+
+
+async def test_a_kad_request_to_a_peer_without_kad_fails_cleanly_and_the_peer_lives(swarm3) -> None:
+    """A client host (no KAD handler) is asked through py-libp2p's own negotiation, never pipelined:
+    pipelined bytes after an ``na`` would take a py-libp2p listener's host down."""
+    import multiaddr
+    from libp2p import new_host
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    from pcp_p2p.node.status import fetch_status
+
+    boot, a, b = swarm3
+    client = new_host(key_pair=Identity.generate().key_pair)
+    async with client.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        await client.connect(info_from_p2p_addr(multiaddr.Multiaddr(a.addrs()[0])))
+        with trio.fail_after(10):
+            while not a.host.get_peerstore().get_protocols(client.get_id()):
+                await trio.sleep(0.05)  # identify has not reported the client's protocols yet
+        assert not rpc.speaks_kad(a.host, client.get_id())
+        from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
+
+        # A request whose bytes end in a newline and are not UTF-8: what py-libp2p's
+        # listener, after its "na", would take for a proposal and fail to decode.
+        nasty = KadMessage(type=KadMessage.MessageType.GET_VALUE, key=b"/pcp/member/\xd5\n")
+        assert nasty.SerializeToString().endswith(b"\xd5\n")
+        with trio.fail_after(10), pytest.raises(PeerGone):
+            await rpc.kad_request(a.host, client.get_id(), nasty)
+        # Had the request been pipelined, the client's host would have died with a
+        # UnicodeDecodeError, failing this block; it runs on, and a still answers.
+        await trio.sleep(0.2)
+        assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id

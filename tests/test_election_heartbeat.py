@@ -1,0 +1,159 @@
+"""Failover on missed heartbeats: the election detects a dead shepherd without waiting for its lease.
+
+Pure machines with explicit times (the election never reads a clock), then the
+whole run machine on trio's ``MockClock`` (:mod:`pcp_p2p.testing.run_harness`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import trio
+from trio.testing import MockClock
+
+from pcp_p2p.diloco.effects import Rejected
+from pcp_p2p.diloco.election import (
+    Candidate,
+    Election,
+    ElectionConfig,
+    FollowShepherd,
+    Heartbeat,
+    PublishLease,
+    Role,
+    SendHeartbeat,
+    ranked,
+)
+from pcp_p2p.diloco.messages import sign
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.testing.memnet import FaultPlan, Kill
+from pcp_p2p.testing.run_harness import RunSwarm, SwarmConfig
+
+CONFIG = ElectionConfig(lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
+                        claim_timeout_s=10.0, settle_s=0.5, heartbeat_s=0.5, suspect_s=1.5)
+IDS = [Identity.generate() for _ in range(3)]
+
+
+def run_where(first0: int, first1_order: list[int]) -> str:
+    """A run id whose ranking puts node ``first0`` first for term 0 and ``first1_order`` in that
+    order for term 1 (found by trying ids: the ranking is a hash)."""
+    peers = [i.peer_id for i in IDS]
+    for n in range(100_000):
+        run = f"run-{n}"
+        r0, r1 = ranked(run, 0, peers), ranked(run, 1, peers)
+        if r0[0] == peers[first0] and r1[: len(first1_order)] == [peers[i] for i in first1_order]:
+            return run
+    raise AssertionError("no such run id")
+
+
+def swarm(run: str) -> list[Election]:
+    """Three elections that all see each other; term 0 claimed and followed at t = 1."""
+    es = [Election(run, ident, CONFIG) for ident in IDS]
+    view = [Candidate(i.peer_id, 100.0) for i in IDS]
+    leases = []
+    for e in es:
+        e.start(0.0)
+        e.on_lookups_done(0.0)
+        leases += [x.lease for x in e.on_members(view, 1.0) if isinstance(x, PublishLease)]
+    assert len(leases) == 1
+    for e in es:
+        e.on_lease(leases[0], 1.0)
+    return es
+
+
+def test_the_holder_sends_a_signed_heartbeat_every_interval() -> None:
+    es = swarm(run_where(0, [1]))
+    holder = es[0]
+    assert holder.role is Role.HOLDER
+    beats = [x.heartbeat for t in (1.2, 1.5, 1.7, 2.0) for x in holder.tick(t) if isinstance(x, SendHeartbeat)]
+    assert [b.sent_at for b in beats] == [1.5, 2.0]
+    assert holder.next_wakeup == 2.5
+    assert es[1].on_heartbeat(beats[0], 1.5) == []  # checks out at a follower
+
+
+def test_a_silent_holder_is_suspected_and_replaced_long_before_its_lease_lapses() -> None:
+    es = swarm(run_where(0, [0, 1]))  # the dead holder would rank first for term 1 too
+    holder, b, c = es
+    beat = sign(Heartbeat(run_id=holder.run_id, term=0, holder=holder.peer_id, sent_at=1.5), holder.identity)
+    for e in (b, c):
+        e.on_heartbeat(beat, 1.5)
+        assert e.tick(2.9) == [] and e.role is Role.FOLLOWER  # 1.4 s of silence: not yet
+    # The holder dies at 1.5. B's silence reaches suspect_s first.
+    out = b.tick(3.0) + b.on_lookups_done(3.0)
+    claims = [x.lease for x in out if isinstance(x, PublishLease) and not x.renewal]
+    assert [(l.term, l.holder) for l in claims] == [(1, b.peer_id)]  # holder left out of the ranking
+    assert claims[0].claimed_at == 3.0 < holder.lease.expiry  # 8 s before the lease would lapse
+    # At 2.95 C has not suspected the holder yet (1.45 s of silence), and the claim skips a
+    # holder it still counts as alive: held back, not followed.
+    assert [type(x) for x in c.on_lease(claims[0], 2.95)] == [Rejected]
+    assert c.role is Role.FOLLOWER and c.holder == holder.peer_id
+    # Once C's own silence agrees, the held claim is taken.
+    out = c.tick(3.05)
+    assert any(isinstance(x, FollowShepherd) and x.peer == b.peer_id and x.term == 1 for x in out)
+
+
+def test_a_heartbeat_from_anyone_but_the_holder_does_not_keep_it_alive() -> None:
+    es = swarm(run_where(0, [1]))
+    holder, b, _ = es
+    mallory = Identity.generate()
+    forged = sign(Heartbeat(run_id=holder.run_id, term=0, holder=holder.peer_id, sent_at=2.5), mallory)
+    assert [type(x) for x in b.on_heartbeat(forged, 2.5)] == [Rejected]
+    other = sign(Heartbeat(run_id=holder.run_id, term=0, holder=mallory.peer_id, sent_at=2.5), mallory)
+    assert b.on_heartbeat(other, 2.5) == []  # not the holder of term 0: dropped
+    b.tick(2.6)
+    assert b.role is Role.VACANT  # last heard at 1.0 (the lease): suspected at 2.5
+
+
+def test_a_holder_heard_again_before_anyone_took_its_term_is_followed_again() -> None:
+    es = swarm(run_where(0, [1]))
+    holder, b, _ = es
+    b.tick(2.6)
+    assert b.role is Role.VACANT and holder.peer_id in b.suspected
+    beat = sign(Heartbeat(run_id=holder.run_id, term=0, holder=holder.peer_id, sent_at=2.7), holder.identity)
+    assert b.on_heartbeat(beat, 2.7) == []
+    assert b.role is Role.FOLLOWER and b.holder == holder.peer_id and not b.suspected
+
+
+def test_heartbeats_off_keeps_failover_on_lease_expiry() -> None:
+    off = dataclasses.replace(CONFIG, heartbeat_s=0.0)
+    e = Election("run", IDS[1], off)
+    assert not off.heartbeats
+    e.start(0.0)
+    assert all(not isinstance(x, SendHeartbeat) for x in e.tick(5.0))
+
+
+class Timed(RunSwarm):
+    """The harness, noting when the shepherd was killed and when the next term was claimed."""
+
+    def __init__(self, cfg: SwarmConfig) -> None:
+        super().__init__(cfg)
+        self.killed_at: float | None = None
+        self.claims: list[tuple[float, int]] = []
+
+    def kill(self, node, restart_after):  # type: ignore[no-untyped-def]
+        self.killed_at = trio.current_time()
+        return super().kill(node, restart_after)
+
+    def _carry_out_now(self, node, effects):  # type: ignore[no-untyped-def]
+        for e in effects:
+            if isinstance(e, PublishLease) and not e.renewal:
+                self.claims.append((trio.current_time(), e.lease.term))
+        return super()._carry_out_now(node, effects)
+
+
+def test_a_killed_shepherd_is_replaced_within_the_suspicion_window_on_mock_time() -> None:
+    from tests.test_run_machine import ROUNDS, SPEC, check
+
+    plan = FaultPlan(seed=5, kills=(Kill("announced", round=2, restart_after=None),))
+    base = SwarmConfig(spec=SPEC)
+    cfg = dataclasses.replace(base, plan=plan, election=dataclasses.replace(base.election, heartbeat_s=0.5,
+                                                                            suspect_s=1.5))
+    world = Timed(cfg)
+    r = trio.run(world.run, clock=MockClock(autojump_threshold=0))
+    check(r)
+    assert world.killed_at is not None
+    after = [(t, term) for t, term in world.claims if t > world.killed_at]
+    assert after, "no term was claimed after the kill"
+    took = after[0][0] - world.killed_at
+    # suspect_s of silence, the settling lookups, one claim: well under the 10 s lease.
+    assert took < cfg.election.suspect_window_s + cfg.election.settle_s + 1.0, took
+    assert ROUNDS == r.final.round + 1
