@@ -87,7 +87,9 @@ class SwimNet:
         self.sent_by: Counter[str] = Counter()
         self._cut: set[frozenset[str]] = set()  # pairs that cannot reach each other
         self._groups: dict[str, int] | None = None
-        for ident in identities or [Identity.generate() for _ in range(n)]:
+        # Identities from the seed too: a run is then the same run every time (peer ids order
+        # the views and the probes, so random keys made outcomes vary between runs).
+        for ident in identities or [Identity(self.rng.randbytes(32)) for _ in range(n)]:
             self.add(ident)
 
     # -- the fault plan -------------------------------------------------------------
