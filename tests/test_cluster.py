@@ -21,7 +21,7 @@ from pcp_p2p.cluster.messages import Done, Train, frame, unframe
 from pcp_p2p.cluster.split import combine, group_state, mean_losses, rank_steps, sub_assignments
 from pcp_p2p.diloco.data import batches_for_assignment
 from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment
-from pcp_p2p.errors import ConfigError, MalformedMessage, ProtocolError
+from pcp_p2p.errors import ConfigError, ProtocolError
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 

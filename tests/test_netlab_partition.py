@@ -56,22 +56,7 @@ PARTITION_S = 45.0  # several lease lifetimes (6 s) and claim timeouts (10 s): t
 
 def poll(lab: Lab, procs: dict[str, LabProcess], ok: Callable[[dict[str, dict[str, Any]]], bool], *,
          deadline_s: float, what: str) -> dict[str, dict[str, Any]]:
-    """Every node's status (asked from its own namespace) until ``ok(statuses)``; bounded.
-
-    No cross-process event exists for "round committed", so this polls."""
-    deadline = time.monotonic() + deadline_s
-    statuses: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < deadline:
-        for name, p in procs.items():
-            try:
-                statuses[name] = lab.status(p.host, p.addr, timeout=5.0)
-            except PcpError:
-                statuses.pop(name, None)
-        if len(statuses) == len(procs) and ok(statuses):
-            return statuses
-        time.sleep(1.0)
-    tails = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in procs.values())
-    raise AssertionError(f"{what}: not within {deadline_s:.0f} s; last: {json.dumps(brief(statuses))[:4000]}\n{tails}")
+    return lab.wait_statuses(procs, ok, deadline_s=deadline_s, what=what, brief=brief)
 
 
 def run_of(s: dict[str, Any]) -> dict[str, Any]:

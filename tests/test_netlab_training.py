@@ -13,13 +13,11 @@ Marked ``netlab`` and ``slow``; skipped with one line where the lab cannot run.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
-from pcp_p2p.errors import PcpError
 from pcp_p2p.node.connectivity import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY
 from pcp_p2p.node.local_swarm import pcp_command
 from pcp_p2p.testing.netlab import Lab, LabProcess, LinkSpec, Nat, netlab, unavailable
@@ -45,26 +43,14 @@ rotate_every = 0
 """
 
 
+def brief(statuses: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {n: {"run": {k: (s.get("run") or {}).get(k) for k in ("phase", "round", "shepherd", "contributed_rounds")},
+                "network": s.get("network")} for n, s in statuses.items()}
+
+
 def poll(lab: Lab, procs: dict[str, LabProcess], ok: Callable[[dict[str, dict[str, Any]]], bool], *,
          deadline_s: float, what: str) -> dict[str, dict[str, Any]]:
-    """Every live node's status (asked from its own namespace) until ``ok(statuses)``; bounded.
-
-    No cross-process event exists for "round committed", so this polls."""
-    deadline = time.monotonic() + deadline_s
-    statuses: dict[str, dict[str, Any]] = {}
-    while time.monotonic() < deadline:
-        for name, p in procs.items():
-            try:
-                statuses[name] = lab.status(p.host, p.addr, timeout=5.0)
-            except PcpError:
-                statuses.pop(name, None)
-        if len(statuses) == len(procs) and ok(statuses):
-            return statuses
-        time.sleep(1.0)
-    tails = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in procs.values())
-    brief = {n: {"run": {k: (s.get("run") or {}).get(k) for k in ("phase", "round", "shepherd", "contributed_rounds")},
-                 "network": s.get("network")} for n, s in statuses.items()}
-    raise AssertionError(f"{what}: not within {deadline_s:.0f} s; last: {json.dumps(brief)[:3000]}\n{tails}")
+    return lab.wait_statuses(procs, ok, deadline_s=deadline_s, what=what, brief=brief)
 
 
 def run_of(s: dict[str, Any]) -> dict[str, Any]:

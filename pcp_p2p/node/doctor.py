@@ -44,7 +44,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from pcp_p2p.errors import ConfigError, MalformedMessage, OversizedMessage, PcpError, PeerGone, PeerTimeout
+from pcp_p2p.blob.server import close_stream
+from pcp_p2p.errors import ConfigError, MalformedMessage, PeerGone
 from pcp_p2p.node.connectivity import observations, verdict
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
@@ -116,11 +117,7 @@ class SpeedServer:
         except (trio.TooSlowError, Exception) as exc:  # a stranger's broken test: close, nothing else
             log.debug("speed test ended: %s", exc)
         finally:
-            with trio.move_on_after(1):
-                try:
-                    await stream.close()
-                except Exception:
-                    pass
+            await close_stream(stream)
 
 
 async def _read_exactly(stream: INetStream, n: int) -> bytes:
@@ -179,8 +176,7 @@ async def measure(host: IHost, peer: ID, up: int, down: int, timeout: float) -> 
                 await _drain(stream, down)
                 t2 = trio.current_time()
             finally:
-                with trio.move_on_after(1):
-                    await stream.close()
+                await close_stream(stream)
         out.up_mbit = round(up * 8 / max(t1 - t0, 1e-6) / 1e6, 2) if up else None
         out.down_mbit = round(down * 8 / max(t2 - t1, 1e-6) / 1e6, 2) if down else None
     except trio.TooSlowError:

@@ -780,6 +780,29 @@ class Lab:
         raise PeerTimeout(f"{peer_id} not among {proc.name}'s members within {deadline_s:.0f} s; last: "
                           f"{str(last)[:500]}; its log ends:\n{proc.log_tail(1000)}")
 
+    def wait_statuses(self, procs: dict[str, LabProcess], ok: Callable[[dict[str, dict[str, Any]]], bool], *,
+                      deadline_s: float, what: str,
+                      brief: Callable[[dict[str, dict[str, Any]]], Any] = lambda st: st) -> dict[str, dict[str, Any]]:
+        """Every node's status (each asked from its own namespace) until ``ok(statuses)``.
+
+        No cross-process event exists for "round committed", so this polls, bounded by
+        ``deadline_s``; on timeout the error holds ``brief(statuses)`` and each log's tail.
+        """
+        deadline = time.monotonic() + deadline_s
+        statuses: dict[str, dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            for name, p in procs.items():
+                try:
+                    statuses[name] = self.status(p.host, p.addr, timeout=5.0)
+                except PcpError:
+                    statuses.pop(name, None)
+            if len(statuses) == len(procs) and ok(statuses):
+                return statuses
+            time.sleep(1.0)
+        tails = "\n".join(f"--- {p.name}\n{p.log_tail(1500)}" for p in procs.values())
+        raise PeerTimeout(f"{what}: not within {deadline_s:.0f} s; last: "
+                          f"{json.dumps(brief(statuses), default=str)[:4000]}\n{tails}")
+
     # -- teardown -----------------------------------------------------------
 
     def close(self) -> None:
