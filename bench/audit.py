@@ -43,22 +43,22 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.step import _proc_cpu_s  # noqa: E402
-from pcp_p2p.compile.cache import ArtifactCache  # noqa: E402
-from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact  # noqa: E402
-from pcp_p2p.compile.targets import get_target  # noqa: E402
-from pcp_p2p.diloco import audit  # noqa: E402
-from pcp_p2p.diloco.data import CharDataset, batches_for_assignment  # noqa: E402
-from pcp_p2p.diloco.effects import RunInner  # noqa: E402
-from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, model_config, program_options  # noqa: E402
-from pcp_p2p.diloco.messages import DataAssignment  # noqa: E402
-from pcp_p2p.diloco.spec import RunSpec  # noqa: E402
-from pcp_p2p.diloco.tensors import codec_of, num_params, params_cid  # noqa: E402
-from pcp_p2p.diloco.worker import pseudo_gradient  # noqa: E402
-from pcp_p2p.errors import ConfigError  # noqa: E402
-from pcp_p2p.node.cpu import best_cpu_target  # noqa: E402
-from pcp_p2p.node.executor import Executor  # noqa: E402
-from pcp_p2p.node.identity import Identity, default_data_dir  # noqa: E402
+from bench.step import _proc_cpu_s
+from pcp_p2p.compile.cache import ArtifactCache
+from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact
+from pcp_p2p.compile.targets import get_target
+from pcp_p2p.diloco import audit
+from pcp_p2p.diloco.data import CharDataset, batches_for_assignment
+from pcp_p2p.diloco.effects import RunInner
+from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, model_config, program_options
+from pcp_p2p.diloco.messages import DataAssignment
+from pcp_p2p.diloco.spec import RunSpec
+from pcp_p2p.diloco.tensors import codec_of, num_params, params_cid
+from pcp_p2p.diloco.worker import pseudo_gradient
+from pcp_p2p.errors import ConfigError
+from pcp_p2p.node.cpu import best_cpu_target
+from pcp_p2p.node.executor import Executor
+from pcp_p2p.node.identity import Identity, default_data_dir
 
 NEVER = threading.Event()
 

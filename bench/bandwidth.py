@@ -55,11 +55,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/diloco.py's machinery
 
-import diloco as base  # noqa: E402  (bench/diloco.py: sets JAX_PLATFORMS and the repo path)
+import diloco as base
 
-from pcp_p2p.diloco.spec import FEEDBACK_CODECS, OuterOptimizer, RunSpec, parse_spec  # noqa: E402
-from pcp_p2p.diloco.tensors import pack_tensors  # noqa: E402
-from pcp_p2p.wire import encode  # noqa: E402
+from pcp_p2p.diloco.spec import FEEDBACK_CODECS, OuterOptimizer, RunSpec, parse_spec
+from pcp_p2p.diloco.tensors import pack_tensors
+from pcp_p2p.wire import encode
 
 CODEC = os.environ.get("PCP_BENCH_CODEC", "topk2")
 SPARSE_RULE = os.environ.get("PCP_BENCH_SPARSE_RULE", "centered_clip")  # not trimmed_mean: see the docstring

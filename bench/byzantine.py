@@ -76,9 +76,9 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from pcp_p2p.diloco.audit import (  # noqa: E402
+from pcp_p2p.diloco.audit import (
     PlannedAudit,
     check_submission,
     decode_inner_state,
@@ -87,17 +87,17 @@ from pcp_p2p.diloco.audit import (  # noqa: E402
     judge,
     plan_audits,
 )
-from pcp_p2p.diloco.effects import RunInner  # noqa: E402
-from pcp_p2p.diloco.messages import FRESH_STATE  # noqa: E402
-from pcp_p2p.diloco.outer import OuterState  # noqa: E402
-from pcp_p2p.diloco.shepherd import Phase, Shepherd  # noqa: E402
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec  # noqa: E402
-from pcp_p2p.diloco.tensors import Params  # noqa: E402
-from pcp_p2p.diloco.worker import InnerResult, Worker  # noqa: E402
-from pcp_p2p.errors import LocalError  # noqa: E402
-from pcp_p2p.node.identity import Identity  # noqa: E402
-from pcp_p2p.testing.byzantine import KINDS, ByzantineWorker, RandomDelta  # noqa: E402
-from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, as_inner_state, pump_run  # noqa: E402
+from pcp_p2p.diloco.effects import RunInner
+from pcp_p2p.diloco.messages import FRESH_STATE
+from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.tensors import Params
+from pcp_p2p.diloco.worker import InnerResult, Worker
+from pcp_p2p.errors import LocalError
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.testing.byzantine import KINDS, ByzantineWorker, RandomDelta
+from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, as_inner_state, pump_run
 
 WORKERS = 4
 SEAT = 3  # the attacker takes this worker's identity, shard and seeds
@@ -257,7 +257,7 @@ def plan_for(arm: Arm, workers: set[str], rate: float) -> list[PlannedAudit]:
 
 
 def run_audits(arm: Arm, trainer: JaxTrainer, planned: list[PlannedAudit]) -> tuple[Counter[str], list[tuple]]:
-    """Carry out audits as the protocol does them; (verdicts, (export, import, replay) CPU seconds each).
+    r"""Carry out audits as the protocol does them; (verdicts, (export, import, replay) CPU seconds each).
 
     The audited worker exports its start state as a blob, the auditor imports
     it (checking the digest the worker signed), replays the round from the

@@ -53,15 +53,15 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from pcp_p2p.diloco.data import CharDataset  # noqa: E402
-from pcp_p2p.diloco.outer import OuterState  # noqa: E402
-from pcp_p2p.diloco.shepherd import Phase, Shepherd  # noqa: E402
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec  # noqa: E402
-from pcp_p2p.diloco.worker import Worker  # noqa: E402
-from pcp_p2p.node.identity import Identity  # noqa: E402
-from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run  # noqa: E402
+from pcp_p2p.diloco.data import CharDataset
+from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.worker import Worker
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run
 
 WORKERS = 4
 H = 50

@@ -76,7 +76,7 @@ rotate_every = 0
                         run = to_json(await swarm.status(w, timeout=5)).get("run") or {}
                     except PcpError:
                         continue
-                    except BaseExceptionGroup:  # noqa: B036
+                    except BaseExceptionGroup:
                         # fetch_status's throwaway host, cancelled at its deadline on a
                         # loaded machine, can surface as a group of Cancelled from py-libp2p's
                         # services: no answer from this node this time (an outer

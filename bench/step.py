@@ -44,17 +44,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pcp_p2p.compile.cache import ArtifactCache  # noqa: E402
-from pcp_p2p.compile.model import init_params, param_names, preset  # noqa: E402
-from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact  # noqa: E402
-from pcp_p2p.compile.programs import ProgramOptions  # noqa: E402
-from pcp_p2p.compile.targets import compile_flags, get_target  # noqa: E402
-from pcp_p2p.diloco.engine import CHUNK_STEPS  # noqa: E402
-from pcp_p2p.diloco.spec import InnerOptimizer  # noqa: E402
-from pcp_p2p.node.cpu import best_cpu_target  # noqa: E402
-from pcp_p2p.node.executor import Executor  # noqa: E402
-from pcp_p2p.node.identity import Identity, default_data_dir  # noqa: E402
-
+from pcp_p2p.compile.cache import ArtifactCache
+from pcp_p2p.compile.model import init_params, param_names, preset
+from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact
+from pcp_p2p.compile.programs import ProgramOptions
+from pcp_p2p.compile.targets import compile_flags, get_target
+from pcp_p2p.diloco.engine import CHUNK_STEPS
+from pcp_p2p.diloco.spec import InnerOptimizer
+from pcp_p2p.node.cpu import best_cpu_target
+from pcp_p2p.node.executor import Executor
+from pcp_p2p.node.identity import Identity, default_data_dir
 
 LR = 3e-4
 _RT = InnerOptimizer()  # the run spec's defaults: what a worker runs unless a spec says otherwise

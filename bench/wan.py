@@ -45,12 +45,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import trio  # noqa: E402
+import trio
 
-from pcp_p2p.errors import PcpError  # noqa: E402
-from pcp_p2p.node.local_swarm import local_swarm, pcp_command  # noqa: E402
-from pcp_p2p.node.status import to_json  # noqa: E402
-from pcp_p2p.testing.netlab import LinkSpec, Nat, netlab, unavailable  # noqa: E402
+from pcp_p2p.errors import PcpError
+from pcp_p2p.node.local_swarm import local_swarm, pcp_command
+from pcp_p2p.node.status import to_json
+from pcp_p2p.testing.netlab import LinkSpec, Nat, netlab, unavailable
 
 ROUNDS = int(os.environ.get("PCP_BENCH_WAN_ROUNDS", "5"))
 BUDGET_S = float(os.environ.get("PCP_BENCH_WAN_BUDGET", "8"))

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except (SystemExit, GeneratorExit):
         raise
-    except BaseException as exc:  # noqa: BLE001 -- the one place every failure is turned into a line
+    except BaseException as exc:
         return report(exc, debug=args.debug)
 
 

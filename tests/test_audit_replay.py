@@ -11,21 +11,21 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("iree.compiler")
 
-from conftest_compile import artifact, artifact_file, shepherd  # noqa: E402
+from conftest_compile import artifact, artifact_file, shepherd
 
-from pcp_p2p.cid import cid_of  # noqa: E402
-from pcp_p2p.diloco import audit  # noqa: E402
-from pcp_p2p.diloco.data import CharDataset  # noqa: E402
-from pcp_p2p.diloco.effects import RunInner  # noqa: E402
-from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, program_options  # noqa: E402
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, Submission, sign  # noqa: E402
-from pcp_p2p.diloco.spec import InnerOptimizer, RunSpec  # noqa: E402
-from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid  # noqa: E402
-from pcp_p2p.diloco.worker import pseudo_gradient  # noqa: E402
-from pcp_p2p.node.cpu import best_cpu_target, local_cpu  # noqa: E402
-from pcp_p2p.node.executor import Executor  # noqa: E402
-from pcp_p2p.node.identity import Identity  # noqa: E402
-from pcp_p2p.wire import encode  # noqa: E402
+from pcp_p2p.cid import cid_of
+from pcp_p2p.diloco import audit
+from pcp_p2p.diloco.data import CharDataset
+from pcp_p2p.diloco.effects import RunInner
+from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, program_options
+from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, Submission, sign
+from pcp_p2p.diloco.spec import InnerOptimizer, RunSpec
+from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
+from pcp_p2p.diloco.worker import pseudo_gradient
+from pcp_p2p.node.cpu import best_cpu_target, local_cpu
+from pcp_p2p.node.executor import Executor
+from pcp_p2p.node.identity import Identity
+from pcp_p2p.wire import encode
 
 if local_cpu().arch != "x86_64":
     pytest.skip("these tests build x86-64 artifacts", allow_module_level=True)

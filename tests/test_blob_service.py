@@ -38,7 +38,6 @@ from pcp_p2p.errors import (
     ProtocolError,
 )
 from pcp_p2p.node.identity import Identity
-from pcp_p2p.wire import encode
 
 CS = 64 * 1024
 LOCAL = [Multiaddr("/ip4/127.0.0.1/tcp/0")]

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pcp_p2p.blob.chunks import hash_bytes
-from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.blob.receiver import ChunkPool, ChunkSink, FileSink, MemorySink, accept_chunk, receive_batch
 from pcp_p2p.blob.sidechannel import (
     HEADER,
@@ -23,6 +22,7 @@ from pcp_p2p.blob.sidechannel import (
     send_record,
     transcript,
 )
+from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import (
     HashMismatch,

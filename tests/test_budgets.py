@@ -23,9 +23,9 @@ import libp2p
 import multiaddr
 import pytest
 import trio
+from conftest import TEST_CAPS
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from conftest import TEST_CAPS
 from pcp_p2p.blob import protocol as P
 from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService

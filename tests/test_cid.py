@@ -7,8 +7,8 @@ import io
 import os
 
 import msgpack
-from blake3 import blake3
 import pytest
+from blake3 import blake3
 
 from pcp_p2p.blob.chunks import ChunkManifest, hash_bytes, parse_manifest
 from pcp_p2p.cid import (

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import trio
+from test_training_swarm import create_run, wait_for
 
 from pcp_p2p.cluster.launch import without_launch
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.status import to_json
-
-from test_training_swarm import create_run, wait_for
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import trio
-
 from conftest_compile import TINY, TINY_OPTS, lowered
+
 from pcp_p2p.compile import iree_compile, pipeline
 from pcp_p2p.compile.cache import ArtifactCache
 from pcp_p2p.diloco import engine
@@ -65,7 +65,7 @@ def test_a_cancelled_compile_kills_the_compiler(slow_compiler: Path) -> None:
     def compile_() -> None:
         try:
             iree_compile.run_compiler("module {}", ("--flag",), cancel=cancel)
-        except BaseException as exc:  # noqa: BLE001  (what it raised is the assertion)
+        except BaseException as exc:
             outcome.append(exc)
 
     t = threading.Thread(target=compile_)
@@ -110,7 +110,7 @@ def test_a_cancelled_lowering_kills_its_child(tmp_path: Path, monkeypatch: pytes
     def lower() -> None:
         try:
             pipeline.lower_program("train", TINY, TINY_OPTS, cancel=cancel)
-        except BaseException as exc:  # noqa: BLE001  (what it raised is the assertion)
+        except BaseException as exc:
             outcome.append(exc)
 
     t = threading.Thread(target=lower)

@@ -20,24 +20,24 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("iree.compiler")
 
-from conftest_compile import CACHE, shepherd  # noqa: E402
+from conftest_compile import CACHE, shepherd
 
-from pcp_p2p.cid import cid_of  # noqa: E402
-from pcp_p2p.compile.cache import ArtifactCache, cache_key  # noqa: E402
-from pcp_p2p.compile.iree_compile import compiler_version, run_compiler  # noqa: E402
-from pcp_p2p.compile.manifest import check_fields, sign_manifest, verify_manifest  # noqa: E402
-from pcp_p2p.compile.model import GPTConfig, init_params, param_names  # noqa: E402
-from pcp_p2p.compile.pipeline import Artifact, compile_lowered, lower_program  # noqa: E402
-from pcp_p2p.compile.programs import ProgramOptions  # noqa: E402
-from pcp_p2p.compile.targets import (  # noqa: E402
+from pcp_p2p.cid import cid_of
+from pcp_p2p.compile.cache import ArtifactCache, cache_key
+from pcp_p2p.compile.iree_compile import compiler_version, run_compiler
+from pcp_p2p.compile.manifest import check_fields, sign_manifest, verify_manifest
+from pcp_p2p.compile.model import GPTConfig, init_params, param_names
+from pcp_p2p.compile.pipeline import Artifact, compile_lowered, lower_program
+from pcp_p2p.compile.programs import ProgramOptions
+from pcp_p2p.compile.targets import (
     WIDE_FLAGS_V4,
     allowed_flag_lists,
     compile_flag_choices,
     compile_flags,
     get_target,
 )
-from pcp_p2p.errors import CompilerRejected, MalformedMessage  # noqa: E402
-from pcp_p2p.node.cpu import cpu_can_run, local_cpu  # noqa: E402
+from pcp_p2p.errors import CompilerRejected, MalformedMessage
+from pcp_p2p.node.cpu import cpu_can_run, local_cpu
 
 V4 = get_target("cpu-x86_64-v4")
 V3 = get_target("cpu-x86_64-v3")

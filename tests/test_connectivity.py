@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from pcp_p2p.diloco.election import Candidate, ElectionConfig, eligible
 from pcp_p2p.errors import PcpError
 from pcp_p2p.node.connectivity import (
     HOLE_PUNCHABLE,
@@ -27,7 +28,6 @@ from pcp_p2p.node.connectivity import (
     split_addrs,
     verdict,
 )
-from pcp_p2p.diloco.election import Candidate, ElectionConfig, eligible
 from pcp_p2p.node.node import NodeConfig, transport_addrs
 from pcp_p2p.node.reachability import known
 from pcp_p2p.testing.netlab import Host, Lab, LabProcess, LinkSpec, Nat, netlab, unavailable

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import trio
-
 from test_diloco_protocol import Round, ident, rejections, sent
 from test_election import IDS, make_lease, of, order, started
+
 from pcp_p2p import shutdown
 from pcp_p2p.diloco.departures import LEAVE_FRESH_S, Departures, make_leave
 from pcp_p2p.diloco.effects import Committed, Discarded, Rejected

@@ -8,6 +8,7 @@ from pathlib import Path
 import multiaddr
 import pytest
 import trio
+from conftest import TEST_CAPS
 from libp2p import new_host
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -15,7 +16,6 @@ from libp2p.peer.peerinfo import PeerInfo
 from pcp_p2p.dht.table import ServersOnlyRoutingTable, dialable, expand_unspecified, is_unspecified
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.node import NodeConfig, open_node
-from conftest import TEST_CAPS
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,6 +25,8 @@ from pcp_p2p.diloco.audit import (
     should_audit,
     verify_evidence,
 )
+from pcp_p2p.diloco.audit_desk import AuditDesk
+from pcp_p2p.diloco.effects import Banned, Send, StoreBlob
 from pcp_p2p.diloco.messages import (
     FRESH_STATE,
     CommitRecord,
@@ -35,8 +37,6 @@ from pcp_p2p.diloco.messages import (
 )
 from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
 from pcp_p2p.diloco.worker import InnerResult, Worker, pseudo_gradient
-from pcp_p2p.diloco.audit_desk import AuditDesk
-from pcp_p2p.diloco.effects import Banned, Send, StoreBlob
 from pcp_p2p.errors import (
     BadSignature,
     HashMismatch,

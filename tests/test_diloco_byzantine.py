@@ -22,11 +22,11 @@ import dataclasses
 import numpy as np
 import pytest
 
+from pcp_p2p.diloco import shepherd as shepherd_mod
 from pcp_p2p.diloco.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.effects import Committed, Discarded, Rejected, Send, StoreBlob
 from pcp_p2p.diloco.messages import Join, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco import shepherd as shepherd_mod
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.sim import SimConfig, SimResult, WorkerPlan, simulate_sync
 from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec

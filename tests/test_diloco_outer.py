@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pcp_p2p.cid import cid_of
 from pcp_p2p.diloco.aggregate import adam_step_bound, delta_norm_bound
 from pcp_p2p.diloco.checkpoint import (
     Checkpoint,
@@ -15,7 +16,6 @@ from pcp_p2p.diloco.checkpoint import (
 from pcp_p2p.diloco.outer import OuterState, nesterov_step
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import codec_of, global_norm, pack_tensors, params_cid, unpack_tensors
-from pcp_p2p.cid import cid_of
 from pcp_p2p.errors import ConfigError, MalformedMessage, ProtocolError
 
 RNG = np.random.default_rng(0)

@@ -9,8 +9,8 @@ DOCS = Path(__file__).parent.parent / "docs"
 
 def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
     import pcp_p2p.blob.protocol as blob_protocol
-    import pcp_p2p.blob.service  # noqa: F401
-    import pcp_p2p.compile.manifest  # noqa: F401
+    import pcp_p2p.blob.service
+    import pcp_p2p.compile.manifest
     import pcp_p2p.diloco.runtime  # noqa: F401
     from pcp_p2p.dht.kinds import register_all
     from pcp_p2p.dht.records import KIND_RULES

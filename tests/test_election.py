@@ -5,7 +5,6 @@ Time is a plain float passed in; every node's machine is driven by hand.
 
 from __future__ import annotations
 
-
 import pytest
 
 from pcp_p2p.dht.records import record_key, sign_record, verify_record

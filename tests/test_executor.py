@@ -17,12 +17,12 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("iree.compiler")
 
-from conftest_compile import TINY, TINY_OPTS, artifact, artifact_file, batches, shepherd  # noqa: E402
+from conftest_compile import TINY, TINY_OPTS, artifact, artifact_file, batches, shepherd
 
-from pcp_p2p.compile.manifest import sign_manifest  # noqa: E402
-from pcp_p2p.compile.model import init_params, param_names  # noqa: E402
-from pcp_p2p.compile.targets import X86_64_V3_FLAGS, get_target  # noqa: E402
-from pcp_p2p.errors import (  # noqa: E402
+from pcp_p2p.compile.manifest import sign_manifest
+from pcp_p2p.compile.model import init_params, param_names
+from pcp_p2p.compile.targets import X86_64_V3_FLAGS, get_target
+from pcp_p2p.errors import (
     BadSignature,
     ExecutorCrashed,
     ExecutorError,
@@ -30,9 +30,9 @@ from pcp_p2p.errors import (  # noqa: E402
     IncompatibleArtifact,
     InvalidInput,
 )
-from pcp_p2p.node.cpu import CpuInfo, best_cpu_target, local_cpu  # noqa: E402
-from pcp_p2p.node.executor import Executor  # noqa: E402
-from pcp_p2p.node.identity import Identity  # noqa: E402
+from pcp_p2p.node.cpu import CpuInfo, best_cpu_target, local_cpu
+from pcp_p2p.node.executor import Executor
+from pcp_p2p.node.identity import Identity
 
 REPO = Path(__file__).resolve().parents[1]
 BEST = best_cpu_target().name  # the variant this machine would pick (v4 on AVX-512 hosts)
@@ -52,7 +52,6 @@ def start(program: str = "train", target: str = BEST, **kw) -> Executor:
 def jax_reference():
     """10 AdamW steps of the same program under jax.jit, from the same state and batches."""
     import jax
-
     from conftest_compile import lowered
 
     params = init_params(TINY, seed=0)
@@ -98,7 +97,6 @@ def test_batch_of_one_compiles_and_matches_jax():
     """B = 1 used to fail in iree-compile (the gradient of take_along_axis is a scatter IREE
     3.13 rejects at batch 1); the loss now picks targets with a one-hot product."""
     import jax
-
     from conftest_compile import lowered
 
     opts = dataclasses.replace(TINY_OPTS, inner_steps=2, batch=1, seq=16)
@@ -143,7 +141,6 @@ def test_state_stays_on_device_and_copies_stay_valid(jax_reference):
 
 def test_eval_and_sample_share_the_trained_parameters(jax_reference):
     import jax
-
     from conftest_compile import lowered
 
     ref = jax_reference
@@ -261,8 +258,8 @@ def test_manifest_of_another_artifact_is_refused():
 
 def _fake_artifact(tmp_path, target: str):
     """A correctly signed manifest for some bytes built 'for' ``target`` (refused before loading)."""
-    from pcp_p2p.compile.iree_compile import compile_flags
     from pcp_p2p.cid import cid_of
+    from pcp_p2p.compile.iree_compile import compile_flags
 
     data = b"not really an artifact" * 10
     t = get_target(target)

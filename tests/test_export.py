@@ -259,8 +259,8 @@ async def test_pcp_export_and_generate_engines_against_a_swarm(tmp_path: Path) -
     from contextlib import AsyncExitStack
 
     import trio
-
     from conftest import TEST_CAPS
+
     from pcp_p2p.compile.model import preset
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     from pcp_p2p.diloco.checkpoint import Checkpoint, encode_checkpoint

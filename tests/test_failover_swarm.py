@@ -11,8 +11,8 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from test_training_swarm import committed, create_run, wait_for
+
 from pcp_p2p.node.local_swarm import local_swarm
 
 pytestmark = pytest.mark.timeout(420)

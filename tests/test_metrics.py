@@ -250,8 +250,9 @@ def test_healthz_over_http(health: Callable[[], Mapping[str, Any]] | None, code:
 
 @pytest.mark.timeout(120)
 def test_a_node_whose_bootstrap_never_answers_is_503_starting(tmp_path: Path) -> None:
-    from pcp_p2p.node.identity import Identity
     from test_cli_errors import Node
+
+    from pcp_p2p.node.identity import Identity
 
     port = free_port()
     dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"

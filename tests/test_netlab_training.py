@@ -13,8 +13,9 @@ Marked ``netlab`` and ``slow``; skipped with one line where the lab cannot run.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

@@ -6,12 +6,12 @@ import dataclasses
 import struct
 from pathlib import Path
 
+import multiaddr
 import pytest
 import trio
 from libp2p import new_host
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
-import multiaddr
 
 from pcp_p2p.dht.records import sign_record
 from pcp_p2p.errors import PeerGone, PeerTimeout
@@ -217,7 +217,7 @@ async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> Non
     # Garbage on the raw protocol: reset, counted, node fine.
     try:  # the reset can reach the raw client during libp2p's lazy protocol negotiation
         await open_raw(b.addrs()[0], struct.pack(">I", 3) + b"bad", MSG_PROTOCOL)
-    except BaseException as exc:  # noqa: BLE001 - an ExceptionGroup from the raw host's nursery
+    except BaseException as exc:
         if isinstance(exc, trio.Cancelled):
             raise
     await b.wait_until(lambda: b.rejected["message:ProtocolError"] + b.rejected["message:MalformedMessage"] >= 2, timeout=10)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import trio
-
 from test_training_swarm import committed, create_run, wait_for
+
 from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(720)]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
+from pcp_p2p.diloco import election, messages, worker
 from pcp_p2p.diloco.messages import RoundAnnouncement
 from pcp_p2p.testing.planet import LinkModel, PlanetConfig, simulate, verification_cache
-from pcp_p2p.diloco import election, messages, worker
 
 ROUNDS = 4
 

@@ -15,8 +15,8 @@ from pcp_p2p.diloco.data import check_dataset
 from pcp_p2p.diloco.lifecycle import (
     STOP_FILE,
     STOP_KIND,
-    PhaseInputs,
     NotOwner,
+    PhaseInputs,
     StopLatch,
     StopOrder,
     describe_run,
@@ -26,7 +26,6 @@ from pcp_p2p.diloco.lifecycle import (
     stop_name,
     stop_record,
 )
-from pcp_p2p.diloco.pins import RunPins
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.run_blobs import RunBlobs
 from pcp_p2p.diloco.run_machine import RunMachine

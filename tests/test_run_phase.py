@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import trio
-
 from conftest import TEST_CAPS
+
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.runs import TrustPolicy
 from pcp_p2p.diloco.service import install_training

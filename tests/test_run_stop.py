@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import TEST_CAPS
+from test_cli_errors import DEAD_PEER, assert_one_error_line, bootstrap  # noqa: F401  (bootstrap: a fixture)
+from test_cli_errors import Node as PcpProcess
+from test_cli_errors import pcp as pcp_sync
+from test_run_phase import until
 
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.lifecycle import STOP_FILE, STOP_KIND, StopOrder, sign_stop, stop_name
@@ -25,12 +30,6 @@ from pcp_p2p.errors import PcpError
 from pcp_p2p.node.identity import Identity, load_or_create_identity
 from pcp_p2p.node.local_swarm import pcp_command
 from pcp_p2p.node.node import Node, NodeConfig, open_node
-
-from conftest import TEST_CAPS
-from test_cli_errors import DEAD_PEER, assert_one_error_line, bootstrap  # noqa: F401  (bootstrap: a fixture)
-from test_cli_errors import Node as PcpProcess
-from test_cli_errors import pcp as pcp_sync
-from test_run_phase import until
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import trio
-
 from test_training_swarm import create_run
+
 from pcp_p2p.node.local_swarm import local_swarm, pcp_command
 
 pytestmark = pytest.mark.timeout(180)

@@ -26,8 +26,8 @@ from pathlib import Path
 import libp2p
 import numpy as np
 import trio
-from multiaddr import Multiaddr
 from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
 
 from pcp_p2p.blob.chunks import manifest_cid
 from pcp_p2p.blob.routing import MemoryRouting

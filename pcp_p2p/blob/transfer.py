@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-
 MAX_BATCH = 64  # chunks in one data request (256 MiB at 4 MiB chunks)
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from pcp_p2p.compile.model import preset, PRESETS
+from pcp_p2p.compile.model import PRESETS, preset
 from pcp_p2p.compile.programs import PROGRAMS, ProgramOptions
 from pcp_p2p.errors import ConfigError
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pcp_p2p.compile.model import GPTConfig, is_decayed, loss_fn, forward, param_shapes
+from pcp_p2p.compile.model import GPTConfig, forward, is_decayed, loss_fn, param_shapes
 from pcp_p2p.compile.signature import TensorSpec
 from pcp_p2p.errors import ConfigError
 

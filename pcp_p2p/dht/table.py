@@ -37,14 +37,14 @@ import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.routing_table import RoutingTable, peer_id_to_key
 from libp2p.kad_dht.utils import xor_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
-from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
 from pcp_p2p.dht import rpc
-from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, K, PUT_QUORUM, ClosestWalk, StoreFanout, ValueLookup
+from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
 from pcp_p2p.errors import PcpError
 
 log = logging.getLogger("pcp.dht")

@@ -105,7 +105,15 @@ import numpy as np
 from pcp_p2p.cid import check_cid, cid_of
 from pcp_p2p.cluster.split import group_state
 from pcp_p2p.diloco import group_replay
-from pcp_p2p.diloco.messages import FRESH_STATE, MAX_GROUP_PARTS, DataAssignment, RoundAnnouncement, Submission, sign, verify
+from pcp_p2p.diloco.messages import (
+    FRESH_STATE,
+    MAX_GROUP_PARTS,
+    DataAssignment,
+    RoundAnnouncement,
+    Submission,
+    sign,
+    verify,
+)
 from pcp_p2p.diloco.tensors import Params, codec_of, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import pseudo_gradient  # the worker's own formula for Δ
 from pcp_p2p.errors import (
@@ -807,10 +815,38 @@ def decode_evidence(data: bytes) -> Evidence:
 
 
 __all__ = [
-    "AuditJob", "AuditReport", "AuditRequest", "DIFFERS", "Evidence", "InnerState", "MATCH", "MISMATCH",
-    "PlannedAudit", "ReplayInput", "ReplayResult", "StateChain", "StateOffer", "UNAVAILABLE",
-    "check_request", "check_submission", "claimed_differs", "decode_evidence", "decode_inner_state",
-    "delta_cid_of", "encode_evidence", "encode_inner_state", "fresh_state", "impossible_claim", "inner_state_digest",
-    "judge", "losses_digest", "make_evidence", "make_offer", "pick_auditor", "plan_audits",
-    "should_audit", "state_to_export", "verify_evidence",
+    "DIFFERS",
+    "MATCH",
+    "MISMATCH",
+    "UNAVAILABLE",
+    "AuditJob",
+    "AuditReport",
+    "AuditRequest",
+    "Evidence",
+    "InnerState",
+    "PlannedAudit",
+    "ReplayInput",
+    "ReplayResult",
+    "StateChain",
+    "StateOffer",
+    "check_request",
+    "check_submission",
+    "claimed_differs",
+    "decode_evidence",
+    "decode_inner_state",
+    "delta_cid_of",
+    "encode_evidence",
+    "encode_inner_state",
+    "fresh_state",
+    "impossible_claim",
+    "inner_state_digest",
+    "judge",
+    "losses_digest",
+    "make_evidence",
+    "make_offer",
+    "pick_auditor",
+    "plan_audits",
+    "should_audit",
+    "state_to_export",
+    "verify_evidence",
 ]

@@ -228,8 +228,8 @@ async def _hand_out(
 
 
 async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> HandOff:  # type: ignore[no-untyped-def]
-    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
+    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     from pcp_p2p.diloco.owner_runs import publish_owned_run
     from pcp_p2p.diloco.spec import run_id_of
 
@@ -294,7 +294,14 @@ def _local_update(path: Path, run_id: str, owner: str) -> AllowlistUpdate | None
 
 
 async def _admit(args: argparse.Namespace, data_dir: Path, identity: Identity) -> tuple[AllowlistUpdate, int, str]:
-    from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate, allowlist_name, amend, update_record
+    from pcp_p2p.diloco.admission import (
+        ALLOWLIST_KIND,
+        Admission,
+        AllowlistUpdate,
+        allowlist_name,
+        amend,
+        update_record,
+    )
     from pcp_p2p.diloco.spec import SignedRunSpec
     from pcp_p2p.wire import encode
 

@@ -76,7 +76,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pcp_p2p.dht.records import register_kind
-from pcp_p2p.node.reachability import PUBLIC, RELAY_ONLY
 from pcp_p2p.diloco.effects import LookupCommit, Rejected
 from pcp_p2p.diloco.messages import CommitRecord, sign, verify
 from pcp_p2p.errors import (
@@ -90,6 +89,7 @@ from pcp_p2p.errors import (
     VerificationError,
 )
 from pcp_p2p.node.identity import Identity
+from pcp_p2p.node.reachability import PUBLIC, RELAY_ONLY
 from pcp_p2p.wire import Message, decode, wire_message
 
 LEASE_KIND = "lease"

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcp_p2p.diloco.data import CharDataset, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.audit import InnerState, encode_inner_state
+from pcp_p2p.diloco.data import CharDataset, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.effects import RunInner
 from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment
 from pcp_p2p.diloco.spec import RunSpec
@@ -136,9 +136,8 @@ class Evaluator:
     ) -> None:
         import jax
 
-        from pcp_p2p.compile.programs import build_program
-
         from pcp_p2p.compile.model import param_names
+        from pcp_p2p.compile.programs import build_program
 
         cfg = model_config(spec, dataset.vocab_size)
         opts = program_options(spec)

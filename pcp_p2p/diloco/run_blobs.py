@@ -9,8 +9,9 @@ run's pin ledger (:mod:`pcp_p2p.diloco.pins`) on disk.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.peer.id import ID

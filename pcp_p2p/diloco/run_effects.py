@@ -22,7 +22,6 @@ these carries a rule of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from pcp_p2p.diloco.election import BecomeShepherd, Lease

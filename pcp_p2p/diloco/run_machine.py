@@ -77,8 +77,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.audit import AuditReport, AuditRequest, Evidence, StateOffer, decode_evidence, encode_evidence

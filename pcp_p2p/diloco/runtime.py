@@ -32,12 +32,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from pcp_p2p.node.reachability import known
 from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.departures import make_leave
@@ -53,36 +53,37 @@ from pcp_p2p.diloco.run_effects import (
     Audit,
     BlobFailed,
     BlobIn,
-    CommitLookedUp,
-    Event,
-    InnerDone,
-    InnerFailed,
-    LeaseLookedUp,
-    MembersSeen,
-    MessageIn,
-    Replicated,
-    Wake,
     CancelSetUp,
     CommitAccepted,
+    CommitLookedUp,
+    Event,
     Fetch,
+    InnerDone,
+    InnerFailed,
     Leads,
+    LeaseLookedUp,
     LookUpCommit,
     LookUpLease,
     LookUpOwnerRecord,
+    MembersSeen,
+    MessageIn,
     PublishCommit,
     ReleasePins,
     ReplicateCheckpoint,
     ReplicateCommit,
+    Replicated,
     RunEnded,
     SaveLease,
     SetUpShepherd,
     Stopped,
+    Wake,
 )
 from pcp_p2p.diloco.run_machine import REPLICATE_TIMEOUT_S, Member, RunMachine, election_config
 from pcp_p2p.diloco.run_setup import TermSetUp
 from pcp_p2p.diloco.run_status import run_status
 from pcp_p2p.diloco.runs import KnownRun
 from pcp_p2p.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
+from pcp_p2p.node.reachability import known
 from pcp_p2p.wire import Message, decode, encode
 
 if TYPE_CHECKING:

@@ -26,7 +26,11 @@ from typing import Any
 
 import trio
 
+from pcp_p2p.dht.records import VerifiedRecord
+from pcp_p2p.diloco.admission import AllowlistUpdate
+from pcp_p2p.diloco.audit import AUDIT_MESSAGES
 from pcp_p2p.diloco.election import Heartbeat, Lease
+from pcp_p2p.diloco.lifecycle import StopOrder, summary_of
 from pcp_p2p.diloco.messages import ROUND_MESSAGES
 from pcp_p2p.diloco.owner_runs import OWNER_RUNS_KIND, OwnerRuns
 from pcp_p2p.diloco.runs import KnownRun, NoAllowedTarget, RunBook, TrustPolicy
@@ -34,12 +38,8 @@ from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec
 from pcp_p2p.diloco.trust_file import POLL_S, TrustFile
 from pcp_p2p.errors import PcpError, VerificationError
-from pcp_p2p.shutdown import add_farewell
 from pcp_p2p.node.node import Node
-from pcp_p2p.dht.records import VerifiedRecord
-from pcp_p2p.diloco.admission import AllowlistUpdate
-from pcp_p2p.diloco.audit import AUDIT_MESSAGES
-from pcp_p2p.diloco.lifecycle import StopOrder, summary_of
+from pcp_p2p.shutdown import add_farewell
 from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.training")

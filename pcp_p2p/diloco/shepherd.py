@@ -60,8 +60,8 @@ from pcp_p2p.diloco import data as data_mod
 from pcp_p2p.diloco.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.audit import AuditReport
 from pcp_p2p.diloco.audit_desk import AuditDesk
-from pcp_p2p.diloco.deadlines import ArrivalDeadline
 from pcp_p2p.diloco.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
+from pcp_p2p.diloco.deadlines import ArrivalDeadline
 from pcp_p2p.diloco.effects import (
     Banned,
     Committed,

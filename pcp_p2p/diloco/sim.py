@@ -40,8 +40,19 @@ from pcp_p2p.testing.memnet import FaultPlan, Kill
 from pcp_p2p.testing.run_harness import MemNode, RunSwarm, SwarmConfig
 from pcp_p2p.wire import Message
 
-__all__ = ["ATTACKS", "KILL_PHASES", "SIM_ARTIFACT", "Faults", "Quadratic", "SimConfig", "SimResult", "World",
-           "WorkerPlan", "simulate", "simulate_sync"]
+__all__ = [
+    "ATTACKS",
+    "KILL_PHASES",
+    "SIM_ARTIFACT",
+    "Faults",
+    "Quadratic",
+    "SimConfig",
+    "SimResult",
+    "WorkerPlan",
+    "World",
+    "simulate",
+    "simulate_sync",
+]
 
 KILL_PHASES = ("announced", "fetching", "training", "submitted", "committed")
 ATTACKS = ("random", "sign_flip", "scale10", "lazy", "stale")

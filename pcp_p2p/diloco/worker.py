@@ -91,7 +91,6 @@ from pcp_p2p.errors import (
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message
 
-
 KEEP_SUBMITTED = 16
 """Own submissions kept (signed, as sent): an audit request names one of the last rounds."""
 

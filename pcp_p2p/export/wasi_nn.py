@@ -116,7 +116,7 @@ class WasiNnHost:
         options.log_severity_level = 4  # errors come back to us as exceptions; no stderr noise
         try:
             session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # noqa: BLE001 -- ONNX Runtime raises its own unrelated types
+        except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise _Refused(RUNTIME_ERROR, CorruptModel(
                 f"the guest's model ({size} bytes) is not a valid ONNX model: {first[:300]}")) from exc
@@ -164,7 +164,7 @@ class WasiNnHost:
             raise _Refused(INVALID_ARGUMENT, GuestError(f"wasi-nn compute: input(s) {', '.join(missing)} not set"))
         try:
             context.results = context.session.run(None, context.feeds)
-        except Exception as exc:  # noqa: BLE001 -- ONNX Runtime's own exception types
+        except Exception as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise _Refused(RUNTIME_ERROR, GuestError(f"wasi-nn compute failed: {first[:300]}")) from exc
 

@@ -921,6 +921,18 @@ class Membership:
 
 
 __all__ = [
-    "SWIM_PROTOCOL", "MemberRecord", "Gossip", "SwimPacket", "SwimConfig", "Membership", "Member",
-    "MemberJoined", "MemberUpdated", "MemberLeft", "MembershipEvent", "Send", "Refute", "Effect",
+    "SWIM_PROTOCOL",
+    "Effect",
+    "Gossip",
+    "Member",
+    "MemberJoined",
+    "MemberLeft",
+    "MemberRecord",
+    "MemberUpdated",
+    "Membership",
+    "MembershipEvent",
+    "Refute",
+    "Send",
+    "SwimConfig",
+    "SwimPacket",
 ]

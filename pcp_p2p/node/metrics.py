@@ -373,7 +373,7 @@ def _app(registry: CollectorRegistry, health_fn: HealthFn | None) -> Callable[..
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- a scrape every few seconds is not news
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

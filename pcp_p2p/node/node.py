@@ -65,9 +65,9 @@ from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.logs import LogOnce
+from pcp_p2p.node import yamux_credit
+from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.capabilities import Capabilities, probe
-from pcp_p2p.node.reachability import known
-from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
 from pcp_p2p.node.connectivity import (
     HOLE_PUNCHABLE,
     RELAY_ONLY,
@@ -77,8 +77,8 @@ from pcp_p2p.node.connectivity import (
     is_circuit,
     is_public_ip,
 )
+from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
 from pcp_p2p.node.identity import Identity, load_or_create_identity
-from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.membership import (
     DEFAULT_PERIOD_S,
     MAX_PACKET,
@@ -94,6 +94,7 @@ from pcp_p2p.node.membership import (
     SwimPacket,
 )
 from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
+from pcp_p2p.node.reachability import known
 from pcp_p2p.node.status import (
     MAX_REQUEST,
     STATUS_PROTOCOL,
@@ -104,7 +105,6 @@ from pcp_p2p.node.status import (
 )
 from pcp_p2p.node.swarm_key import read_swarm_key
 from pcp_p2p.node.traffic import Traffic, count_host_traffic
-from pcp_p2p.node import yamux_credit
 from pcp_p2p.wire import decode, encode
 from pcp_p2p.wire.framing import read_frame, reset_quietly, write_frame
 

@@ -89,7 +89,6 @@ def main(config_path: str) -> int:
     from pcp_p2p import logs
     from pcp_p2p.cluster.group import WorkerGroup, serve_follower
     from pcp_p2p.cluster.launch import detect_launch
-
     from pcp_p2p.cluster.rankproc import is_rank_child, rank_argv, supervise
 
     logs.configure("INFO")

@@ -95,8 +95,8 @@ from pcp_p2p.diloco.run_effects import (
     Event,
     Fetch,
     InnerDone,
-    LeaseLookedUp,
     Leads,
+    LeaseLookedUp,
     LookUpCommit,
     LookUpLease,
     MembersSeen,
@@ -358,9 +358,33 @@ def verification_cache() -> Iterator[None]:
 class PNode:
     """One simulated node: its links and speed, its disk, and (while up) its machine."""
 
-    __slots__ = ("index", "identity", "peer_id", "down", "up", "lat", "speed", "pool", "machine", "alive",
-                 "epoch", "started_at", "lease", "blobs", "pins", "up_free", "wake", "view_due", "leading",
-                 "view_seen", "setup_epoch", "setup_term", "member", "term_seen", "ended")
+    __slots__ = (
+        "alive",
+        "blobs",
+        "down",
+        "ended",
+        "epoch",
+        "identity",
+        "index",
+        "lat",
+        "leading",
+        "lease",
+        "machine",
+        "member",
+        "peer_id",
+        "pins",
+        "pool",
+        "setup_epoch",
+        "setup_term",
+        "speed",
+        "started_at",
+        "term_seen",
+        "up",
+        "up_free",
+        "view_due",
+        "view_seen",
+        "wake",
+    )
 
     def __init__(self, index: int, identity: Identity, link: tuple[float, float, float], speed: float) -> None:
         self.index = index

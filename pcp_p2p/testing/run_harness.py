@@ -42,6 +42,7 @@ from pcp_p2p.diloco.effects import Discarded, Finished, Rejected, RunInner, Send
 from pcp_p2p.diloco.election import ElectionConfig, Lease, PublishLease, commit_key
 from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, Submission
 from pcp_p2p.diloco.outer import OuterState
+from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.diloco.reputation import ReputationLedger
 from pcp_p2p.diloco.run_effects import (
     BlobFailed,
@@ -68,7 +69,6 @@ from pcp_p2p.diloco.run_effects import (
 )
 from pcp_p2p.diloco.run_machine import Member, RunMachine
 from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.diloco.spec import RunSpec, run_id_of, sign_spec
 from pcp_p2p.diloco.tensors import unpack_tensors
 from pcp_p2p.diloco.worker import InnerResult, WorkerPhase

@@ -26,7 +26,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
 
 import msgpack
@@ -177,7 +177,7 @@ def _wants_float(tp: Any) -> bool:
     return False
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
