@@ -15,18 +15,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pcp_p2p.blob.chunks import ChunkManifest
-    from pcp_p2p.blob.routing import ContentRouting, DhtRouting, MemoryRouting
-    from pcp_p2p.blob.service import BlobConfig, BlobService, FetchReport
-    from pcp_p2p.blob.store import BlobStore
-    from pcp_p2p.blob.tensors import decode_tensors, encode_tensors
+    # ``X as X``: the explicit re-export form, so type checkers see these names as this package's API.
+    from pcp_p2p.blob.chunks import ChunkManifest as ChunkManifest
+    from pcp_p2p.blob.routing import ContentRouting as ContentRouting
+    from pcp_p2p.blob.routing import DhtRouting as DhtRouting
+    from pcp_p2p.blob.routing import MemoryRouting as MemoryRouting
+    from pcp_p2p.blob.server import BlobConfig as BlobConfig
+    from pcp_p2p.blob.service import BlobService as BlobService
+    from pcp_p2p.blob.service import FetchReport as FetchReport
+    from pcp_p2p.blob.store import BlobStore as BlobStore
+    from pcp_p2p.blob.tensors import decode_tensors as decode_tensors
+    from pcp_p2p.blob.tensors import encode_tensors as encode_tensors
 
 _WHERE = {
     "ChunkManifest": "pcp_p2p.blob.chunks",
     "ContentRouting": "pcp_p2p.blob.routing",
     "DhtRouting": "pcp_p2p.blob.routing",
     "MemoryRouting": "pcp_p2p.blob.routing",
-    "BlobConfig": "pcp_p2p.blob.service",
+    "BlobConfig": "pcp_p2p.blob.server",
     "BlobService": "pcp_p2p.blob.service",
     "FetchReport": "pcp_p2p.blob.service",
     "BlobStore": "pcp_p2p.blob.store",

@@ -31,7 +31,8 @@ from multiaddr import Multiaddr
 
 from pcp_p2p.blob.chunks import manifest_cid
 from pcp_p2p.blob.routing import MemoryRouting
-from pcp_p2p.blob.service import BlobConfig, BlobService
+from pcp_p2p.blob.server import BlobConfig
+from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordCipher
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.node.identity import Identity
@@ -79,7 +80,8 @@ async def amain(args: argparse.Namespace) -> None:
             "manifest_cid": manifest_cid(store.manifest(cid)),
         }), flush=True)
         # Serve until stdin closes (the parent ended or dropped us).
-        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+        # trio-typing's stale stubs (a libp2p dependency) shadow trio's own, which has abandon_on_cancel.
+        await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
 
 
 def main() -> None:

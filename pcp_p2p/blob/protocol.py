@@ -26,11 +26,13 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from libp2p.custom_types import TProtocol
+
 from pcp_p2p.blob.chunks import MANIFEST_MAX_SIZE
 from pcp_p2p.wire import Message, decode, encode, framing, wire_message
 from pcp_p2p.wire.framing import ByteStream
 
-PROTOCOL_ID = "/pcp/blob/1.0.0"
+PROTOCOL_ID = TProtocol("/pcp/blob/1.0.0")
 NONCE_LEN = 16
 M = TypeVar("M", bound=Message)
 INLINE_MAX = 256 * 1024

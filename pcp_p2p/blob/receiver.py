@@ -297,7 +297,7 @@ def receive_batch(
         if not failure:
             failure.append(exc)
     finally:
-        for t in threads:
+        for _ in threads:
             work.put(None)
         for t in threads:
             t.join()

@@ -621,7 +621,8 @@ async def _receive_in_thread(sock: socket.socket, receive: Callable[[], None]) -
             done.set()
 
     try:
-        await trio.to_thread.run_sync(run, abandon_on_cancel=True)
+        # trio-typing's stale stubs (a libp2p dependency) shadow trio's own, which has abandon_on_cancel.
+        await trio.to_thread.run_sync(run, abandon_on_cancel=True)  # type: ignore[call-arg, unused-ignore]
     except trio.Cancelled:
         try:
             sock.shutdown(socket.SHUT_RDWR)
@@ -650,14 +651,6 @@ def _close(sock: socket.socket) -> None:
     except OSError:
         pass
     sock.close()
-
-
-def _first_pcp_error(group: BaseExceptionGroup) -> PcpError | None:  # type: ignore[type-arg]
-    """The first PcpError inside a nursery's exception group, if any."""
-    match, _ = group.split(PcpError)
-    while isinstance(match, BaseExceptionGroup):
-        match = match.exceptions[0]
-    return match  # type: ignore[return-value]
 
 
 def _aggregate(cid: str, errors: list[PcpError]) -> PcpError:

@@ -125,6 +125,8 @@ class RecordCipher:
 
 def parse_header(header: bytes, *, max_len: int, expect_kind: int) -> int:
     """The ciphertext length a header announces, checked before any allocation."""
+    kind: int
+    length: int
     kind, length = HEADER.unpack(header)
     if kind != expect_kind:
         raise MalformedMessage(f"side-channel record of kind {kind}, expected {expect_kind}")
@@ -191,6 +193,7 @@ def send_record(
     The socket's timeout bounds the whole record, not each call: a peer that
     reads a little now and then cannot stretch one record indefinitely.
     """
+    ct: bytes | memoryview
     if out is None:
         header, ct = cipher.seal(kind, bytes(plaintext))
     else:
