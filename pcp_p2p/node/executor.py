@@ -54,7 +54,7 @@ import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
@@ -126,9 +126,13 @@ def _read_artifact(path: Path | str) -> bytes:
 class Executor:
     """A child process holding one IREE device, the loaded programs and their state."""
 
-    def __init__(self, target: Target, proc: subprocess.Popen, stderr_file: Any) -> None:
+    def __init__(self, target: Target, proc: subprocess.Popen[bytes], stderr_file: IO[bytes]) -> None:
+        if proc.stdin is None or proc.stdout is None:
+            raise ExecutorError("the executor child needs pipes on its stdin and stdout")
         self.target = target
         self._proc = proc
+        self._to_child = proc.stdin
+        self._from_child = proc.stdout
         self._stderr = stderr_file
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
@@ -209,7 +213,7 @@ class Executor:
         if proc.poll() is None:
             if self._lock.acquire(timeout=0.5):  # no call in flight: ask it to exit
                 try:
-                    proto.write_frame(proc.stdin, {"op": "exit"})
+                    proto.write_frame(self._to_child, {"op": "exit"})
                 except (OSError, ValueError):
                     pass
                 finally:
@@ -405,19 +409,19 @@ class Executor:
 
     # --- the pipe -----------------------------------------------------------------
 
-    def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def _request(self, op: str, **fields: Any) -> proto.Reply:
         with self._lock:
             if self._dead is not None:
                 raise ExecutorCrashed(f"executor is {self._dead}; start a new one")
             try:
-                proto.write_frame(self._proc.stdin, {"op": op, **fields})
-                reply = proto.read_frame(self._proc.stdout)
+                proto.write_frame(self._to_child, {"op": op, **fields})
+                reply: proto.Reply | None = proto.read_frame(self._from_child)
             except (OSError, ValueError):
                 reply = None
             if reply is None:
                 raise self._crashed(op)
         if not reply.get("ok"):
-            raise _ERRORS.get(reply.get("kind"), ExecutorError)(reply.get("msg", "executor error"))
+            raise _ERRORS.get(reply.get("kind", ""), ExecutorError)(reply.get("msg", "executor error"))
         return reply
 
     def _crashed(self, op: str) -> ExecutorError:

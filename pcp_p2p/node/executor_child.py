@@ -46,26 +46,28 @@ import signal
 import struct
 import sys
 from collections.abc import Iterable
-from typing import Any, BinaryIO
+from typing import IO, Any, TypedDict
 
 import msgpack
 import numpy as np
 
 _LEN = struct.Struct(">Q")
+Reply = dict[str, Any]
+"""A success answer: a msgpack map whose fields depend on the op (see the table above)."""
 MAX_FRAME = 4 << 30  # 4 GiB: far above a medium model's full state (~130 MB)
 
 
 # --- framing and arrays, shared with the parent --------------------------------
 
 
-def write_frame(f: BinaryIO, obj: Any) -> None:
+def write_frame(f: IO[bytes], obj: Any) -> None:
     data = msgpack.packb(obj, use_bin_type=True)
     f.write(_LEN.pack(len(data)))
     f.write(data)
     f.flush()
 
 
-def read_frame(f: BinaryIO) -> Any:
+def read_frame(f: IO[bytes]) -> Any:
     """One message, or None at EOF (the other side is gone)."""
     head = _read_exact(f, _LEN.size)
     if head is None:
@@ -79,7 +81,7 @@ def read_frame(f: BinaryIO) -> Any:
     return msgpack.unpackb(body, raw=False)
 
 
-def _read_exact(f: BinaryIO, n: int) -> bytes | None:
+def _read_exact(f: IO[bytes], n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
         chunk = f.read(n - len(buf))
@@ -89,12 +91,20 @@ def _read_exact(f: BinaryIO, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def pack_array(a: np.ndarray) -> dict[str, Any]:
+class PackedArray(TypedDict):
+    """An array as it crosses the pipe: dtype string, shape, C-order bytes."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes
+
+
+def pack_array(a: np.ndarray) -> PackedArray:
     # tobytes() is C order whatever the layout (np.ascontiguousarray would turn 0-d into 1-d)
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
 
 
-def unpack_array(d: dict[str, Any]) -> np.ndarray:
+def unpack_array(d: PackedArray) -> np.ndarray:
     # frombuffer over the received bytes is read-only; copy so callers own the array
     return np.frombuffer(d["data"], dtype=np.dtype(d["dtype"])).reshape(tuple(d["shape"])).copy()
 
@@ -142,7 +152,7 @@ class _Child:
         # snapshot is only references: free until the state moves on.
         self.snapshots: dict[str, dict[str, Any]] = {}
 
-    def op_init(self, driver: str) -> dict:
+    def op_init(self, driver: str) -> Reply:
         import iree.runtime as rt
 
         self.rt = rt
@@ -156,7 +166,7 @@ class _Child:
         self.device = config.device
         return {}
 
-    def op_load(self, name: str, vmfb: bytes) -> dict:
+    def op_load(self, name: str, vmfb: bytes) -> Reply:
         if self.ctx is None:
             raise _Failure("ExecutorError", "load before init")
         if name in self.programs:
@@ -170,16 +180,16 @@ class _Child:
             raise _Failure(kind, f"cannot load {name}: {exc}") from exc
         return {}
 
-    def _upload(self, d: dict) -> Any:
+    def _upload(self, d: PackedArray) -> Any:
         return self.rt.asdevicearray(self.device, unpack_array(d))
 
-    def op_set(self, arrays: dict) -> dict:
+    def op_set(self, arrays: dict[str, PackedArray]) -> Reply:
         uploaded = {k: self._upload(v) for k, v in arrays.items()}
         self.state.update(uploaded)
         return {}
 
-    def op_call(self, program: str, inputs: list, outputs: list, feeds: dict, keep: list,
-                fetch: list) -> dict:
+    def op_call(self, program: str, inputs: list[str], outputs: list[str], feeds: dict[str, PackedArray],
+                keep: list[str], fetch: list[str]) -> Reply:
         fn = self.programs.get(program)
         if fn is None:
             raise _Failure("ExecutorError", f"program {program!r} not loaded")
@@ -207,7 +217,7 @@ class _Child:
             self.state[name] = by_name[name]
         return {"arrays": out}
 
-    def _arrays(self, names: list, tag: str | None) -> dict[str, Any]:
+    def _arrays(self, names: list[str], tag: str | None) -> dict[str, Any]:
         if tag is None:
             source = self.state
         elif tag in self.snapshots:
@@ -219,35 +229,35 @@ class _Child:
             raise _Failure("ExecutorError", f"no state for {missing[:5]}")
         return {n: source[n] for n in names}
 
-    def op_get(self, names: list, tag: str | None = None) -> dict:
+    def op_get(self, names: list[str], tag: str | None = None) -> Reply:
         got = self._arrays(names, tag)
         return {"arrays": {n: pack_array(_host_copy(a)) for n, a in got.items()}}
 
-    def op_digest(self, names: list, tag: str | None = None) -> dict:
+    def op_digest(self, names: list[str], tag: str | None = None) -> Reply:
         """:func:`state_digest` of ``names`` (the last one is the int step), hashed here:
         only 64 hex characters cross the pipe, not the moments."""
         got = self._arrays(names, tag)
         *arrays, step = names
         return {"digest": state_digest(int(got[step].to_host()), ((n, got[n].to_host()) for n in arrays))}
 
-    def op_snapshot(self, tag: str, names: list) -> dict:
+    def op_snapshot(self, tag: str, names: list[str]) -> Reply:
         self.snapshots[tag] = self._arrays(names, None)
         return {}
 
-    def op_restore(self, tag: str) -> dict:
+    def op_restore(self, tag: str) -> Reply:
         if tag not in self.snapshots:
             raise _Failure("ExecutorError", f"no snapshot {tag!r:.80}")
         self.state.update(self.snapshots[tag])
         return {}
 
-    def op_drop(self, tag: str) -> dict:
+    def op_drop(self, tag: str) -> Reply:
         self.snapshots.pop(tag, None)
         return {}
 
-    def op_modules(self) -> dict:
+    def op_modules(self) -> Reply:
         return {"modules": sorted(sys.modules)}
 
-    def op_pid(self) -> dict:
+    def op_pid(self) -> Reply:
         return {"pid": os.getpid()}
 
 
