@@ -380,6 +380,7 @@ def test_formatting() -> None:
 
 def test_fetcher_reports_failures_with_backoff_then_success() -> None:
     assert [backoff(n, 1.0) for n in range(6)] == [1.0, 1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff(5000, 1.0) == 5.0  # hours of failures: the doubling stays capped, no OverflowError
     outcomes = [PeerGone("connection refused"), RuntimeError("bug"), {"peer_id": "x"}]
     results: list[FetchResult] = []
     done = threading.Event()

@@ -56,7 +56,9 @@ def backoff(failures: int, interval: float) -> float:
     """Seconds before the next attempt after ``failures`` failures in a row."""
     if failures <= 0:
         return interval
-    return min(MAX_BACKOFF_S, interval * 2 ** (failures - 1))
+    # The exponent is capped: 2 ** 1024 as an int overflows the float product, and a
+    # dashboard left watching a stopped node counts that many failures in a few hours.
+    return min(MAX_BACKOFF_S, interval * 2.0 ** min(failures - 1, 64))
 
 
 class StatusFetcher:

@@ -12,12 +12,26 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 # IREE runtime driver -> the backend name users pass to --backend.
-DRIVER_NAMES = {"local-task": "cpu", "local-sync": "cpu", "hip": "rocm", "cuda": "cuda", "vulkan": "vulkan", "metal": "metal"}
+DRIVER_NAMES = {"local-task": "cpu", "local-sync": "cpu", "hip": "rocm", "cuda": "cuda", "vulkan": "vulkan",
+                "metal": "metal"}
 # A value above this is a unix timestamp rather than "seconds from now".
 UNIX_TIME_THRESHOLD = 1e9
+
+
+class BoxChars(TypedDict, total=False):
+    """Border characters for ``urwid.LineBox`` (its keyword names); empty: urwid's own."""
+
+    tlcorner: str
+    tline: str
+    lline: str
+    trcorner: str
+    blcorner: str
+    rline: str
+    bline: str
+    brcorner: str
 
 
 @dataclass(frozen=True)
@@ -33,7 +47,7 @@ class Glyphs:
     axis: str
     tick: str
     focus: str
-    box: dict[str, str]
+    box: BoxChars
     link: str = "·"  # between two rounds' points on a stretched chart
     corner: str = "└"  # where the chart's x axis meets its y axis
     hline: str = "─"  # the x axis
@@ -51,7 +65,7 @@ ASCII = Glyphs("~", "*", "o", "@", "+", "x", "|", "+", ">", {
 class Style:
     """How to draw on this terminal: colours or not, Unicode or ASCII."""
 
-    colors: int  # 1 (monochrome: bold/reverse only) or 256
+    colors: Literal[1, 256]  # 1 (monochrome: bold/reverse only) or 256
     glyphs: Glyphs
 
     @classmethod

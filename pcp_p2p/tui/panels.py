@@ -14,9 +14,9 @@ the focus.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import urwid
 
@@ -118,7 +118,8 @@ def swarm(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
         return str(m["state"]) if m.get("state") else fmt.text(m.get("role"))
 
     def key(m: Mapping[str, Any]) -> tuple[int, float]:
-        return STATE_ORDER.get(state_of(m), 9), -(fmt.num(fmt.section(m, "capabilities").get("throughput_gflops")) or 0.0)
+        gflops = fmt.num(fmt.section(m, "capabilities").get("throughput_gflops"))
+        return STATE_ORDER.get(state_of(m), 9), -(gflops or 0.0)
 
     def row(m: Mapping[str, Any]) -> Markup:
         caps = fmt.section(m, "capabilities")
@@ -162,7 +163,8 @@ def shepherd(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conte
     lease_attr = "bad" if left is not None and left < 0 else ("warn" if left is not None and left < 10 else None)
     fixed: list[Markup] = [
         [("label", "holder "), ("self" if me else None, fmt.short_id(holder, g) + me)],
-        [("label", "term "), "-" if fmt.num(term) is None else str(int(fmt.num(term) or 0)), ("label", "  lease "), (lease_attr, fmt.countdown(left)) if lease_attr else fmt.countdown(left)],
+        [("label", "term "), "-" if fmt.num(term) is None else str(int(fmt.num(term) or 0)),
+         ("label", "  lease "), (lease_attr, fmt.countdown(left)) if lease_attr else fmt.countdown(left)],
     ]
     rows: list[Markup] = []
     for h in sorted(history, key=lambda h: -(fmt.num(h.get("term")) or 0)):
@@ -307,13 +309,14 @@ def unique_artifacts(arts: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any
 def network(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Content:
     """Connected peers, bytes in and out, rejected inputs by reason."""
     net = fmt.section(obj, "network")
-    rejected = net.get("rejected") if isinstance(net.get("rejected"), Mapping) else {}
+    rejected = fmt.section(net, "rejected")
     counts = {str(k): int(fmt.num(n) or 0) for k, n in rejected.items()}
     bad, stale = split_rejected(counts)
     fixed: list[Markup] = [
         [("label", "peers "), fmt.text(net.get("connected_peers"), "0"), ("label", "  table "),
          fmt.text(net.get("routing_table_size"), "0"), ("dim", f" {fmt.text(net.get('dht_mode'), '')}")],
-        [("label", "in "), fmt.human_bytes(net.get("bytes_in")), ("label", "  out "), fmt.human_bytes(net.get("bytes_out"))],
+        [("label", "in "), fmt.human_bytes(net.get("bytes_in")),
+         ("label", "  out "), fmt.human_bytes(net.get("bytes_out"))],
         # Split: a healthy swarm rejects stale and duplicate messages all the time.
         [("label", "bad input "), ("warn" if bad else None, str(bad)), ("label", "  stale/dup "), str(stale)],
     ]
@@ -330,6 +333,11 @@ PANELS: tuple[tuple[str, ContentFn], ...] = (
     ("swarm", swarm), ("shepherd", shepherd), ("run", run),
     ("training", training), ("artifacts", artifacts), ("network", network),
 )
+
+
+# The panel's frame: a titled line box around the line stack, inside a border colour.
+_Box: TypeAlias = "urwid.LineBox[urwid.AttrMap[urwid.Filler[urwid.Pile]]]"
+_Border: TypeAlias = "urwid.AttrMap[_Box]"
 
 
 class Panel(urwid.Widget):
@@ -354,10 +362,10 @@ class Panel(urwid.Widget):
         self.focused = False
         self._visible = 1
         self._total = 0
-        self._built: tuple[Glyphs, urwid.AttrMap, urwid.LineBox, urwid.Pile] | None = None
+        self._built: tuple[Glyphs, _Border, _Box, urwid.Pile] | None = None
         self._texts: list[urwid.Text] = []
 
-    def _widgets(self, g: Glyphs) -> tuple[urwid.AttrMap, urwid.LineBox, urwid.Pile]:
+    def _widgets(self, g: Glyphs) -> tuple[_Border, _Box, urwid.Pile]:
         """The border, box and line stack, built once (urwid widget construction is
         the expensive part of a frame) and refilled on every render."""
         if self._built is None or self._built[0] is not g:
@@ -386,7 +394,7 @@ class Panel(urwid.Widget):
         for i, t in enumerate(self._texts[:inner_h]):
             t.set_text(lines[i] if i < len(lines) else "")
         if len(pile.contents) != inner_h:
-            pile.contents[:] = [(t, ("pack", None)) for t in self._texts[:inner_h]]
+            pile.contents[:] = [(t, (urwid.PACK, None)) for t in self._texts[:inner_h]]
         # The focus is marked in text as well as colour: a NO_COLOR terminal or a
         # `tmux capture-pane` still shows where tab has moved it.
         title: list[Markup] = [(g.focus + " " if self.focused else "") + self.name]
@@ -397,7 +405,8 @@ class Panel(urwid.Widget):
         elif total > 0 and visible == 0:
             title.append(f" ({total} hidden)")
         box.set_title(("title_focus" if self.focused else "title", title))
-        border.set_attr_map({None: "border_focus" if self.focused else "border"})
+        attr_map: dict[Hashable, Hashable] = {None: "border_focus" if self.focused else "border"}
+        border.set_attr_map(attr_map)
         return border.render(size, focus)
 
     def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]

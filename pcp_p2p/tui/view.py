@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import urwid
 
@@ -159,7 +159,7 @@ class StatusView(urwid.Widget):
 
     # -- keys ------------------------------------------------------------------------
 
-    def focus(self, index: int) -> None:
+    def focus_panel(self, index: int) -> None:
         self.focused_panel.focused = False
         self.focus_index = index % len(self.panels)
         self.focused_panel.focused = True
@@ -181,13 +181,13 @@ class StatusView(urwid.Widget):
             self._invalidate()
             return None
         if key == "tab":
-            self.focus(self.focus_index + 1)
+            self.focus_panel(self.focus_index + 1)
             return None
         if key == "shift tab":
-            self.focus(self.focus_index - 1)
+            self.focus_panel(self.focus_index - 1)
             return None
         if len(key) == 1 and key.isdigit() and 1 <= int(key) <= len(self.panels):
-            self.focus(int(key) - 1)
+            self.focus_panel(int(key) - 1)
             return None
         result = self.focused_panel.keypress(size, key)
         if result is None:
@@ -214,8 +214,8 @@ class StatusView(urwid.Widget):
             w = self._layout
         if self.show_help:
             help_lines = HELP.splitlines()
-            box = urwid.LineBox(urwid.Filler(urwid.Pile([urwid.Text(line, wrap="clip") for line in help_lines]), valign="top"),
-                                title="help", **self.style.glyphs.box)
+            text = urwid.Pile([urwid.Text(line, wrap="clip") for line in help_lines])
+            box = urwid.LineBox(urwid.Filler(text, valign="top"), title="help", **self.style.glyphs.box)
             w = urwid.Overlay(urwid.AttrMap(box, "body"), w, "center", 72, "middle", min(maxrow, len(help_lines) + 2))
         return w.render(size, focus)
 
@@ -271,7 +271,7 @@ def _title_extra(name: str, view: StatusView) -> Callable[[fmt.Glyphs], Markup] 
     return None
 
 
-def _lines_widget(lines: list[str], align: str = "left", pad: int = 2) -> urwid.Widget:
+def _lines_widget(lines: list[str], align: Literal["left", "center", "right"] = "left", pad: int = 2) -> urwid.Widget:
     """Lines that render at any size, wrapped, and cut at the bottom (a ListBox never
     complains about being too small)."""
     texts = [urwid.Text(line, align=align) for line in lines]
