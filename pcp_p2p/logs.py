@@ -42,7 +42,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(obj, ensure_ascii=False)
 
 
-def configure(level: int | str = logging.INFO, *, json_lines: bool = False, libp2p_level: int = logging.CRITICAL) -> None:
+def configure(
+    level: int | str = logging.INFO, *, json_lines: bool = False, libp2p_level: int = logging.CRITICAL
+) -> None:
     """Install the process's one log handler (idempotent)."""
     global _configured
     # py-libp2p resets its own loggers when first imported (libp2p.utils.logging):

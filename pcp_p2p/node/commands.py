@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "from a TOML --config file (see examples/node.toml); flags given on the command line override it.",
     )
     join.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                      help="full multiaddr of a bootstrap server (.../p2p/<peer id>); repeatable, any one answering is enough")
+                      help="full multiaddr of a bootstrap server (.../p2p/<peer id>); repeatable, "
+                           "any one answering is enough")
     join.add_argument("--listen", action="append", default=[], metavar="MULTIADDR",
                       help="address to listen on (default /ip4/0.0.0.0/tcp/0); repeatable")
     _common_node_args(join)
@@ -87,7 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "node running on --data-dir (it writes its address to <data-dir>/node.addr).",
     )
     status.add_argument("--connect", metavar="MULTIADDR", help="full multiaddr of the node to ask")
-    status.add_argument("--data-dir", type=Path, default=None, help=f"data dir of a local node (default {default_data_dir()})")
+    status.add_argument("--data-dir", type=Path, default=None,
+                        help=f"data dir of a local node (default {default_data_dir()})")
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--swarm-key", type=Path, metavar="FILE", help="the private swarm's key, if the node is in one")
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)")
@@ -101,8 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     ident.set_defaults(func=_cmd_id)
 
     key = sub.add_parser("swarm-key", help="create a private-swarm key file",
-                         description="Write a new random libp2p pre-shared key (go-libp2p swarm.key format, mode 0600). "
-                         "Give the same file to every member with --swarm-key.")
+                         description="Write a new random libp2p pre-shared key (go-libp2p swarm.key format, "
+                         "mode 0600). Give the same file to every member with --swarm-key.")
     key.add_argument("path", type=Path)
     key.set_defaults(func=_cmd_swarm_key)
 
@@ -117,7 +119,8 @@ def _cmd_id(args: argparse.Namespace) -> int:
 def _common_node_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
                    help=f"where the identity key and data live (default {default_data_dir()})")
-    p.add_argument("--addr-file", type=Path, metavar="PATH", help="write this node's full multiaddr here once it listens")
+    p.add_argument("--addr-file", type=Path, metavar="PATH",
+                   help="write this node's full multiaddr here once it listens")
     p.add_argument("--swarm-key", type=Path, metavar="FILE", help="join a private swarm with this pre-shared key")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-json", action="store_true", help="one JSON object per log line")
@@ -200,7 +203,8 @@ def _serve(config: Any, args: argparse.Namespace, *, print_addr: bool = False, t
 
     _configure_logs(args, config.data_dir)
     if getattr(args, "metrics_port", None) is not None:  # refused before the node starts, not after
-        check_can_bind(args.metrics_host, args.metrics_port, f"serve metrics on {args.metrics_host}:{args.metrics_port}")
+        check_can_bind(args.metrics_host, args.metrics_port,
+                       f"serve metrics on {args.metrics_host}:{args.metrics_port}")
     trust = None
     trust_file = None
     flag_owners: frozenset[str] = frozenset()

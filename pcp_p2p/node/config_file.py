@@ -83,7 +83,9 @@ def add_config_parser(subparsers: argparse._SubParsersAction, name: str, **kwarg
     return parser
 
 
-def with_config(parser: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def with_config(
+    parser: argparse.ArgumentParser, func: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
     """``func`` run on the namespace after :func:`apply_config` filled it from ``--config``."""
 
     def run(args: argparse.Namespace) -> int:

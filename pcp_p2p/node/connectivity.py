@@ -182,7 +182,8 @@ def _local_port(conn: Any) -> int | None:
                     return int(name[1])
                 except Exception:
                     continue
-            for attr in ("muxed_conn", "secured_conn", "conn", "raw_conn", "stream", "socket", "_stream", "read_writer"):
+            for attr in ("muxed_conn", "secured_conn", "conn", "raw_conn", "stream", "socket", "_stream",
+                         "read_writer"):
                 try:
                     nxt.append(getattr(obj, attr, None))
                 except Exception:
@@ -248,14 +249,15 @@ async def connect(host: IHost, peer: ID, addrs: Iterable[str], circuits: Circuit
             raise
         except Exception as exc:
             errors.append(f"direct: {exc or type(exc).__name__}")
-    for ma in circuit if circuits is not None else []:
-        try:
-            await circuits.dial(ma)
-            return
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            errors.append(f"{ma}: {exc or type(exc).__name__}")
+    if circuits is not None:
+        for ma in circuit:
+            try:
+                await circuits.dial(ma)
+                return
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                errors.append(f"{ma}: {exc or type(exc).__name__}")
     raise PeerGone(f"cannot reach {peer}: {'; '.join(errors) or 'no usable address'}")
 
 

@@ -212,7 +212,8 @@ class Diagnosis:
             if p.error:
                 out.append(f"bandwidth to {p.peer_id[:16]}…: not measured ({p.error})")
             else:
-                out.append(f"bandwidth to {p.peer_id[:16]}… ({p.addr}): up {p.up_mbit} Mbit/s, down {p.down_mbit} Mbit/s")
+                out.append(f"bandwidth to {p.peer_id[:16]}… ({p.addr}): "
+                           f"up {p.up_mbit} Mbit/s, down {p.down_mbit} Mbit/s")
         if self.error:
             out.append(f"error: {self.error}")
         out.append(f"advice: {self.advice}")
@@ -262,8 +263,9 @@ async def diagnose(bootstrap: str, *, peers: int = MAX_PEERS, up: int = 1 << 20,
                     except Exception as exc:
                         log.debug("doctor: %s unreachable: %s", m.peer_id, exc)
             # Identify runs just after each connection: wait (bounded) for its observations.
+            # Polled: py-libp2p's identify fills the peerstore and signals nothing we could wait on.
             with trio.move_on_after(5.0):
-                while len(observations(host)) < len(targets):
+                while len(observations(host)) < len(targets):  # noqa: ASYNC110
                     await trio.sleep(0.2)
             obs = observations(host)
             result.observed_addrs = [f"{o.ip}:{o.port}" for o in obs]
@@ -289,7 +291,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     doctor.add_argument("--bootstrap", required=True, metavar="MULTIADDR",
                         help="full multiaddr of a bootstrap server (.../p2p/<peer id>)")
-    doctor.add_argument("--json", action="store_true", help="print one JSON object (its `reachability` field: the verdict)")
+    doctor.add_argument("--json", action="store_true",
+                        help="print one JSON object (its `reachability` field: the verdict)")
     doctor.add_argument("--peers", type=int, default=MAX_PEERS, help=f"peers to measure (default {MAX_PEERS})")
     doctor.add_argument("--timeout", type=float, default=30.0, help="seconds for the whole check (default 30)")
     doctor.add_argument("--swarm-key", metavar="FILE", default=None, help="the private swarm's key, if any")

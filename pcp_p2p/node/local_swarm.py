@@ -124,7 +124,7 @@ class LocalSwarm:
     async def _start(self, proc: NodeProcess) -> None:
         proc.data_dir.mkdir(parents=True, exist_ok=True)
         proc.log_path = self.root / f"{proc.name}.log"
-        logf = open(proc.log_path, "ab")
+        logf = open(proc.log_path, "ab")  # noqa: ASYNC230 (a local append-only log: one quick syscall)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc.process = await trio.lowlevel.open_process(
             proc.args, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL,
@@ -171,7 +171,9 @@ class LocalSwarm:
     async def status(self, proc: NodeProcess, timeout: float = 5.0) -> StatusReply:
         return await fetch_status(proc.addr, timeout=timeout)
 
-    async def views(self, procs: Sequence[NodeProcess] | None = None, timeout: float = 5.0) -> dict[str, set[str] | None]:
+    async def views(
+        self, procs: Sequence[NodeProcess] | None = None, timeout: float = 5.0
+    ) -> dict[str, set[str] | None]:
         """Member peer ids each running node sees (None where the status call failed)."""
         procs = [p for p in (procs if procs is not None else self.workers) if p.running]
         out: dict[str, set[str] | None] = {}
@@ -196,12 +198,14 @@ class LocalSwarm:
         """
         t0 = trio.current_time()
         last: dict[str, Any] = {}
-        with trio.move_on_after(deadline_s):
+        with trio.move_on_after(deadline_s) as scope:
             while True:
                 last = await self.views()
                 if last and all(v == expected for v in last.values()):
-                    return trio.current_time() - t0
+                    break
                 await trio.sleep(poll_s)
+        if not scope.cancelled_caught:
+            return trio.current_time() - t0
         summary = {k[-8:]: (sorted(x[-8:] for x in v) if v is not None else None) for k, v in last.items()}
         raise PeerTimeout(f"views did not converge within {deadline_s:.0f} s: {summary}")
 

@@ -21,8 +21,8 @@ protocol period whatever the size of the swarm:
   (Lifeguard); the suspect is told at once by a direct ping (Lifeguard's buddy
   system). A node whose own probes fail, without every helper it asked answering
   that the target is silent to it too (Lifeguard's nacks), raises a local health score that scales
-  its period and timeouts (Lifeguard's local health): a starved node accuses no one. Nodes refute by re-signing their member
-  record with a higher ``seq``: the incarnation is ``(boot, seq)``, boot being the
+  its period and timeouts (Lifeguard's local health): a starved node accuses no one. Nodes refute by re-signing
+  their member record with a higher ``seq``: the incarnation is ``(boot, seq)``, boot being the
   record's ``started_at`` in ms (so a restarted node starts above its old self)
   and ``seq`` the signed record's sequence number. Only the subject can sign its
   record, so only it can refute, and a replayed older record changes nothing.
@@ -265,7 +265,7 @@ class Stats:
 
 
 def boot_ms(record: MemberRecord) -> int:
-    return int(round(record.started_at * 1000))
+    return round(record.started_at * 1000)
 
 
 class Membership:
@@ -362,7 +362,9 @@ class Membership:
 
     # -- inputs: the network ------------------------------------------------------
 
-    def respond(self, sender: str, packet: SwimPacket, now: float) -> tuple[SwimPacket | None, Send | None, list[MembershipEvent]]:
+    def respond(
+        self, sender: str, packet: SwimPacket, now: float
+    ) -> tuple[SwimPacket | None, Send | None, list[MembershipEvent]]:
         """Handle a request that arrived on an inbound stream from ``sender``.
 
         Returns the reply to write (None for a ``ping_req``: first carry out the
@@ -506,7 +508,8 @@ class Membership:
                 if packet.updates:
                     effects.append(Send(peer, self._members[peer].record.addrs, self._count(packet),
                                         cfg.ping_timeout_s))
-        if self._next_sync_at is not None and now >= self._next_sync_at and (self._members or self._tombstones or self._seeds):
+        if (self._next_sync_at is not None and now >= self._next_sync_at
+                and (self._members or self._tombstones or self._seeds)):
             self._sync_gap = min(self._sync_gap * 2, cfg.sync_every_s)
             self._next_sync_at = now + self._sync_gap
             effects.append(self._sync_effect())
@@ -904,7 +907,7 @@ class Membership:
 
     def _expire_tombstones(self, now: float) -> None:
         while self._tombstones:
-            peer_id, (_, until, _) = next(iter(self._tombstones.items()))
+            _, until, _ = next(iter(self._tombstones.values()))
             if until > now:
                 break
             self._tombstones.popitem(last=False)

@@ -297,7 +297,8 @@ def _shepherd(obj: Mapping[str, Any]) -> Iterator[Metric]:
 def _artifacts(artifacts: Any) -> Iterator[Metric]:
     if not isinstance(artifacts, list):
         return
-    fam = _gauge("artifact_bytes", "size of each compiled artifact this node holds", labels=("target", "cid", "cache_hit"))
+    fam = _gauge("artifact_bytes", "size of each compiled artifact this node holds",
+                 labels=("target", "cid", "cache_hit"))
     for a in artifacts:
         if isinstance(a, Mapping) and (v := _num(a.get("size"))) is not None:
             fam.add_metric([str(a.get("target", "")), str(a.get("cid", "")), "1" if a.get("cache_hit") else "0"], v)
@@ -397,8 +398,11 @@ def serve_metrics(port: int, status_fn: StatusFn, host: str = "127.0.0.1",
     registry = build_registry(status_fn)
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        server_class = type("MetricsHTTPServer", (_ThreadingWSGIServer,), {"address_family": family})
-        server = make_server(host, port, _app(registry, health_fn), server_class, handler_class=_QuietHandler)
+
+        class MetricsHTTPServer(_ThreadingWSGIServer):
+            address_family = family  # IPv6 when ``host`` is an IPv6 address
+
+        server = make_server(host, port, _app(registry, health_fn), MetricsHTTPServer, handler_class=_QuietHandler)
     except OSError as exc:
         raise ConfigError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}".rstrip()) from exc
     thread = threading.Thread(target=server.serve_forever, name="pcp-metrics", daemon=True)

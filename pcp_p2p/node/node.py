@@ -69,8 +69,6 @@ from pcp_p2p.node import yamux_credit
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.node.capabilities import Capabilities, probe
 from pcp_p2p.node.connectivity import (
-    HOLE_PUNCHABLE,
-    RELAY_ONLY,
     Connectivity,
     RelayBudget,
     connect,
@@ -94,7 +92,7 @@ from pcp_p2p.node.membership import (
     SwimPacket,
 )
 from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
-from pcp_p2p.node.reachability import known
+from pcp_p2p.node.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known
 from pcp_p2p.node.status import (
     MAX_REQUEST,
     STATUS_PROTOCOL,
@@ -364,23 +362,24 @@ class Node:
         lifetime has passed (:meth:`_refresh_interval`), or (``refute``) to answer a suspicion with a higher seq."""
         now = time.time()
         record = self.member_record()
-        aged = self._signed_record is not None and now - self._record_signed_at > self._refresh_after
-        changed = self._signed_record is None or self._record != record
-        if refute or aged or changed:
+        signed = self._signed_record
+        aged = signed is not None and now - self._record_signed_at > self._refresh_after
+        changed = signed is None or self._record != record
+        if signed is None or refute or aged or changed:
             self._aged_signings += aged
             self._record_seq += 1
-            self._signed_record = sign_record(
+            signed = self._signed_record = sign_record(
                 self.identity, "member", self.peer_id, record,
                 ttl_s=self.config.record_ttl, seq=self._record_seq, now=now,
             )
-            self._record_bytes = encode(self._signed_record)
+            self._record_bytes = encode(signed)
             self._record = record
             self._record_signed_at = now
             self._refresh_after = self._refresh_interval()
             self.membership.set_self(self._record_bytes, now=trio.current_time(), wall_now=now,
                                      news=refute or changed)
             self.membership.set_interest(self.runs | self.leads)
-        return self._signed_record
+        return signed
 
     def _refresh_interval(self) -> float:
         """When to re-sign (and re-publish) the record for age: about half its lifetime,
@@ -552,15 +551,15 @@ class Node:
     async def _bootstrap_loop(self) -> None:
         infos = [parse_peer_addr(a) for a in self.config.bootstrap]
         delay = 1.0
+
+        async def one(info: PeerInfo, answered: list[bool]) -> None:
+            answered.append(await self._dial(info))
+
         while infos:
             answered: list[bool] = []
-
-            async def one(info: PeerInfo) -> None:
-                answered.append(await self._dial(info))
-
             async with trio.open_nursery() as n:
                 for info in infos:
-                    n.start_soon(one, info)
+                    n.start_soon(one, info, answered)
             if any(answered):
                 for info in infos:
                     self.nursery.start_soon(self._join, info)
@@ -761,9 +760,9 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         parse_peer_addr(a)  # fail fast on a typo, before anything starts
     check_listen_addrs(listen)  # a taken port is refused, not shared (SO_REUSEPORT)
     psk = read_swarm_key(config.swarm_key) if config.swarm_key else None
-    caps = config.capabilities or await trio.to_thread.run_sync(
-        lambda: probe(config.backend, benchmark_s=config.benchmark_s)
-    )
+    caps = config.capabilities
+    if caps is None:
+        caps = await trio.to_thread.run_sync(lambda: probe(config.backend, benchmark_s=config.benchmark_s))
     local_ips = _local_ipv4s()
     # py-libp2p's auto-connector dials every peer it has heard of every 30 s until
     # it holds 100 connections: in a swarm that makes connections, and their

@@ -112,7 +112,7 @@ def to_json(reply: StatusReply) -> dict[str, Any]:
 
     def plain(value: Any) -> Any:
         if isinstance(value, Message):
-            return {name: plain(getattr(value, name)) for name in value.__dataclass_fields__}  # type: ignore[attr-defined]
+            return {name: plain(getattr(value, name)) for name in value.__dataclass_fields__}
         if isinstance(value, (tuple, list)):
             return [plain(v) for v in value]
         if isinstance(value, dict):
@@ -121,7 +121,7 @@ def to_json(reply: StatusReply) -> dict[str, Any]:
             return value.hex()
         return value
 
-    obj = plain(reply)
+    obj: dict[str, Any] = plain(reply)
     extra = obj.pop("extra")
     obj.update(extra)
     return obj

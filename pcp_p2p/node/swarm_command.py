@@ -153,7 +153,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                         await _churn(args, rng, swarm, statuses, killed, rejoined, h["round"])
                         if (args.kill_shepherd_every and h["round"] % args.kill_shepherd_every == 0
                                 and h["round"] < args.rounds - 1):
-                            victim = next((w for w in swarm.workers if w.running and w.peer_id == h.get("shepherd")), None)
+                            victim = next((w for w in swarm.workers
+                                           if w.running and w.peer_id == h.get("shepherd")), None)
                             if victim is not None and victim.peer_id not in killed:
                                 await swarm.kill(victim, signal.SIGKILL)
                                 killed[victim.peer_id] = (victim, h["round"])
@@ -176,7 +177,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         plot = write_loss_plot(plot_dir / f"pcp-swarm-{run_id[-12:]}-loss.png",
                                [history[r] for r in sorted(history)], run_id)
         _say("")
-        _say(f"rounds committed: {len(history)}/{args.rounds}; every live node holds θ {final['theta'] if final else '-'}: {agreement}")
+        theta = final["theta"] if final else "-"
+        _say(f"rounds committed: {len(history)}/{args.rounds}; every live node holds θ {theta}: {agreement}")
         if plot is not None:
             _say(f"loss per round plotted in {plot}")
         if sample:
