@@ -84,7 +84,7 @@ def encode(msg: Message) -> bytes:
     return data
 
 
-def decode(data: bytes, *expected: type[M]) -> M:
+def decode(data: bytes | bytearray | memoryview, *expected: type[M]) -> M:
     """Decode one message, optionally requiring one of ``expected`` types.
 
     Raises only :class:`~pcp_p2p.errors.ProtocolError` subclasses.
