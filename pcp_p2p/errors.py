@@ -68,6 +68,9 @@ class BadSignature(VerificationError):
 class HashMismatch(VerificationError):
     """Content does not hash to the identifier it was fetched under."""
 
+    index: int | None = None
+    """The chunk that failed, when it was one chunk of a manifest (set by the blob receiver)."""
+
 
 class ExpiredRecord(VerificationError):
     """A record whose validity window has passed (or lies in the future)."""

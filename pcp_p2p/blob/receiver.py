@@ -216,7 +216,7 @@ def accept_chunk(sink: ChunkSink, index: int, view: memoryview, *, in_place: boo
     try:
         sink.manifest.verify_chunk(index, view)
     except HashMismatch as exc:
-        exc.index = index  # type: ignore[attr-defined]
+        exc.index = index
         raise
     sink.put(index, view, in_place=in_place)
 

@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import IO
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -326,9 +327,9 @@ class BlobServer:
         return _Upload(slot, in_thread=upload)
 
     async def _stream_upload(
-        self, stream: INetStream, file: object, manifest: ChunkManifest, first: int, count: int
+        self, stream: INetStream, file: IO[bytes], manifest: ChunkManifest, first: int, count: int
     ) -> None:
-        fd = file.fileno()  # type: ignore[attr-defined]
+        fd = file.fileno()
         pace, start, due = self.config.pace, trio.current_time(), 0
         with trio.CancelScope() as scope:
             for i in range(first, first + count):
@@ -348,7 +349,7 @@ class BlobServer:
     def _upload(
         self,
         listener: socket.socket,
-        file: object,
+        file: IO[bytes],
         key: bytes,
         info: bytes,
         manifest: ChunkManifest,
@@ -378,7 +379,7 @@ class BlobServer:
             hello = RecordReader(sock, c2s, len(hello_plaintext(info))).read(KIND_HELLO, deadline=handshake_due)
             if hello != hello_plaintext(info):
                 raise VerificationError("side-channel hello does not match the transfer")
-            fd = file.fileno()  # type: ignore[attr-defined]
+            fd = file.fileno()
             # Store files never change once in place, so the chunks are sealed
             # straight from a read-only mapping of the page cache: one copy
             # (pread into a buffer) less per byte. The size is checked first,
@@ -428,7 +429,8 @@ class BlobServer:
             return self.config.side_host
         for addr in self.host.get_addrs():
             try:
-                return addr.value_for_protocol("ip4")  # type: ignore[no-any-return]
+                ip: str = addr.value_for_protocol("ip4")  # multiaddr is untyped
+                return ip
             except Exception:
                 continue
         return "0.0.0.0"

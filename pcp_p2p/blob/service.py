@@ -198,7 +198,7 @@ class BlobService(BlobServer):
             await self.routing.provide(cid)
         except PeerError as exc:
             err = PeerError(f"{cid} is stored but could not be announced: {exc}")
-            err.cid = cid  # type: ignore[attr-defined]
+            err.cid = cid  # type: ignore[attr-defined]  # which blob, for a caller that retries the announce
             raise err from exc
 
     async def fetch(

@@ -25,7 +25,7 @@ ADDR_FILE = "node.addr"  # every running node writes its full multiaddr here, in
 log = logging.getLogger("pcp.cli")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     node = sub.add_parser("node", help="run a PCP node")
     node_sub = node.add_subparsers(dest="node_command", metavar="ACTION", required=True)
     join = add_config_parser(

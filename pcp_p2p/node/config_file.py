@@ -47,6 +47,8 @@ class ConfigFileParser(argparse.ArgumentParser):
     second namespace holds exactly the options that were typed.
     """
 
+    # One signature for typeshed's three overloads (generic in the namespace type): this
+    # parser is only ever handed an argparse.Namespace or none.
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
@@ -66,7 +68,9 @@ class ConfigFileParser(argparse.ArgumentParser):
         return ns, extras
 
 
-def add_config_parser(subparsers: argparse._SubParsersAction, name: str, **kwargs: Any) -> ConfigFileParser:  # type: ignore[type-arg]
+def add_config_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, **kwargs: Any
+) -> ConfigFileParser:
     """``subparsers.add_parser(name, **kwargs)``, but a :class:`ConfigFileParser`
     with a ``--config FILE`` option; call :func:`with_config` on its command."""
     saved = subparsers._parser_class

@@ -281,7 +281,7 @@ async def diagnose(bootstrap: str, *, peers: int = MAX_PEERS, up: int = 1 << 20,
 # --- the command -----------------------------------------------------------------------------
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser(
         "doctor",
         help="check whether peers can reach this machine, its NAT and its bandwidth",

@@ -33,7 +33,7 @@ import logging
 import math
 import socket
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -207,16 +207,16 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
         history = run.get("history")
         if isinstance(history, list) and history:
             accepted = sum(_num(h.get("participants")) or 0.0 for h in history if isinstance(h, Mapping))
-    sub_rejected: Counter[str] = Counter()
+    sub_rejected: defaultdict[str, float] = defaultdict(float)
     for key, n in rejected.items():
         what, reason = _split_reason(key)
         if what in SUBMISSION_KINDS and (v := _num(n)) is not None:
-            sub_rejected[reason] += v  # type: ignore[assignment]
+            sub_rejected[reason] += v
     run_rejected = run.get("rejected")
     if isinstance(run_rejected, Mapping):
         for reason, n in run_rejected.items():
             if (v := _num(n)) is not None:
-                sub_rejected[str(reason)] += v  # type: ignore[assignment]
+                sub_rejected[str(reason)] += v
     if accepted is not None or sub_rejected:
         sub = CounterMetricFamily(f"{PREFIX}_submissions", "pseudo-gradient submissions by outcome and reason",
                                   labels=["outcome", "reason"])
@@ -362,7 +362,7 @@ def _app(registry: CollectorRegistry, health_fn: HealthFn | None) -> Callable[..
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != HEALTH_PATH:
-            return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+            return metrics_app(environ, start_response)  # type: ignore[no-any-return]  # prometheus_client: untyped
         code, body = health_reply(health_fn)
         data = json.dumps(body).encode() + b"\n"
         start_response(f"{code} {HTTPStatus(code).phrase}", [

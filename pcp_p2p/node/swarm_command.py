@@ -23,15 +23,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from pcp_p2p.errors import ConfigError, PcpError
 from pcp_p2p.shutdown import run_until_signal
 
+if TYPE_CHECKING:
+    from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "swarm",
         help="run a local training swarm: a bootstrap server and N nodes as processes on 127.0.0.1",
@@ -103,7 +106,7 @@ min_quorum = {quorum}
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    from pcp_p2p.node.local_swarm import NodeProcess, local_swarm, pcp_command
+    from pcp_p2p.node.local_swarm import local_swarm, pcp_command
     from pcp_p2p.node.status import to_json
 
     rng = random.Random(args.seed)
@@ -204,7 +207,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def _churn(args, rng, swarm, statuses, killed, rejoined, committed_round: int) -> None:  # type: ignore[no-untyped-def]
+async def _churn(
+    args: argparse.Namespace,
+    rng: random.Random,
+    swarm: LocalSwarm,
+    statuses: dict[str, dict[str, Any]],
+    killed: dict[str, tuple[NodeProcess, int]],
+    rejoined: list[str],
+    committed_round: int,
+) -> None:
     """Restart workers killed a round ago; maybe kill another (never the shepherd)."""
     for pid, (proc, at) in list(killed.items()):
         if committed_round > at:
@@ -251,7 +262,7 @@ def write_loss_plot(path: Path, rounds: list[dict[str, Any]], run_id: str) -> Pa
     return path
 
 
-def _sample(swarm, final: dict[str, Any], args: argparse.Namespace) -> str:  # type: ignore[no-untyped-def]
+def _sample(swarm: LocalSwarm, final: dict[str, Any], args: argparse.Namespace) -> str:
     """Text from the final θ, read from a worker's blob store (hash-checked)."""
     from pcp_p2p.blob.store import BlobStore
     from pcp_p2p.cid import check_cid

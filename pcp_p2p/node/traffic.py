@@ -70,6 +70,7 @@ def count_host_traffic(host: IHost, traffic: Traffic) -> None:
     as in tests, keep their own counts). A raw connection without a ``stream``
     attribute (a transport other than py-libp2p's TCP) is left uncounted.
     """
+    # py-libp2p's INetwork does not declare the upgrader its Swarm has.
     upgrader = host.get_network().upgrader  # type: ignore[attr-defined]
     original = upgrader.upgrade_security
 

@@ -39,12 +39,13 @@ async def _grant_credit_in_halves(self: YamuxStream, *, bytes_read: int = 0) -> 
 
 def install() -> None:
     """Use go-yamux's credit rule in this process (idempotent)."""
+    # A deliberate monkey-patch of py-libp2p's method: mypy forbids assigning to methods.
     YamuxStream._auto_tune_and_send_window_update = _grant_credit_in_halves  # type: ignore[method-assign]
 
 
 def uninstall() -> None:
     """Back to py-libp2p's own rule (for tests comparing the two)."""
-    YamuxStream._auto_tune_and_send_window_update = _ORIGINAL  # type: ignore[method-assign]
+    YamuxStream._auto_tune_and_send_window_update = _ORIGINAL  # type: ignore[method-assign]  # see install()
 
 
 def installed() -> bool:

@@ -375,7 +375,7 @@ class Panel(urwid.Widget):
             self._built = (g, urwid.AttrMap(box, "border"), box, pile)
         return self._built[1], self._built[2], self._built[3]
 
-    def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]
+    def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]  # a box widget: urwid passes (maxcol, maxrow)
         maxcol, maxrow = size
         obj, ctx = self.source()
         g = ctx.glyphs
@@ -409,7 +409,7 @@ class Panel(urwid.Widget):
         border.set_attr_map(attr_map)
         return border.render(size, focus)
 
-    def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]
+    def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]  # a box widget: urwid passes (maxcol, maxrow)
         page = max(1, self._visible - 1)
         last = max(0, self._total - self._visible)
         moves = {"up": self.offset - 1, "down": self.offset + 1, "page up": self.offset - page,

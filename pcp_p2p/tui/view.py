@@ -165,7 +165,7 @@ class StatusView(urwid.Widget):
         self.focused_panel.focused = True
         self.refresh()
 
-    def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]
+    def keypress(self, size: tuple[int, int], key: str) -> str | None:  # type: ignore[override]  # a box widget: urwid passes (maxcol, maxrow)
         if key in ("q", "Q", "ctrl c"):  # urwid's raw mode delivers Ctrl+C as a key
             if self.on_quit is not None:
                 self.on_quit()
@@ -196,7 +196,7 @@ class StatusView(urwid.Widget):
 
     # -- drawing -----------------------------------------------------------------------
 
-    def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]
+    def render(self, size: tuple[int, int], focus: bool = False) -> urwid.Canvas:  # type: ignore[override]  # a box widget: urwid passes (maxcol, maxrow)
         maxcol, maxrow = size
         if maxcol < MIN_COLS or maxrow < MIN_ROWS:
             return _lines_widget([
