@@ -288,7 +288,12 @@ class RunRuntime:
         self._send.send_nowait(ev)
 
     def _dispatch(self, ev: Event) -> None:
-        self._carry_out(self.machine.handle(ev, self.clock()))
+        try:
+            effects = self.machine.handle(ev, self.clock())
+        except Exception as exc:  # the boundary (pcp_p2p.faults): a bug drops this input, not the run
+            self.node._reject(ev.sender if isinstance(ev, MessageIn) else "self", exc, "round")
+            return
+        self._carry_out(effects)
 
     # -- effects --------------------------------------------------------------------------
 
