@@ -92,9 +92,11 @@ def refusal_of(exc: BaseException) -> Refusal:
     for a bug of ours (:mod:`pcp_p2p.faults`), ``internal_error`` and no detail of it (the traceback is ours)."""
     reason = refusal_reason(exc)
     if reason == INTERNAL_ERROR:
-        return Refusal(reason=reason, detail="internal error on the receiving node")
-    reason = reason if _REASON.fullmatch(reason) else "refused"
-    return Refusal(reason=reason, detail=printable(str(exc) or type(exc).__name__))
+        detail = "internal error on the receiving node"
+    else:
+        reason = reason if _REASON.fullmatch(reason) else "refused"
+        detail = printable(str(exc) or type(exc).__name__)
+    return Refusal(reason=reason, detail=detail)
 
 
 class Messenger:
