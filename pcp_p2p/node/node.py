@@ -807,7 +807,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
-                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer().handle)  # pcp doctor's bandwidth
+                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer(faults=faults).handle)  # pcp doctor's bandwidth
                 node._signed_member_record()
                 nursery.start_soon(node._record_loop)
                 nursery.start_soon(node._swim_loop)
