@@ -234,7 +234,14 @@ async def test_a_bug_in_the_status_endpoint_or_a_dht_check_is_a_local_fault(swar
         raise AssertionError("an authority with a bug")
 
     b.record_validator.authorities.append(buggy)
-    signed = a._signed_member_record()
+    from pcp_p2p.dht.records import sign_record
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.node.membership import MemberRecord
+
+    # a well-signed record under a key nobody else publishes (a's own member record is re-put in the background)
+    other = Identity.generate()
+    record = MemberRecord(other.peer_id, ("/ip4/127.0.0.1/tcp/9",), "worker", 0.0, a.capabilities)
+    signed = sign_record(other, "member", other.peer_id, record, ttl_s=60)
     key = signed.key.encode()
     await a.put_record(signed)
     await a.dht.wait_idle()  # every store a's put started has its answer: b's handler ran
@@ -278,3 +285,60 @@ async def test_a_bug_serving_a_blob_answers_internal_error_and_the_next_fetch_wo
         with trio.fail_after(20):
             await client.fetch(cid, providers=[info(server)], pin=False)
         assert client.store.read(cid) == data
+
+
+async def test_a_bug_in_a_run_stops_that_run_and_a_bug_in_one_input_drops_only_that_input(caplog) -> None:
+    """The run's two boundaries, with stand-ins for the node (the real pump is covered by the run tests):
+    TrainingService._run keeps a run's failure, a bug or a task's PcpError wrapped in its nursery's
+    group, from reaching the node's nursery; RunRuntime._dispatch drops one input whose handling hit a bug."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.diloco.run_effects import MessageIn
+    from pcp_p2p.diloco.runtime import RunRuntime
+    from pcp_p2p.diloco.service import TrainingService
+    from pcp_p2p.faults import Boundary
+    from pcp_p2p.logs import LogOnce
+    from pcp_p2p.node.status import StatusRequest
+
+    boundary = Boundary(LogOnce(logging.getLogger("test")))
+    node = SimpleNamespace(runs=set(), leads=set(), boundary=boundary,
+                           _reject=lambda peer, exc, what: boundary.judge(peer, exc, what))
+    service = SimpleNamespace(node=node, _refresh_state=lambda: None)
+
+    async def bug() -> None:
+        raise ZeroDivisionError("a bug in the run")
+
+    async def child_fails() -> None:  # a task of the run's nursery: trio hands its error over in a group
+        async def fail() -> None:
+            raise ConfigError("the executor's directory is gone")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail)
+
+    caplog.set_level(logging.INFO)
+    for run_forever in (bug, child_fails):
+        runtime = SimpleNamespace(run_id=run_forever.__name__, finished=trio.Event(), phase="training",
+                                  run_forever=run_forever)
+        node.runs.add(runtime.run_id)
+        await TrainingService._run(service, runtime)  # type: ignore[arg-type]
+        assert runtime.run_id not in node.runs
+        if run_forever is bug:
+            assert runtime.phase.startswith("stopped: internal error")
+        else:
+            assert runtime.phase == "stopped: the executor's directory is gone"
+    assert boundary.faults.counts == {"run:ZeroDivisionError": 1} and len(_errors(caplog)) == 1
+
+    handled: list[object] = []
+
+    def handle(ev: object, now: float) -> list[object]:
+        if isinstance(ev, MessageIn) and ev.sender == "12D3KooWbuggy":
+            raise AssertionError("a bug handling this input")
+        handled.append(ev)
+        return []
+
+    rt = SimpleNamespace(machine=SimpleNamespace(handle=handle), clock=lambda: 0.0, node=node,
+                         _carry_out=lambda effects: None)
+    RunRuntime._dispatch(rt, MessageIn("12D3KooWbuggy", StatusRequest()))  # type: ignore[arg-type]
+    RunRuntime._dispatch(rt, MessageIn("12D3KooWfine", StatusRequest()))  # type: ignore[arg-type]
+    assert [e.sender for e in handled] == ["12D3KooWfine"]  # type: ignore[attr-defined]
+    assert boundary.faults.counts["round:AssertionError"] == 1 and not boundary.rejected
