@@ -18,9 +18,10 @@ caught                    blame      what the boundary does
                                      counted in ``rejected`` by kind, logged once per
                                      (peer, kind)
 :class:`PeerError`, a     ``peer``   the world broke: logged at info once per
-transport error                      (peer, kind), nothing counted against anyone; the
-(py-libp2p's, trio's                 caller drops the exchange (or retries elsewhere)
-broken stream, a reset)
+transport error                      (peer, kind), counted in ``dropped``, nothing
+(py-libp2p's, trio's                 against anyone; the caller drops the exchange
+broken stream, a reset,              (or retries elsewhere)
+a passed deadline)
 anything else: a bug,     ``local``  this node's fault: logged ONCE with its traceback
 :class:`LocalError`                  at error level (:class:`LocalFaults`), counted in
 included                             ``local_faults``; the peer gets the neutral

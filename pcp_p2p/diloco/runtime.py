@@ -289,11 +289,10 @@ class RunRuntime:
 
     def _dispatch(self, ev: Event) -> None:
         try:
-            effects = self.machine.handle(ev, self.clock())
-        except Exception as exc:  # the boundary (pcp_p2p.faults): a bug drops this input, not the run
+            self._carry_out(self.machine.handle(ev, self.clock()))
+        except Exception as exc:  # the boundary (pcp_p2p.faults): a bug drops this input (its effects
+            # not yet carried out with it), not the run, which a stranger's input must never stop
             self.node._reject(ev.sender if isinstance(ev, MessageIn) else "self", exc, "round")
-            return
-        self._carry_out(effects)
 
     # -- effects --------------------------------------------------------------------------
 
