@@ -72,6 +72,9 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
 )
 """Exceptions the transport raises when a connection or stream breaks: the world broke, like :class:`PeerError`."""
 
+WORLD_BROKE: tuple[type[BaseException], ...] = (PeerError, *TRANSPORT_ERRORS)
+"""Everything :func:`blame_of` calls ``peer``: for a handler that drops these quietly (SWIM's silence)."""
+
 
 class InternalFault(LocalError):
     """A bug of this node's, caught at a boundary that must still raise; already logged and counted.
@@ -90,7 +93,7 @@ def blame_of(exc: BaseException) -> Blame:
         return LOCAL if LOCAL in blames or not blames else REMOTE if REMOTE in blames else PEER
     if isinstance(exc, RemoteError):
         return REMOTE
-    if isinstance(exc, (PeerError, *TRANSPORT_ERRORS)):
+    if isinstance(exc, WORLD_BROKE):
         return PEER
     return LOCAL
 

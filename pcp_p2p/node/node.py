@@ -63,8 +63,8 @@ from pcp_p2p.dht.kinds import register_all as register_all_kinds
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.errors import ConfigError, PcpError, PeerError, PeerGone, PeerTimeout
-from pcp_p2p.faults import Blame, Boundary, LocalFaults
+from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
+from pcp_p2p.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node import yamux_credit
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
@@ -492,7 +492,7 @@ class Node:
                 reply = decode(await read_frame(stream, max_size=MAX_PACKET, timeout=send.timeout_s), SwimPacket)
                 self._on_membership(self.membership.receive(send.peer, reply, trio.current_time()), send.peer)
                 return reply.kind != "nack"
-            except PeerError as exc:  # silence: SWIM's timeouts deal with it
+            except WORLD_BROKE as exc:  # silence: SWIM's timeouts deal with it
                 log.debug("swim: exchange with %s failed: %s", send.peer, exc)
             except Exception as exc:  # the boundary: a bad reply is the peer's, a bug ours
                 self._reject(send.peer, exc, "swim")
@@ -520,7 +520,7 @@ class Node:
                 if reply is not None:
                     await write_frame(stream, encode(reply), timeout=timeout)
                 await stream.close()
-        except PeerError as exc:  # the prober gave up (its own timeout) or went away: not bad input
+        except WORLD_BROKE as exc:  # the prober gave up or went away: not bad input
             log.debug("swim: %s went away mid-exchange: %s", peer, exc)
             await reset_quietly(stream)
         except Exception as exc:  # the boundary: bad input is the peer's, a broken stream nobody's, a bug ours
