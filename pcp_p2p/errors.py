@@ -4,16 +4,36 @@ Every error PCP raises on purpose derives from :class:`PcpError`, so a node's
 pumps can catch "anything PCP rejected" in one place, log it once and go on.
 
 The tree separates *whose fault* an error is, the way h11 separates
-``LocalProtocolError`` from ``RemoteProtocolError``:
+``LocalProtocolError`` from ``RemoteProtocolError``. Every class sits under
+exactly one of three branches (``tests/test_faults.py`` walks them all):
 
 - :class:`RemoteError` — a peer (or a file a peer gave us) sent something we
   refuse: malformed, oversized, unsigned, replayed, tampered, or more than its
   budget (:class:`OverBudget`). The node keeps running; the peer's input is
-  dropped.
-- :class:`LocalError` — this node was misconfigured or misused (bad flag,
-  missing file, an artifact for a target this machine cannot run).
-- :class:`PeerError` — the world broke: a peer vanished or stalled. Retrying
-  with another peer is usually right.
+  dropped, counted against it and answered with the error's
+  :attr:`~PcpError.refusal_reason`.
+- :class:`PeerError` — the world broke: a peer vanished or stalled, content is
+  not where it was looked for, too few peers came. Nobody is blamed; retrying
+  with another peer (or later) is usually right.
+- :class:`LocalError` — this node's own fault: misconfigured or misused (bad
+  flag, missing file, an artifact for a target this machine cannot run, a
+  failed executor).
+
+Why three and not "local or remote": the question a boundary asks is *whom to
+blame*, and for a vanished peer the honest answer is nobody. A timeout is not
+proof of malice (so it must not count against the peer, as a
+:class:`RemoteError` would) and not a bug of ours (so it must not page an
+operator with a traceback, as a :class:`LocalError` met while handling a peer
+would). :class:`PeerError` is therefore its own branch beside the other two:
+*remote* in where it happened, *neither's fault* in what it means.
+
+The boundary rule (:mod:`pcp_p2p.faults`), applied wherever a peer's input is
+handled: a :class:`RemoteError` is the peer's fault (refused with its reason,
+counted in ``rejected``); a :class:`PeerError` is logged at info and the
+exchange dropped; anything else — a bug, or a :class:`LocalError` raised while
+handling a peer's message — is logged once with its traceback, counted in
+``local_faults``, and answered with the neutral ``internal_error`` code,
+without touching the peer's counts. Cancellation is never caught.
 
 Causes are chained (``raise X(...) from exc``) so the original reason survives.
 """
@@ -27,7 +47,9 @@ class PcpError(Exception):
     refusal_reason: str = "refused"
     """The code a direct-message handler's refusal carries back to the sender
     (:mod:`pcp_p2p.node.messaging`); subclasses that mean something to the
-    sender name it (``not_trusted``, ``no_target``)."""
+    sender name it (``not_trusted``, ``no_target``, ``unavailable``). A bug, or
+    any :class:`LocalError`, met while handling a peer's message is answered
+    ``internal_error`` instead (:func:`pcp_p2p.faults.refusal_reason`)."""
 
 
 # --- the peer's fault -------------------------------------------------------
@@ -132,7 +154,9 @@ class RejectedUpdate(RemoteError):
 
 
 class PeerError(PcpError):
-    """A peer could not be reached, vanished, or stalled."""
+    """A peer could not be reached, vanished, or stalled: the world broke, nobody is to blame."""
+
+    refusal_reason = "unavailable"
 
 
 class PeerGone(PeerError):
@@ -145,6 +169,18 @@ class PeerTimeout(PeerError):
 
 class NoProviders(PeerError):
     """Nobody that could serve a piece of content was found."""
+
+
+class BlobNotFound(PeerError):
+    """No blob with this CID is held (locally or by the asked peer).
+
+    The world's state, not a fault: the asked peer does not have it (yet), or
+    our store let it go; fetch it from elsewhere or later.
+    """
+
+
+class QuorumError(PeerError):
+    """A round could not gather its quorum before the deadline (too few peers came, or in time)."""
 
 
 # --- this node's own fault -------------------------------------------------
@@ -178,7 +214,7 @@ class IncompatibleArtifact(LocalError):
     """An artifact for a target (CPU level, driver) this machine cannot run."""
 
 
-class ExecutorError(PcpError):
+class ExecutorError(LocalError):
     """The IREE executor failed."""
 
 
@@ -210,17 +246,9 @@ class ModelMismatch(ExportError):
     """Parts of a model that do not fit each other: its config, θ, tokenizer or ONNX shapes."""
 
 
-class BlobError(PcpError):
-    """The blob store or exchange failed."""
-
-
-class BlobNotFound(BlobError):
-    """No blob with this CID is held (locally or by the asked peer)."""
+class BlobError(LocalError):
+    """This node's blob store failed."""
 
 
 class StoreFull(BlobError):
     """The blob store cannot fit a blob without evicting pinned content."""
-
-
-class QuorumError(PcpError):
-    """A round could not gather its quorum before the deadline."""

@@ -116,8 +116,9 @@ class LogOnce:
         self._capacity = capacity
         self.warned: Counter[str] = Counter()  # warnings actually emitted, by "what:kind"
 
-    def __call__(self, peer: str, exc: BaseException | str, what: str = "rejected input") -> bool:
-        """Log ``exc`` about ``peer``; return True if this was the first time."""
+    def __call__(self, peer: str, exc: BaseException | str, what: str = "rejected input", *,
+                 level: int = logging.WARNING) -> bool:
+        """Log ``exc`` about ``peer`` (the first time at ``level``); return True if this was the first time."""
         kind = type(exc).__name__ if isinstance(exc, BaseException) else str(exc)
         key = (peer, f"{what}:{kind}")
         first = key not in self._seen
@@ -125,8 +126,7 @@ class LogOnce:
         self._seen.move_to_end(key)
         while len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
-        if first:
+        if first and level >= logging.WARNING:
             self.warned[key[1]] += 1
-        level = logging.WARNING if first else logging.DEBUG
-        self._logger.log(level, "%s from %s: %s: %s", what, peer, kind, exc)
+        self._logger.log(level if first else logging.DEBUG, "%s from %s: %s: %s", what, peer, kind, exc)
         return first

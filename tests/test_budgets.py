@@ -297,12 +297,12 @@ async def test_a_trickled_frame_is_cut_at_its_overall_deadline(tmp_path: Path) -
                     except Exception:
                         ended = trio.current_time() - t0
                         break
-                    if target.rejected["message:PeerTimeout"]:
+                    if target.boundary.dropped["message:PeerTimeout"]:
                         ended = trio.current_time() - t0
                         break
                     await trio.sleep(0.2)  # the attacker's pace, not synchronisation
             assert ended is not None and ended < 10  # a per-read timeout would never have fired
-            await target.wait_until(lambda: target.rejected["message:PeerTimeout"] == 1, timeout=10)
+            await target.wait_until(lambda: target.boundary.dropped["message:PeerTimeout"] == 1, timeout=10)
             await target.wait_until(lambda: budget.usage() == Usage(0, 0), timeout=10)
             assert budget.peak.bytes == 64 * 1024
             await honest.messenger.send(target.peer_id, Note("after"), timeout=10)

@@ -59,7 +59,9 @@ def names(samples: Samples) -> set[str]:
 
 def test_full_status_over_http() -> None:
     obj = snapshot("run")
+    obj["network"]["local_fault_kinds"] = {"message:ZeroDivisionError": 2}  # our bugs (pcp_p2p.faults)
     s = scrape(lambda: obj)
+    assert s[("pcp_local_faults_total", (("error", "ZeroDivisionError"), ("kind", "message")))] == 2
     assert s[("pcp_status_up", ())] == 1
     assert s[("pcp_node_info", (("peer_id", obj["peer_id"]), ("role", "worker"), ("version", "0.1.0")))] == 1
     assert s[("pcp_members", ())] == 7

@@ -462,10 +462,11 @@ def test_rejected_inputs_are_split_into_bad_input_and_stale_or_duplicate() -> No
     assert split_rejected(None) == (0, 0) and split_rejected({"a:StaleMessage": float("inf")}) == (0, 0)
     obj = snapshot("run")
     obj["network"]["rejected"] = counts
+    obj["network"]["local_faults"] = 2  # our own bugs (pcp_p2p.faults): shown apart, never as bad input
     content = panels.network(obj, panels.Ctx(), 25, 8)
     flat = ["".join(p if isinstance(p, str) else p[1] for p in (line if isinstance(line, list) else [line]))
             for line in content.fixed]
-    assert "bad input 4  stale/dup 321" in flat
+    assert "bad input 4  stale/dup 321" in flat and "local faults 2" in flat
     # bad input first; the stale and duplicate rows are dimmed
     assert "MalformedMessage" in "".join(map(str, content.rows[0]))
     assert content.rows[-1][0] == "dim"

@@ -54,12 +54,12 @@ from pcp_p2p.cid import cid_of, parse_cid
 from pcp_p2p.errors import (
     BlobNotFound,
     MalformedMessage,
-    PcpError,
     PeerGone,
     PeerTimeout,
     ProtocolError,
     VerificationError,
 )
+from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
 from pcp_p2p.node.budget import Pace
 from pcp_p2p.node.connectivity import stream_is_relayed
 from pcp_p2p.node.traffic import Traffic
@@ -187,6 +187,7 @@ class BlobServer:
     config: BlobConfig
     peer_id: str
     traffic: Traffic | None
+    faults: LocalFaults
     _uploads: UploadSlots
 
     def register(self) -> None:
@@ -204,12 +205,14 @@ class BlobServer:
                     pass
             await close_stream(stream)
             return
+        replied = False  # once chunks flow on the stream, no reply frame may follow
         try:
             try:
                 with trio.fail_after(self.config.request_timeout):
                     req = await P.read_frame(stream, P.BlobRequest, timeout=self.config.request_timeout)
                     upload = await self._answer(stream, client, req)
                 if upload is not None and upload.on_stream is not None:
+                    replied = True
                     try:
                         await upload.on_stream(stream)
                     finally:
@@ -220,6 +223,17 @@ class BlobServer:
                 with trio.move_on_after(self.config.request_timeout):
                     reply = P.BlobReply(P.BAD_REQUEST, str(exc)[:200])
                     await P.write_frame(stream, reply, timeout=self.config.request_timeout)
+                return
+            except Exception as exc:  # the boundary (pcp_p2p.faults): our bug gets a neutral answer
+                if replied or blame_of(exc) != LOCAL:
+                    raise
+                self.faults.record(exc, "blob", client)
+                with trio.move_on_after(self.config.request_timeout):
+                    try:
+                        await P.write_frame(stream, P.BlobReply(P.INTERNAL, "internal error"),
+                                            timeout=self.config.request_timeout)
+                    except Exception:
+                        pass  # the client left: nothing more to tell it
                 return
             finally:
                 with trio.move_on_after(1):
@@ -237,10 +251,11 @@ class BlobServer:
                     upload.slot.release()
         except trio.TooSlowError:
             log.info("blob: request from %s timed out", client)
-        except PcpError as exc:
-            log.info("blob: serving %s failed: %s", client, exc)
-        except Exception:  # a bug must not take the host down
-            log.exception("blob: handler crashed serving %s", client)
+        except Exception as exc:  # the boundary: a bug must not take the host down, nor blame the client
+            if blame_of(exc) == LOCAL:
+                self.faults.record(exc, "blob", client)
+            else:
+                log.info("blob: serving %s failed: %s", client, exc)
 
     async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest) -> _Upload | None:
         """Reply to ``req``; for a data request, return the upload to run.

@@ -71,6 +71,7 @@ from pcp_p2p.errors import (
     PeerTimeout,
     ProtocolError,
 )
+from pcp_p2p.faults import LocalFaults
 from pcp_p2p.node.connectivity import stream_is_relayed
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.traffic import Traffic
@@ -161,8 +162,10 @@ class BlobService(BlobServer):
         identity: Identity,
         config: BlobConfig | None = None,
         traffic: Traffic | None = None,
+        faults: LocalFaults | None = None,
     ) -> None:
         self.host = host
+        self.faults = faults if faults is not None else LocalFaults()  # bugs met serving peers (the node's)
         self.traffic = traffic  # side-channel bytes are counted here (libp2p's by the node)
         self.store = store
         self.routing = routing
@@ -432,6 +435,8 @@ class BlobService(BlobServer):
                 raise HashMismatch(f"{info.peer_id} has another manifest for {req.cid}")
             if reply.status == P.BUSY:
                 raise PeerError(f"{info.peer_id} is busy")
+            if reply.status == P.INTERNAL:  # a bug of the server's: not its (or our) input's fault
+                raise PeerError(f"{info.peer_id} failed serving {req.cid} (an internal error on its side)")
             if reply.status != P.OK:
                 raise MalformedMessage(f"{info.peer_id} refused the request: {reply.detail:.200}")
             if remote is None:

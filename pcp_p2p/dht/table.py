@@ -46,6 +46,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from pcp_p2p.dht import rpc
 from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
 from pcp_p2p.errors import PcpError
+from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
 
 log = logging.getLogger("pcp.dht")
 
@@ -192,6 +193,7 @@ class PcpKadDHT(KadDHT):
         self.peer_routing.routing_table = self.routing_table
         if self.rt_refresh_manager is not None:  # random walk: not used by PCP, kept consistent anyway
             self.rt_refresh_manager.routing_table = self.routing_table
+        self.faults = LocalFaults()  # bugs in background work (open_node passes the node's)
 
 
     # -- lookups (pcp_p2p.dht.lookup) ---------------------------------------------------
@@ -409,7 +411,7 @@ class PcpKadDHT(KadDHT):
 
         async def job() -> None:
             try:
-                await _quietly(fn, *args)
+                await _quietly(self.faults, fn, *args)
             finally:
                 self._background -= 1
                 if not self._background and self._idle is not None:
@@ -421,12 +423,16 @@ class PcpKadDHT(KadDHT):
     async def _off_path(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run ``fn(*args)`` in the background if the budget allows, else here."""
         if not self._spawn(fn, *args):
-            await _quietly(fn, *args)
+            await _quietly(self.faults, fn, *args)
 
 
-async def _quietly(fn: Callable[..., Awaitable[object]], *args: object) -> None:
-    """Background DHT work must never take the DHT down: log and drop its errors."""
+async def _quietly(faults: LocalFaults, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    """Background DHT work must never take the DHT down: drop its errors (a bug is logged and counted,
+    :mod:`pcp_p2p.faults`; a peer's bad answer or absence only at debug)."""
     try:
         await fn(*args)
     except Exception as exc:
-        log.debug("background DHT work failed: %s", exc)
+        if blame_of(exc) == LOCAL:
+            faults.record(exc, "dht")
+        else:
+            log.debug("background DHT work failed: %s", exc)

@@ -14,6 +14,13 @@ not act on, and its own lookups never return one. A node outside the run (a
 bootstrap server) can only check signatures; readers in the run discard what
 it returns if their election refuses it (py-libp2p validates every value a
 get collects, then selects among the survivors).
+
+The validator is an error boundary (:mod:`pcp_p2p.faults`): a record a peer
+sent or returned is refused with a :class:`~pcp_p2p.errors.PcpError`; a bug in
+a check (an authority's, say) is this node's fault, so it is logged once with
+its traceback, counted in the node's ``local_faults``, and the record refused
+with :class:`~pcp_p2p.faults.InternalFault` (an unchecked record is never
+stored), instead of vanishing into py-libp2p's catch-all as a bad put.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from libp2p.records.validator import Validator
 
 from pcp_p2p.dht.records import VerifiedRecord, newer, verify_record
 from pcp_p2p.errors import PcpError
+from pcp_p2p.faults import InternalFault, LocalFaults
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +41,24 @@ log = logging.getLogger(__name__)
 class PcpRecordValidator(Validator):
     """Accepts only signed, unexpired records whose signer may write the key."""
 
-    def __init__(self, now: Callable[[], float] = time.time) -> None:
+    def __init__(self, now: Callable[[], float] = time.time, *, faults: LocalFaults | None = None) -> None:
         self._now = now
+        self.faults = faults if faults is not None else LocalFaults()
         self.authorities: list[Callable[[VerifiedRecord, float], None]] = []
         """Extra checks (raise a PcpError to refuse); a run's runtime adds its election's."""
 
     def check(self, key: str, value: bytes) -> VerifiedRecord:
-        now = self._now()
-        verified = verify_record(value, key=key, now=now)
-        for authority in self.authorities:
-            authority(verified, now)
+        """The record ``value`` under ``key``, verified; a PcpError refuses it (a bug: InternalFault)."""
+        try:
+            now = self._now()
+            verified = verify_record(value, key=key, now=now)
+            for authority in self.authorities:
+                authority(verified, now)
+        except PcpError:
+            raise
+        except Exception as exc:  # the boundary: our bug, not a bad record
+            self.faults.record(exc, "dht")
+            raise InternalFault(f"checking a record for {key:.80} failed on this node") from exc
         return verified
 
     def validate(self, key: str, value: bytes) -> None:

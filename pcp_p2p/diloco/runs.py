@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pcp_p2p.dht.records import register_kind
 from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec, run_id_of, verify_spec
-from pcp_p2p.errors import BadSignature, LocalError, PcpError, VerificationError
+from pcp_p2p.errors import BadSignature, PcpError, RemoteError, VerificationError
 from pcp_p2p.wire import Message, encode
 
 log = logging.getLogger("pcp.runs")
@@ -62,8 +62,12 @@ class UntrustedOwner(VerificationError):
     refusal_reason = "not_trusted"
 
 
-class NoAllowedTarget(LocalError):
-    """A run that allows no compile target this machine can run: the node cannot train for it."""
+class NoAllowedTarget(RemoteError):
+    """A run that allows no compile target this machine can run: the node cannot train for it.
+
+    A refusal of the offered run (the peer's input), not a fault of this node:
+    nothing here is broken, and the sender is told why (``no_target``).
+    """
 
     refusal_reason = "no_target"
 

@@ -288,7 +288,11 @@ class RunRuntime:
         self._send.send_nowait(ev)
 
     def _dispatch(self, ev: Event) -> None:
-        self._carry_out(self.machine.handle(ev, self.clock()))
+        try:
+            self._carry_out(self.machine.handle(ev, self.clock()))
+        except Exception as exc:  # the boundary (pcp_p2p.faults): a bug drops this input (its effects
+            # not yet carried out with it), not the run, which a stranger's input must never stop
+            self.node._reject(ev.sender if isinstance(ev, MessageIn) else "self", exc, "round")
 
     # -- effects --------------------------------------------------------------------------
 

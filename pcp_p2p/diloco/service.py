@@ -38,6 +38,7 @@ from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec
 from pcp_p2p.diloco.trust_file import POLL_S, TrustFile
 from pcp_p2p.errors import PcpError, VerificationError
+from pcp_p2p.faults import sole
 from pcp_p2p.node.node import Node
 from pcp_p2p.shutdown import add_farewell
 from pcp_p2p.wire import Message
@@ -136,9 +137,14 @@ class TrainingService:
                 nursery.start_soon(idle_once_finished)
                 await runtime.run_forever()
                 nursery.cancel_scope.cancel()
-        except PcpError as exc:
-            runtime.phase = f"stopped: {exc}"
-            log.error("run %s stopped: %s", runtime.run_id, exc)
+        except Exception as exc:  # the boundary (pcp_p2p.faults): a run's failure stops the run, never the node
+            cause = sole(exc)  # a task's error arrives wrapped in its nursery's group
+            if isinstance(cause, PcpError):
+                runtime.phase = f"stopped: {cause}"
+                log.error("run %s stopped: %s", runtime.run_id, cause)
+            else:  # a bug: logged with its traceback, counted in local_faults
+                self.node.boundary.faults.record(cause, "run")
+                runtime.phase = "stopped: internal error (see the node's log)"
         finally:
             self.node.runs.discard(runtime.run_id)
             self.node.leads.discard(runtime.run_id)

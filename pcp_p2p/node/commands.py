@@ -368,6 +368,7 @@ def render_text(obj: dict[str, Any]) -> str:
         f"network  {obj['network'].get('connected_peers', 0)} connected, "
         f"{obj['network'].get('routing_table_size', 0)} in routing table, rejected "
         "{} bad input, {} stale or duplicate".format(*split_rejected(obj["network"].get("rejected")))
+        + f", {obj['network'].get('local_faults', 0)} local faults"
         + f", reachability {obj['network'].get('reachability', 'unknown')}",
         f"members  {len(obj['members'])}",
     ]

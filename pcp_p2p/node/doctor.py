@@ -46,6 +46,7 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from pcp_p2p.blob.server import close_stream
 from pcp_p2p.errors import ConfigError, MalformedMessage, PeerGone
+from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
 from pcp_p2p.node.connectivity import observations, verdict
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
@@ -90,6 +91,7 @@ class SpeedServer:
     _busy: trio.Lock = field(default_factory=trio.Lock)
     _recent: deque[float] = field(default_factory=deque)
     refused: int = 0
+    faults: LocalFaults = field(default_factory=LocalFaults)  # the node's (pcp_p2p.faults)
 
     def admit(self, now: float) -> bool:
         """Whether one more test fits this minute's budget (and records it)."""
@@ -114,8 +116,11 @@ class SpeedServer:
                     await _drain(stream, up)
                     await stream.write(b"\x01")
                     await _send_zeros(stream, down)
-        except (trio.TooSlowError, Exception) as exc:  # a stranger's broken test: close, nothing else
-            log.debug("speed test ended: %s", exc)
+        except Exception as exc:  # a stranger's broken test: close, nothing else; a bug of ours: logged, counted
+            if blame_of(exc) == LOCAL:
+                self.faults.record(exc, "speed")
+            else:
+                log.debug("speed test ended: %s", exc)
         finally:
             await close_stream(stream)
 

@@ -11,11 +11,16 @@ receiver's codec" rather than "handed to a queue".
 Handlers register the message types they take; a frame of any other type, or
 malformed, or above the largest registered type's limit, is refused (the
 stream is reset, the rejection counted and logged once) and the node goes on.
-A message that decoded but that its handler declined (raised a
-:class:`~pcp_p2p.errors.PcpError`) is answered instead of reset: a NAK byte
-and one small :class:`Refusal` frame (a reason code and a bounded line), which
-the sender raises as :class:`~pcp_p2p.errors.Refused` — so ``pcp run create``
-can say "not trusted" rather than "stream closed".
+A message that decoded but that its handler declined is answered instead of
+reset: a NAK byte and one small :class:`Refusal` frame (a reason code and a
+bounded line), which the sender raises as :class:`~pcp_p2p.errors.Refused` —
+so ``pcp run create`` can say "not trusted" rather than "stream closed".
+Whose fault a handler's exception is decides what is counted and said
+(:mod:`pcp_p2p.faults`): a :class:`~pcp_p2p.errors.RemoteError` is the
+sender's (its own reason code, counted as rejected); a
+:class:`~pcp_p2p.errors.PeerError` nobody's (``unavailable``); anything else
+is a bug of ours, logged with its traceback, counted in ``local_faults`` and
+answered ``internal_error`` — never the sender's rejection.
 
 Every inbound stream spends from a :class:`~pcp_p2p.node.budget.Budget`: a
 stream slot on arrival, and the frame's declared length (read first) before
@@ -39,6 +44,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from pcp_p2p.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
+from pcp_p2p.faults import INTERNAL_ERROR, LOCAL, PEER, refusal_reason
 from pcp_p2p.node.budget import Budget, Limits, Pace, Reservation
 from pcp_p2p.wire import Message, decode, encode, wire_message
 from pcp_p2p.wire.framing import read_body, read_exact, read_frame, read_length, reset_quietly, write_frame
@@ -81,10 +87,16 @@ def printable(text: str, limit: int = MAX_REFUSAL_DETAIL) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def refusal_of(exc: PcpError) -> Refusal:
-    """The answer for a handler's error: its ``refusal_reason`` (if well-formed) and its text."""
-    reason = exc.refusal_reason if _REASON.fullmatch(exc.refusal_reason) else "refused"
-    return Refusal(reason=reason, detail=printable(str(exc) or type(exc).__name__))
+def refusal_of(exc: BaseException) -> Refusal:
+    """The answer for a handler's error: its ``refusal_reason`` (if well-formed) and its text;
+    for a bug of ours (:mod:`pcp_p2p.faults`), ``internal_error`` and no detail of it (the traceback is ours)."""
+    reason = refusal_reason(exc)
+    if reason == INTERNAL_ERROR:
+        detail = "internal error on the receiving node"
+    else:
+        reason = reason if _REASON.fullmatch(reason) else "refused"
+        detail = printable(str(exc) or type(exc).__name__)
+    return Refusal(reason=reason, detail=detail)
 
 
 class Messenger:
@@ -180,28 +192,24 @@ class Messenger:
             sender = stream.muxed_conn.peer_id.to_base58()
         except Exception:
             sender = "?"
+        handled = False  # the message decoded and its handler ran (so it gets an answer, not a reset)
         try:
             with self.budget.open(sender) as reservation:
                 msg = await self._read(stream, reservation)
                 log.debug("received %s from %s", msg.TAG, sender)
-                try:
-                    await self._handlers[type(msg)](sender, msg)
-                except PcpError as exc:
-                    self.node._reject(sender, exc, "message")
-                    await self._refuse(stream, exc)
-                    return
+                handled = True
+                await self._handlers[type(msg)](sender, msg)
+                handled = False  # from here on only the ack is written: a failure is the stream's
                 await stream.write(_ACK)
                 await stream.close()
-        except PcpError as exc:
-            self.node._reject(sender, exc, "message")
-            await reset_quietly(stream)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:  # a libp2p stream error: the peer's problem, not ours
-            self.node._reject(sender, exc, "message")
-            await reset_quietly(stream)
+        except Exception as exc:  # the boundary (pcp_p2p.faults): whose fault decides what is counted and said
+            blame = self.node._reject(sender, exc, "message")
+            if blame == LOCAL or (handled and (blame != PEER or isinstance(exc, PcpError))):
+                await self._refuse(stream, exc)
+            else:
+                await reset_quietly(stream)
 
-    async def _refuse(self, stream: INetStream, exc: PcpError) -> None:
+    async def _refuse(self, stream: INetStream, exc: BaseException) -> None:
         """Answer a declined message with NAK and its :class:`Refusal`; reset if even that fails."""
         try:
             with trio.fail_after(self.node.config.op_timeout):

@@ -198,6 +198,17 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
             fam.add_metric(list(_split_reason(key)), v)
     yield fam
 
+    # This node's own bugs met while handling peers' input (pcp_p2p.faults), apart from the peers' faults.
+    faults = net.get("local_fault_kinds")
+    faults = faults if isinstance(faults, Mapping) else {}
+    fam = CounterMetricFamily(f"{PREFIX}_local_faults", "bugs of this node's met while handling peers' input, "
+                              "by where and exception type (never counted as the peer's rejection)",
+                              labels=["kind", "error"])
+    for key, n in sorted(faults.items()):
+        if (v := _num(n)) is not None:
+            fam.add_metric(list(_split_reason(key)), v)
+    yield fam
+
     # Submissions: accepted ones are the participants of committed rounds (or
     # run.accepted when the run reports a running total); rejected ones are the
     # network.rejected entries about updates plus run.rejected when present.

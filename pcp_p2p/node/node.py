@@ -64,6 +64,7 @@ from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_re
 from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
+from pcp_p2p.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
 from pcp_p2p.logs import LogOnce
 from pcp_p2p.node import yamux_credit
 from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
@@ -290,8 +291,10 @@ class Node:
         self.record_validator = PcpRecordValidator()  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
-        # Rejected inputs by reason ("swim:BadSignature", ...): for status and metrics.
-        self.rejected: Counter[str] = Counter()
+        # The error boundary (pcp_p2p.faults): rejected inputs by reason ("swim:BadSignature", ...),
+        # and this node's own bugs met while handling them (local_faults), for status and metrics.
+        self.boundary = Boundary(self.log_once, blobs.faults)
+        self.rejected: Counter[str] = self.boundary.rejected
         self._changed = trio.Event()
         self._signed_record: SignedRecord | None = None
         self._record: MemberRecord | None = None  # what _signed_record says, to see when it changes
@@ -307,10 +310,12 @@ class Node:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _reject(self, peer: str, exc: BaseException, what: str) -> None:
-        self.rejected[f"{what}:{type(exc).__name__}"] += 1
-        self.log_once(peer, exc, f"{what} rejected")
+    def _reject(self, peer: str, exc: BaseException, what: str) -> Blame:
+        """Whatever a handler of ``peer``'s input raised: the peer's, the world's or our fault
+        (:mod:`pcp_p2p.faults`), counted and logged as such."""
+        blame = self.boundary.judge(peer, exc, what)
         self._notify()
+        return blame
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> None:
         """Wait, on events rather than polling, until ``predicate()`` holds."""
@@ -486,13 +491,10 @@ class Node:
                 reply = decode(await read_frame(stream, max_size=MAX_PACKET, timeout=send.timeout_s), SwimPacket)
                 self._on_membership(self.membership.receive(send.peer, reply, trio.current_time()), send.peer)
                 return reply.kind != "nack"
-            except PcpError as exc:
-                if not isinstance(exc, (PeerGone, PeerTimeout)):
-                    self._reject(send.peer, exc, "swim")
-            except trio.Cancelled:
-                raise
-            except Exception as exc:
+            except WORLD_BROKE as exc:  # silence: SWIM's timeouts deal with it
                 log.debug("swim: exchange with %s failed: %s", send.peer, exc)
+            except Exception as exc:  # the boundary: a bad reply is the peer's, a bug ours
+                self._reject(send.peer, exc, "swim")
             finally:
                 await reset_quietly(stream)
         return False
@@ -517,14 +519,11 @@ class Node:
                 if reply is not None:
                     await write_frame(stream, encode(reply), timeout=timeout)
                 await stream.close()
-        except PeerGone as exc:  # the prober gave up (its own timeout) or went away: not bad input
+        except WORLD_BROKE as exc:  # the prober gave up or went away: not bad input
             log.debug("swim: %s went away mid-exchange: %s", peer, exc)
             await reset_quietly(stream)
-        except PcpError as exc:
+        except Exception as exc:  # the boundary: bad input is the peer's, a broken stream nobody's, a bug ours
             self._reject(peer, exc, "swim")
-            await reset_quietly(stream)
-        except Exception as exc:  # a libp2p stream error mid-reply: the peer's problem
-            log.debug("swim: stream from %s failed: %s", peer, exc)
             await reset_quietly(stream)
 
     async def _join(self, info: PeerInfo) -> None:
@@ -695,6 +694,10 @@ class Node:
             "relayed_from": dict(self.connectivity.protocol.relayed_from),
             "connections": self.connectivity.connection_kinds(),
             "rejected": dict(self.rejected),
+            # this node's own bugs met while handling peers' input (never counted as their rejection)
+            "dropped": dict(self.boundary.dropped),  # exchanges a stalled or vanished peer broke off
+            "local_faults": self.boundary.faults.total,
+            "local_fault_kinds": dict(self.boundary.faults.counts),
             "membership_msgs": self.membership.stats.sent + self.membership.stats.received,
             "membership": {**self.membership.stats.as_dict(), "view": len(self.membership),
                            "suspected": len(self.membership.suspected()), "health": self.membership.health,
@@ -729,10 +732,7 @@ class Node:
             )
             await write_frame(stream, encode(self.status(req.members)), timeout=self.config.op_timeout)
             await stream.close()
-        except PcpError as exc:
-            self._reject(peer, exc, "status")
-            await reset_quietly(stream)
-        except Exception as exc:  # a libp2p stream error mid-reply: the peer's problem
+        except Exception as exc:  # the boundary: a bad request is the peer's, a bug in status() ours
             self._reject(peer, exc, "status")
             await reset_quietly(stream)
 
@@ -772,7 +772,8 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     # peers keep only dialable ones in their routing tables (pcp_p2p/dht/table.py).
     host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections,
                     addrs_factory=lambda addrs: expand_unspecified(addrs, local_ips))
-    record_validator = PcpRecordValidator()
+    faults = LocalFaults()  # the node's own bugs, whichever boundary met them (Node.boundary, blobs, DHT)
+    record_validator = PcpRecordValidator(faults=faults)
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
     dht = PcpKadDHT(
         host,
@@ -781,6 +782,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         validator_changed=True,
         strict_validation=True,
     )
+    dht.faults = faults
     gossipsub = GossipSub(
         protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=6,
@@ -792,7 +794,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
     traffic = Traffic()
     count_host_traffic(host, traffic)
-    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic)
+    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic, faults=faults)
     connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips)
     async with host.run(listen_addrs=listen), connectivity.running():
         async with background_trio_service(dht), background_trio_service(pubsub), background_trio_service(gossipsub):
@@ -804,7 +806,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
-                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer().handle)  # pcp doctor's bandwidth
+                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer(faults=faults).handle)  # pcp doctor's bandwidth
                 node._signed_member_record()
                 nursery.start_soon(node._record_loop)
                 nursery.start_soon(node._swim_loop)

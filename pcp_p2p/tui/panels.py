@@ -320,6 +320,9 @@ def network(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conten
         # Split: a healthy swarm rejects stale and duplicate messages all the time.
         [("label", "bad input "), ("warn" if bad else None, str(bad)), ("label", "  stale/dup "), str(stale)],
     ]
+    faults = int(fmt.num(net.get("local_faults")) or 0)
+    if faults:  # this node's own bugs met handling peers' input (pcp_p2p.faults): never the peers' fault
+        fixed.append([("label", "local faults "), ("warn", str(faults))])
     # Bad input first (it is what a reader looks for), then the stale and duplicate, dimmed.
     order = sorted(counts.items(), key=lambda kv: (split_rejected({kv[0]: 1})[0] == 0, -kv[1], kv[0]))
     rows: list[Markup] = [[f"{n:>5} ", reason] if split_rejected({reason: 1})[0] else ("dim", f"{n:>5} {reason}")
