@@ -27,7 +27,7 @@ import types
 import typing
 from collections.abc import Callable
 from functools import cache
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, TypeVar, Union, dataclass_transform, get_args, get_origin
 
 import msgpack
 
@@ -54,6 +54,10 @@ class Message:
     VERSION: ClassVar[int] = PROTOCOL_VERSION
 
 
+# ``dataclass_transform`` tells a type checker that these decorators make
+# frozen dataclasses, so ``Lease(run_id=..., term=...)`` is checked field by
+# field (names, types, required fields) like a plain ``@dataclass`` would be.
+@dataclass_transform(frozen_default=True)
 def wire_message(tag: str, max_size: int = DEFAULT_MAX_SIZE) -> Callable[[type[M]], type[M]]:
     """Declare a frozen, slotted wire message with a tag and a size limit."""
     if max_size > HARD_MAX_SIZE:
@@ -71,6 +75,7 @@ def wire_message(tag: str, max_size: int = DEFAULT_MAX_SIZE) -> Callable[[type[M
     return wrap
 
 
+@dataclass_transform(frozen_default=True)
 def wire_struct(cls: type[M]) -> type[M]:
     """Declare a frozen struct nested inside messages (no tag, no own size limit)."""
     return dataclasses.dataclass(frozen=True, slots=True)(cls)
