@@ -230,4 +230,8 @@ def run_until_signal(
     or the watchdog thread, e.g. removing an address file). ``stopping`` is the
     log line's verb ("leaving the swarm").
     """
-    return trio.run(_supervise, async_fn, args, grace_s, stopping, on_force)
+
+    async def supervised() -> T:  # a closure, so the type checker infers T (it cannot through trio.run's *args)
+        return await _supervise(async_fn, args, grace_s, stopping, on_force)
+
+    return trio.run(supervised)

@@ -36,12 +36,13 @@ import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
-from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.routing_table import RoutingTable, peer_id_to_key
 from libp2p.kad_dht.utils import xor_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import NamespacedValidator
 
 from pcp_p2p.dht import rpc
 from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
@@ -164,7 +165,7 @@ class ServersOnlyRoutingTable(RoutingTable):
     async def _add_once_identified(self, peer_id: ID) -> None:
         try:
             with trio.move_on_after(IDENTIFY_WAIT_S):
-                while self._protocols(peer_id) is None:
+                while self._protocols(peer_id) is None:  # noqa: ASYNC110 (no event to wait on: see IDENTIFY_POLL_S)
                     await trio.sleep(IDENTIFY_POLL_S)
             if self._protocols(peer_id) is None:
                 self._refuse(peer_id, "identify did not answer")
@@ -181,8 +182,17 @@ class PcpKadDHT(KadDHT):
 
     routing_table: ServersOnlyRoutingTable
 
-    def __init__(self, host: IHost, *args: object, **kwargs: object) -> None:
-        super().__init__(host, *args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        host: IHost,
+        mode: DHTMode,
+        *,
+        validator: NamespacedValidator | None = None,
+        validator_changed: bool = False,
+        strict_validation: bool = False,
+    ) -> None:
+        super().__init__(host, mode, validator=validator, validator_changed=validator_changed,
+                         strict_validation=strict_validation)
         old = self.routing_table
         self.routing_table = ServersOnlyRoutingTable(
             self.local_peer_id, host,
@@ -304,7 +314,7 @@ class PcpKadDHT(KadDHT):
                 changed.set()
 
             launch()
-            while True:  # hedging: one more query in flight each HEDGE_S without an answer
+            while not lookup.done:  # hedging: one more query in flight each HEDGE_S without an answer
                 with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
                     await changed.wait()
                 changed = trio.Event()
