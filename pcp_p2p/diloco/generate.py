@@ -22,6 +22,7 @@ import trio
 
 from pcp_p2p import logs
 from pcp_p2p.compile.model import GPTConfig
+from pcp_p2p.compile.tokenizer import CharTokenizer
 from pcp_p2p.errors import ConfigError, InvalidInput, PcpError, PeerTimeout
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
@@ -34,7 +35,7 @@ ENGINES = ("native", "wasm")
 
 
 def sample_text(
-    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
+    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer: CharTokenizer, prompt: str, tokens: int,
     *, temperature: float = 0.8, seed: int = 0,
 ) -> str:
     """``prompt`` continued by ``tokens`` characters sampled from the model.
@@ -66,7 +67,7 @@ def sample_text(
     return tokenizer.decode(np.asarray(ids, dtype=np.int32))
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
+def encode_prompt(tokenizer: CharTokenizer, prompt: str) -> list[int]:
     """The prompt's token ids (``[0]`` for an empty prompt); characters outside the vocabulary raise."""
     try:
         return [int(i) for i in tokenizer.encode(prompt)] if prompt else [0]

@@ -172,7 +172,7 @@ def sign(msg: S, identity: Identity) -> S:
     signature would not verify.
     """
     canonical = decode(encode(msg), type(msg))
-    return dataclasses.replace(canonical, signature=identity.sign(signing_bytes(canonical)))  # type: ignore[type-var]
+    return dataclasses.replace(canonical, signature=identity.sign(signing_bytes(canonical)))
 
 
 def verify(msg: Message, signer: str) -> None:

@@ -191,7 +191,8 @@ def trimmed_mean_block(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
     acc = np.zeros(x.shape[0], dtype=np.float64)
     for j in range(x.shape[1]):  # a fixed order of additions: the same bits everywhere
         acc += kept[:, j] * xs[:, j]
-    return (acc / kept.sum(axis=1)).astype(np.float32)
+    mean: np.ndarray = (acc / kept.sum(axis=1)).astype(np.float32)
+    return mean
 
 
 def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -201,7 +202,8 @@ def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     lower = np.minimum((hi < 0.5 - 1e-12).sum(axis=1), k - 1)
     upper = np.minimum((hi <= 0.5 + 1e-12).sum(axis=1), k - 1)
     rows = np.arange(x.shape[0])
-    return (0.5 * (xs[rows, lower].astype(np.float64) + xs[rows, upper])).astype(np.float32)
+    median: np.ndarray = (0.5 * (xs[rows, lower].astype(np.float64) + xs[rows, upper])).astype(np.float32)
+    return median
 
 
 def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[no-untyped-def]

@@ -355,10 +355,7 @@ class RunMachine:
             first, rest = held[0], held[1:]
             self._round_now(SHEPHERD, [e for e in first if not (
                 isinstance(e, Send) and e.message is commit and e.to in acked)], now)
-            for i, batch in enumerate(rest):
-                if self._held is not None:  # another commit started replicating: it keeps the rest
-                    self._held.extend(rest[i:])
-                    break
+            for batch in rest:  # if another commit starts replicating, _round holds the batches after it
                 self._round(SHEPHERD, batch, now)
         return self._run(now, go)
 
@@ -456,7 +453,7 @@ class RunMachine:
             return []
         if self.shepherd is not None or self.becoming or self.election.holder == self.peer_id:
             return self.run_members()
-        return [self.shepherd_peer] if self.shepherd_peer not in (None, self.peer_id) else []  # type: ignore[list-item]
+        return [self.shepherd_peer] if self.shepherd_peer not in (None, self.peer_id) else []
 
     def still_holds(self, term: int) -> bool:
         return self.election.current_term == term and self.election.holder == self.peer_id

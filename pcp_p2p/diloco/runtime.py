@@ -100,7 +100,7 @@ STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told t
 KEEP_CHECKPOINTS = 2
 LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
-OWNER_RECORDS: dict[str, type] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
+OWNER_RECORDS: dict[str, type[Message]] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
 
 
 TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often

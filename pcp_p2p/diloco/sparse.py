@@ -74,8 +74,8 @@ Params = dict[str, np.ndarray]
 Layout = Mapping[str, np.ndarray] | Mapping[str, tuple[int, ...]]
 
 
-def _shape(v: object) -> tuple[int, ...]:
-    return tuple(int(d) for d in (v if isinstance(v, tuple) else np.shape(v)))  # type: ignore[arg-type]
+def _shape(v: np.ndarray | tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(d) for d in (v if isinstance(v, tuple) else np.shape(v)))
 
 
 def layout_digest(like: Layout) -> bytes:
@@ -99,15 +99,17 @@ def _unpack(buf: bytes, count: int, width: int, what: str) -> np.ndarray:
     if bits[count * width :].any():
         raise MalformedMessage(f"sparse Δ: non-zero padding bits after the {what}")
     weights = (np.uint32(1) << np.arange(width - 1, -1, -1, dtype=np.uint32)).astype(np.uint32)
-    return bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
+    values: np.ndarray = bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
+    return values
 
 
 def _lloyd_levels(mag: np.ndarray, levels: int) -> np.ndarray:
     """Per row of ``mag`` (rows x k, float64 ≥ 0): ``levels`` ascending magnitudes minimising squared error."""
     if levels == 1:
-        return mag.mean(axis=1, keepdims=True)
+        mean: np.ndarray = mag.mean(axis=1, keepdims=True)
+        return mean
     qs = (np.arange(levels) + 0.5) / levels
-    lv = np.quantile(mag, qs, axis=1).T  # (rows, levels), ascending
+    lv: np.ndarray = np.quantile(mag, qs, axis=1).T  # (rows, levels), ascending
     for _ in range(LLOYD_ITERS):
         edges = 0.5 * (lv[:, 1:] + lv[:, :-1])
         which = (mag[:, :, None] > edges[:, None, :]).sum(axis=2)  # (rows, k) level index

@@ -295,7 +295,7 @@ def _build(cls: type[Message], table: Any, where: str) -> Any:
     """A struct from a TOML table, with ints accepted for floats and unknown keys refused."""
     if not isinstance(table, dict):
         raise ConfigError(f"run spec: [{where}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key not in fields:
