@@ -87,7 +87,8 @@ def model_config(spec: RunSpec, vocab_size: int) -> Any:
 
     cfg = preset(spec.model, vocab_size=vocab_size)
     if spec.inner.seq_len > cfg.block_size:
-        raise ConfigError(f"inner.seq_len {spec.inner.seq_len} exceeds the {spec.model} model's context {cfg.block_size}")
+        raise ConfigError(
+            f"inner.seq_len {spec.inner.seq_len} exceeds the {spec.model} model's context {cfg.block_size}")
     return cfg
 
 

@@ -312,7 +312,8 @@ class Aggregate:
 
 
 def aggregate(
-    deltas: Mapping[str, Params], tokens: Mapping[str, float], policy: AggregationPolicy, *, center: Params | None = None
+    deltas: Mapping[str, Params], tokens: Mapping[str, float], policy: AggregationPolicy, *,
+    center: Params | None = None,
 ) -> Aggregate:
     """The whole pipeline: norm screen → capped weights → ``policy.rule``."""
     norms = {k: global_norm(deltas[k]) for k in sorted(deltas)}

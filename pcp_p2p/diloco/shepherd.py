@@ -393,7 +393,8 @@ class Shepherd:
         agg = self.round_agg
         if self.phase is Phase.WAITING:
             wake = self.next_wakeup
-            if wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum and not self.handed_over:
+            if (wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum
+                    and not self.handed_over):
                 return self._announce(now)
             return []
         if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
@@ -603,7 +604,8 @@ class Shepherd:
             screened = result.screened
             if len(result.weights) < quorum:
                 break
-            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
+            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr,
+                                      momentum=self.spec.outer.momentum)
             val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
             if not guard or val_loss is None or self.val_loss is None or val_loss <= self._val_limit():
                 outcome = (result, new_state, val_loss)
@@ -679,7 +681,7 @@ class Shepherd:
             )
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)
-            return effects + [Finished(new_state.round, theta_cid)]
+            return [*effects, Finished(new_state.round, theta_cid)]
         if self.end_round is not None and new_state.round >= self.end_round:
             self.handed_over = True  # rotation: the next term announces round end_round
         elif len(self.roster) >= self.spec.round.min_quorum:
