@@ -100,8 +100,12 @@ def expand_unspecified(addrs: list[multiaddr.Multiaddr], local_ips: Iterable[str
 class ServersOnlyRoutingTable(RoutingTable):
     """A routing table that holds only DHT servers with a dialable address (see the module docstring)."""
 
-    def __init__(self, local_id: ID, host: IHost, **kw: int | None) -> None:
-        super().__init__(local_id, host, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self, local_id: ID, host: IHost, *,
+        max_peers_per_subnet: int | None = None, max_peers_per_subnet_table: int = 0,
+    ) -> None:
+        super().__init__(local_id, host, max_peers_per_subnet=max_peers_per_subnet,
+                         max_peers_per_subnet_table=max_peers_per_subnet_table)
         self.refused: Counter[str] = Counter()  # why peers were kept out: for tests and debugging
         self._pending: set[ID] = set()
         self._nursery: trio.Nursery | None = None

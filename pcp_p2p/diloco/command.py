@@ -28,6 +28,7 @@ from pcp_p2p.shutdown import run_until_signal
 
 if TYPE_CHECKING:
     from pcp_p2p.diloco.admission import AllowlistUpdate
+    from pcp_p2p.diloco.spec import SignedRunSpec
     from pcp_p2p.node.identity import Identity
     from pcp_p2p.node.membership import MemberRecord
     from pcp_p2p.node.node import Node
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pcp.run")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("run", help="create, inspect and stop training runs")
     run_sub = run.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     create = run_sub.add_parser(
@@ -228,7 +229,7 @@ async def _hand_out(
     return out
 
 
-async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> HandOff:  # type: ignore[no-untyped-def]
+async def _publish(args: argparse.Namespace, data_dir: Path, identity: Identity, signed: SignedRunSpec) -> HandOff:
     import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     from pcp_p2p.diloco.owner_runs import publish_owned_run

@@ -61,14 +61,17 @@ the plain mean; a combine costs about 40 ns per parameter per worker.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec
 
 import numpy as np
 
 from pcp_p2p.diloco.spec import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.errors import ConfigError, RejectedUpdate
+
+P = ParamSpec("P")
 
 CHUNK_ELEMENTS = 1 << 18
 """Upper bound on K × coordinates processed at once by the coordinate-wise rules
@@ -206,7 +209,9 @@ def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return median
 
 
-def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[no-untyped-def]
+def _columnwise(
+    deltas: Sequence[Params], fn: Callable[Concatenate[np.ndarray, P], np.ndarray], *args: P.args, **kwargs: P.kwargs,
+) -> Params:
     """Apply an (n, K) → (n,) kernel to every tensor, ``CHUNK_ELEMENTS // K`` coordinates at a time."""
     out: Params = {}
     k = len(deltas)
@@ -215,7 +220,7 @@ def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[
         flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
         res = np.empty(ref.size, dtype=np.float32)
         for s in range(0, ref.size, step):
-            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args)
+            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args, **kwargs)
         out[name] = res.reshape(ref.shape)
     return out
 

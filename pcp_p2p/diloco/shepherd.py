@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Collection
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -120,6 +121,19 @@ TRANSITIONS: dict[Phase, set[Phase]] = {
     Phase.COLLECTING: {Phase.COLLECTING, Phase.WAITING, Phase.FINISHED},
     Phase.FINISHED: {Phase.FINISHED},
 }
+
+
+class ShepherdOptions(TypedDict, total=False):
+    """The optional arguments of :class:`Shepherd` (what :meth:`Shepherd.from_checkpoint` passes on)."""
+
+    artifacts: dict[str, str] | None
+    evaluate: Callable[[Params], float] | None
+    end_round: int | None
+    dataset_cid: str
+    admit: Callable[[str], str | None] | None
+    score: Callable[[Params], float] | None
+    val_loss: float | None
+    audits: AuditDesk | None
 
 
 class Shepherd:
@@ -207,7 +221,8 @@ class Shepherd:
 
     @classmethod
     def from_checkpoint(
-        cls, *, spec: RunSpec, run_id: str, identity: Identity, term: int, checkpoint: bytes, **kw: object
+        cls, *, spec: RunSpec, run_id: str, identity: Identity, term: int, checkpoint: bytes,
+        **kw: Unpack[ShepherdOptions],
     ) -> Shepherd:
         """A shepherd for ``term`` continuing from a checkpoint blob (failover, rotation)."""
         ckpt = decode_checkpoint(checkpoint)
@@ -216,7 +231,7 @@ class Shepherd:
         if term < ckpt.term:
             raise StaleMessage(f"term {term} is older than the checkpoint's term {ckpt.term}")
         kw.setdefault("val_loss", ckpt.metrics.get("val_loss"))  # the val-jump guard's yardstick
-        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)  # type: ignore[arg-type]
+        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)
 
     # --- inputs ------------------------------------------------------------
 

@@ -57,10 +57,14 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pcp_p2p.errors import ConfigError, InvalidInput, MalformedMessage, OversizedMessage
+
+if TYPE_CHECKING:
+    from pcp_p2p.diloco.tensors import Compressor  # tensors imports this module
 
 MAGIC = b"PCPS"
 VERSION = 1
@@ -275,7 +279,7 @@ class SparseTopK:
             raise MalformedMessage(f"sparse Δ: {name}: indices repeated or out of order within a chunk")
 
 
-def encode_with_feedback(codec: object, delta: Mapping[str, np.ndarray]) -> tuple[bytes, Params | None]:
+def encode_with_feedback(codec: Compressor, delta: Mapping[str, np.ndarray]) -> tuple[bytes, Params | None]:
     """``(payload, new residual)`` for a worker's Δ under ``codec``.
 
     With a codec that wants error feedback (``codec.error_feedback``) the new
@@ -285,11 +289,11 @@ def encode_with_feedback(codec: object, delta: Mapping[str, np.ndarray]) -> tupl
     inner steps from ``θ − residual`` (:func:`local_start`), so its next Δ,
     measured from θ, already holds it.
     """
-    payload = codec.encode(delta)  # type: ignore[attr-defined]
-    if not getattr(codec, "error_feedback", False):
+    payload = codec.encode(delta)
+    if not codec.error_feedback:
         return payload, None
     target = {k: np.asarray(v, dtype=_F32) for k, v in delta.items()}
-    sent = codec.decode(payload, len(payload) + 4 * sum(v.size for v in target.values()), like=target)  # type: ignore[attr-defined]
+    sent = codec.decode(payload, len(payload) + 4 * sum(v.size for v in target.values()), like=target)
     return payload, {k: target[k] - sent[k] for k in target}
 
 
