@@ -72,6 +72,7 @@ from pcp_p2p.diloco.run_effects import (
     ReplicateCheckpoint,
     ReplicateCommit,
     Replicated,
+    RunEffect,
     RunEnded,
     SaveLease,
     SetUpShepherd,
@@ -300,7 +301,7 @@ class RunRuntime:
         assert self._nursery is not None, "an effect that starts a task came before run_forever"
         self._nursery.start_soon(async_fn, *args)
 
-    def _carry_out(self, effects: list[Any]) -> None:
+    def _carry_out(self, effects: list[RunEffect]) -> None:
         n = self._nursery
         for e in effects:
             if log.isEnabledFor(logging.DEBUG):
