@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pcp_p2p.node.identity import Identity
     from pcp_p2p.node.membership import MemberRecord
     from pcp_p2p.node.node import Node
+    from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.run")
 
@@ -203,14 +204,14 @@ async def _wait_for_workers(node: Node, wait_s: float) -> None:
 
 
 async def _hand_to_workers(
-    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+    node: Node, msg: Message, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
 ) -> int:
     """Send ``msg`` to every live worker (for which ``only`` holds, if given); how many took it."""
     return len((await _hand_out(node, msg, wait_s, only)).accepted)
 
 
 async def _hand_out(
-    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+    node: Node, msg: Message, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
 ) -> HandOff:
     """Send ``msg`` to every live worker (for which ``only`` holds); who took it, who refused it and why."""
     await _wait_for_workers(node, wait_s)

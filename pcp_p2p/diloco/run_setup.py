@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -31,6 +31,7 @@ from pcp_p2p.wire import encode
 
 if TYPE_CHECKING:
     from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.diloco.engine import Evaluator
     from pcp_p2p.diloco.runtime import RunRuntime
 
 log = logging.getLogger("pcp.run")
@@ -42,7 +43,7 @@ class TermSetUp:
     def __init__(self, rt: RunRuntime) -> None:
         self.rt = rt
         self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
-        self.evaluate: Any = None
+        self.evaluate: Evaluator | None = None
         self.standby: list[Artifact] = []  # artifacts built and signed ahead of a takeover
 
     def wanted_targets(self) -> list[str]:
