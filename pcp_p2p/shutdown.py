@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 import trio
@@ -120,7 +121,7 @@ class _Stopper:
 
     # -- signal context: only signal-safe calls below ------------------------------
 
-    def _on_signal(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is None:
             self.signum = signum
             os.write(self._wake_w, b"!")  # starts the watchdog's clock
@@ -230,4 +231,8 @@ def run_until_signal(
     or the watchdog thread, e.g. removing an address file). ``stopping`` is the
     log line's verb ("leaving the swarm").
     """
-    return trio.run(_supervise, async_fn, args, grace_s, stopping, on_force)
+
+    async def supervised() -> T:  # a closure, so the type checker infers T (it cannot through trio.run's *args)
+        return await _supervise(async_fn, args, grace_s, stopping, on_force)
+
+    return trio.run(supervised)

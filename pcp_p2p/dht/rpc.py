@@ -107,7 +107,7 @@ def speaks_kad(host: IHost, peer: ID) -> bool:
         return False
 
 
-def _request(host: IHost, kind: int, key: bytes) -> Message:
+def _request(host: IHost, kind: Message.MessageType, key: bytes) -> Message:
     msg = Message()
     msg.type = kind
     msg.key = key

@@ -36,12 +36,13 @@ import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
-from libp2p.kad_dht.kad_dht import KadDHT
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.routing_table import RoutingTable, peer_id_to_key
 from libp2p.kad_dht.utils import xor_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.records.validator import NamespacedValidator
 
 from pcp_p2p.dht import rpc
 from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
@@ -100,8 +101,12 @@ def expand_unspecified(addrs: list[multiaddr.Multiaddr], local_ips: Iterable[str
 class ServersOnlyRoutingTable(RoutingTable):
     """A routing table that holds only DHT servers with a dialable address (see the module docstring)."""
 
-    def __init__(self, local_id: ID, host: IHost, **kw: int | None) -> None:
-        super().__init__(local_id, host, **kw)  # type: ignore[arg-type]
+    def __init__(
+        self, local_id: ID, host: IHost, *,
+        max_peers_per_subnet: int | None = None, max_peers_per_subnet_table: int = 0,
+    ) -> None:
+        super().__init__(local_id, host, max_peers_per_subnet=max_peers_per_subnet,
+                         max_peers_per_subnet_table=max_peers_per_subnet_table)
         self.refused: Counter[str] = Counter()  # why peers were kept out: for tests and debugging
         self._pending: set[ID] = set()
         self._nursery: trio.Nursery | None = None
@@ -165,7 +170,7 @@ class ServersOnlyRoutingTable(RoutingTable):
     async def _add_once_identified(self, peer_id: ID) -> None:
         try:
             with trio.move_on_after(IDENTIFY_WAIT_S):
-                while self._protocols(peer_id) is None:
+                while self._protocols(peer_id) is None:  # noqa: ASYNC110 (no event to wait on: see IDENTIFY_POLL_S)
                     await trio.sleep(IDENTIFY_POLL_S)
             if self._protocols(peer_id) is None:
                 self._refuse(peer_id, "identify did not answer")
@@ -182,8 +187,17 @@ class PcpKadDHT(KadDHT):
 
     routing_table: ServersOnlyRoutingTable
 
-    def __init__(self, host: IHost, *args: object, **kwargs: object) -> None:
-        super().__init__(host, *args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        host: IHost,
+        mode: DHTMode,
+        *,
+        validator: NamespacedValidator | None = None,
+        validator_changed: bool = False,
+        strict_validation: bool = False,
+    ) -> None:
+        super().__init__(host, mode, validator=validator, validator_changed=validator_changed,
+                         strict_validation=strict_validation)
         old = self.routing_table
         self.routing_table = ServersOnlyRoutingTable(
             self.local_peer_id, host,
@@ -306,7 +320,7 @@ class PcpKadDHT(KadDHT):
                 changed.set()
 
             launch()
-            while True:  # hedging: one more query in flight each HEDGE_S without an answer
+            while not lookup.done:  # hedging: one more query in flight each HEDGE_S without an answer
                 with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
                     await changed.wait()
                 changed = trio.Event()

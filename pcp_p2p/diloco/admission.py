@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol, TypeVar
 
 from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, SignedRecord, register_kind, sign_record
 from pcp_p2p.diloco.messages import sign, verify
@@ -164,17 +164,29 @@ def owner_record_name(run_id: str, owner: str) -> str:
 allowlist_name = owner_record_name
 
 
-def owner_signed_rule(what: str, payload_type: type, verify_payload: Callable[[Any], None]
+class OwnerSigned(Protocol):
+    """A payload the run's owner signs (an allowlist update, a stop order)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def owner(self) -> str: ...
+
+
+OS = TypeVar("OS", bound=OwnerSigned)
+
+
+def owner_signed_rule(what: str, payload_type: type[OS], verify_payload: Callable[[OS], None]
                       ) -> Callable[[str, str, Message], None]:
     """The DHT rule of a record only a run's owner may store: under its own
     ``<run id>.<owner>`` name, signed by the owner the payload names, and the
     payload's own signature checked by ``verify_payload``."""
 
-    def check(name: str, signer: str, payload: Message) -> None:
+    def check(name: str, signer: str, payload: object) -> None:  # the kind rule passes a Message
         assert isinstance(payload, payload_type)
-        if name != owner_record_name(payload.run_id, payload.owner):  # type: ignore[attr-defined]
+        if name != owner_record_name(payload.run_id, payload.owner):
             raise VerificationError(f"{what} stored under another run's or owner's key")
-        if signer != payload.owner:  # type: ignore[attr-defined]
+        if signer != payload.owner:
             raise BadSignature(f"a {what} record must be stored by the owner it names")
         verify_payload(payload)
 

@@ -519,11 +519,14 @@ class ReplayInput(NamedTuple):
 
 
 class ReplayResult(Protocol):
-    """What one replay hands back (:class:`~pcp_p2p.diloco.engine.Replay`)."""
+    """What one replay hands back (:class:`~pcp_p2p.diloco.engine.Replay`, a frozen dataclass: read-only)."""
 
-    theta: Params
-    state_out: str
-    losses: tuple[float, ...]
+    @property
+    def theta(self) -> Params: ...
+    @property
+    def state_out(self) -> str: ...
+    @property
+    def losses(self) -> tuple[float, ...]: ...
 
 
 def impossible_claim(sub: Submission, assignment: DataAssignment, chunk_steps: int) -> bool:

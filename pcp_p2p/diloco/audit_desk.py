@@ -139,7 +139,7 @@ class AuditDesk:
                                first.beacon)
         if auditor is None:
             return None
-        return sign(dataclasses.replace(first, auditor=auditor, signature=b""), self.identity)  # type: ignore[type-var]
+        return sign(dataclasses.replace(first, auditor=auditor, signature=b""), self.identity)
 
     def _ban(self, case: _Case) -> list[Effect]:
         requests = [r for r, _ in case.mismatches]

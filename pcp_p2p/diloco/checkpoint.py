@@ -14,6 +14,7 @@ check one against the other without re-encoding.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -49,30 +50,26 @@ def encode_checkpoint(ckpt: Checkpoint) -> tuple[bytes, str]:
 
 def checkpoint_theta_bytes(data: bytes) -> bytes:
     """The θ bundle inside checkpoint bytes (to serve θ without re-encoding)."""
-    return _split(data)[3]
+    return _split(data)[1]
 
 
-def _split(data: bytes) -> list:
+def _split(data: bytes) -> tuple[dict[Any, Any], bytes, bytes]:
+    """A checkpoint's metadata, θ bundle and momentum bundle, its framing checked."""
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
     except Exception as exc:
         raise MalformedMessage(f"checkpoint is not msgpack: {type(exc).__name__}") from exc
-    if (
-        not isinstance(obj, list)
-        or len(obj) != 5
-        or obj[0] != MAGIC
-        or obj[1] != VERSION
-        or not isinstance(obj[2], dict)
-        or not isinstance(obj[3], bytes)
-        or not isinstance(obj[4], bytes)
-    ):
+    if not isinstance(obj, list) or len(obj) != 5 or obj[0] != MAGIC or obj[1] != VERSION:
         raise MalformedMessage("not a pcp checkpoint")
-    return obj
+    _, _, meta, theta, momentum = obj
+    if not isinstance(meta, dict) or not isinstance(theta, bytes) or not isinstance(momentum, bytes):
+        raise MalformedMessage("not a pcp checkpoint")
+    return meta, theta, momentum
 
 
 def decode_checkpoint(data: bytes) -> Checkpoint:
     """A :class:`Checkpoint` from bytes; :class:`MalformedMessage` for anything else."""
-    _, _, meta, theta_b, mom_b = _split(data)
+    meta, theta_b, mom_b = _split(data)
     run_id, term, round_, metrics = (meta.get(k) for k in ("run_id", "term", "round", "metrics"))
     if (
         type(run_id) is not str

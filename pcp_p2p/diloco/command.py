@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -28,14 +28,16 @@ from pcp_p2p.shutdown import run_until_signal
 
 if TYPE_CHECKING:
     from pcp_p2p.diloco.admission import AllowlistUpdate
+    from pcp_p2p.diloco.spec import SignedRunSpec
     from pcp_p2p.node.identity import Identity
     from pcp_p2p.node.membership import MemberRecord
     from pcp_p2p.node.node import Node
+    from pcp_p2p.wire import Message
 
 log = logging.getLogger("pcp.run")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = sub.add_parser("run", help="create, inspect and stop training runs")
     run_sub = run.add_subparsers(dest="run_command", metavar="ACTION", required=True)
     create = run_sub.add_parser(
@@ -194,21 +196,22 @@ async def _wait_for_workers(node: Node, wait_s: float) -> None:
         while True:
             seen = workers()
             try:
-                await node.wait_until(lambda: workers() > seen, timeout=1.0)
+                # B023 is a false alarm: the lambda is awaited at once, within this iteration
+                await node.wait_until(lambda: workers() > seen, timeout=1.0)  # noqa: B023
             except trio.TooSlowError:
                 if seen:
                     break
 
 
 async def _hand_to_workers(
-    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+    node: Node, msg: Message, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
 ) -> int:
     """Send ``msg`` to every live worker (for which ``only`` holds, if given); how many took it."""
     return len((await _hand_out(node, msg, wait_s, only)).accepted)
 
 
 async def _hand_out(
-    node: Node, msg: Any, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
+    node: Node, msg: Message, wait_s: float, only: Callable[[MemberRecord], bool] | None = None,
 ) -> HandOff:
     """Send ``msg`` to every live worker (for which ``only`` holds); who took it, who refused it and why."""
     await _wait_for_workers(node, wait_s)
@@ -227,7 +230,7 @@ async def _hand_out(
     return out
 
 
-async def _publish(args: argparse.Namespace, data_dir: Path, identity, signed) -> HandOff:  # type: ignore[no-untyped-def]
+async def _publish(args: argparse.Namespace, data_dir: Path, identity: Identity, signed: SignedRunSpec) -> HandOff:
     import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
     from pcp_p2p.diloco.owner_runs import publish_owned_run

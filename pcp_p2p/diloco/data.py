@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pcp_p2p.compile.tokenizer import CharTokenizer  # numpy only: no JAX on workers
+from pcp_p2p.diloco.messages import DataAssignment
 from pcp_p2p.errors import ConfigError, MalformedMessage, OversizedMessage, PcpError
 from pcp_p2p.wire import Message, decode, encode, wire_message
 
@@ -189,7 +190,7 @@ def validation_batches(
 
 
 def batches_for_assignment(
-    tokens: np.ndarray, assignment: object, *, steps: int | None = None, batch_size: int, seq_len: int
+    tokens: np.ndarray, assignment: DataAssignment, *, steps: int | None = None, batch_size: int, seq_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``(H, B, T)`` batches of a :class:`~pcp_p2p.diloco.messages.DataAssignment`.
 
@@ -199,10 +200,10 @@ def batches_for_assignment(
     a = assignment
     return batches_for(
         tokens,
-        shard=a.shard,  # type: ignore[attr-defined]
-        num_shards=a.num_shards,  # type: ignore[attr-defined]
-        seed=a.seed,  # type: ignore[attr-defined]
-        steps=a.max_steps if steps is None else steps,  # type: ignore[attr-defined]
+        shard=a.shard,
+        num_shards=a.num_shards,
+        seed=a.seed,
+        steps=a.max_steps if steps is None else steps,
         batch_size=batch_size,
         seq_len=seq_len,
     )

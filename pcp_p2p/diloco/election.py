@@ -345,7 +345,8 @@ class TermRecord:
     holder: str
     from_round: int
     rounds_served: int = 0
-    ended: str | None = None  # "rotation" (planned hand-over) | "failover" (holder vanished) | None: see Election.ended_label
+    # "rotation" (planned hand-over) | "failover" (holder vanished) | None: see Election.ended_label
+    ended: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"term": self.term, "holder": self.holder, "rounds_served": self.rounds_served, "ended": self.ended}
@@ -649,7 +650,7 @@ class Election:
             # our own lease echoed back after a restart: we do not remember serving it
             self.role = Role.VACANT
             self.vacant_since = now
-            return effects + [StepDown(lease.term, "lapsed")] + self._release_commits(now)
+            return [*effects, StepDown(lease.term, "lapsed"), *self._release_commits(now)]
         self.role = Role.FOLLOWER
         effects.append(FollowShepherd(lease.term, lease.holder, lease.from_round, lease.from_theta_cid))
         return effects + self._release_commits(now)

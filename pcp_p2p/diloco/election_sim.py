@@ -46,14 +46,17 @@ class ShepherdFault:
     hang_s: float = 0.0
 
 
+SIM_ELECTION = ElectionConfig(
+    lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
+    claim_timeout_s=10.0, settle_s=1.0,
+)
+
+
 @dataclass(frozen=True)
 class ElectionSimConfig:
     spec: RunSpec
     nodes: int = 5
-    election: ElectionConfig = ElectionConfig(
-        lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
-        claim_timeout_s=10.0, settle_s=1.0,
-    )
+    election: ElectionConfig = SIM_ELECTION
     faults: tuple[ShepherdFault, ...] = ()
     partition: Partition | None = None
     drop: float = 0.0
@@ -99,7 +102,8 @@ class ElectionWorld(RunSwarm):
         if sh is None or not self.pending_faults:
             return len(effects), None
         f = self.pending_faults[0]
-        commit = next((i for i, e in enumerate(effects) if (isinstance(e, ReplicateCommit) and e.commit.round == f.round)
+        commit = next((i for i, e in enumerate(effects)
+                       if (isinstance(e, ReplicateCommit) and e.commit.round == f.round)
                        or (isinstance(e, PublishCommit) and e.record.round == f.round)), None)
         cut: int | None = None
         if f.at == "announce":  # everything before the announcement happened (a commit, say)

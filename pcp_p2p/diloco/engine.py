@@ -47,7 +47,9 @@ from pcp_p2p.errors import ConfigError, ExecutorError
 
 if TYPE_CHECKING:
     from pcp_p2p.compile.manifest import Manifest
+    from pcp_p2p.compile.model import GPTConfig
     from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.compile.programs import ProgramOptions
     from pcp_p2p.node.executor import Executor
     from pcp_p2p.node.identity import Identity
 
@@ -72,7 +74,7 @@ class Replay:
     losses: tuple[float, ...]
 
 
-def program_options(spec: RunSpec) -> Any:
+def program_options(spec: RunSpec) -> ProgramOptions:
     from pcp_p2p.compile.programs import ProgramOptions
 
     i = spec.inner
@@ -82,12 +84,13 @@ def program_options(spec: RunSpec) -> Any:
     )
 
 
-def model_config(spec: RunSpec, vocab_size: int) -> Any:
+def model_config(spec: RunSpec, vocab_size: int) -> GPTConfig:
     from pcp_p2p.compile.model import preset
 
     cfg = preset(spec.model, vocab_size=vocab_size)
     if spec.inner.seq_len > cfg.block_size:
-        raise ConfigError(f"inner.seq_len {spec.inner.seq_len} exceeds the {spec.model} model's context {cfg.block_size}")
+        raise ConfigError(
+            f"inner.seq_len {spec.inner.seq_len} exceeds the {spec.model} model's context {cfg.block_size}")
     return cfg
 
 

@@ -15,16 +15,23 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
 
 from pcp_p2p import logs
 from pcp_p2p.compile.model import GPTConfig
+from pcp_p2p.compile.tokenizer import CharTokenizer
 from pcp_p2p.errors import ConfigError, InvalidInput, PcpError, PeerTimeout
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
+from pcp_p2p.wire.codec import M
+
+if TYPE_CHECKING:
+    from pcp_p2p.diloco.messages import CommitRecord
+    from pcp_p2p.diloco.spec import RunSpec
+    from pcp_p2p.node.node import Node
 
 log = logging.getLogger("pcp.generate")
 
@@ -34,7 +41,7 @@ ENGINES = ("native", "wasm")
 
 
 def sample_text(
-    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer, prompt: str, tokens: int,  # type: ignore[no-untyped-def]
+    model: str | GPTConfig, theta: dict[str, np.ndarray], tokenizer: CharTokenizer, prompt: str, tokens: int,
     *, temperature: float = 0.8, seed: int = 0,
 ) -> str:
     """``prompt`` continued by ``tokens`` characters sampled from the model.
@@ -66,7 +73,7 @@ def sample_text(
     return tokenizer.decode(np.asarray(ids, dtype=np.int32))
 
 
-def encode_prompt(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
+def encode_prompt(tokenizer: CharTokenizer, prompt: str) -> list[int]:
     """The prompt's token ids (``[0]`` for an empty prompt); characters outside the vocabulary raise."""
     try:
         return [int(i) for i in tokenizer.encode(prompt)] if prompt else [0]
@@ -74,7 +81,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyp
         raise InvalidInput(f"the prompt uses characters this run's vocabulary lacks: {exc}") from exc
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
         help="print text sampled from a run's latest checkpoint",
@@ -153,7 +160,7 @@ def _generate_from_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_sample(args: argparse.Namespace, text: str, run_id: Any, round_: Any, theta_cid: Any) -> None:
+def _print_sample(args: argparse.Namespace, text: str, run_id: object, round_: object, theta_cid: object) -> None:
     if args.json:
         print(json.dumps({"run_id": run_id, "round": round_, "theta": theta_cid, "text": text}))
     else:
@@ -166,7 +173,7 @@ def progress(message: str) -> None:
     print(f"pcp: {message} ...", file=sys.stderr, flush=True)
 
 
-async def lookup(node, kind: str, name: str, want: type, deadline: float, *, what: str) -> Any:  # type: ignore[no-untyped-def]
+async def lookup(node: Node, kind: str, name: str, want: type[M], deadline: float, *, what: str) -> M | None:
     """The verified ``kind``/``name`` record's payload if it is a ``want``, else None by ``deadline``.
 
     A busy swarm answers DHT lookups slowly or not at all (a get that reaches
@@ -197,7 +204,7 @@ async def lookup(node, kind: str, name: str, want: type, deadline: float, *, wha
 
 
 @asynccontextmanager
-async def client_node(args: argparse.Namespace) -> AsyncIterator[tuple[Any, float]]:
+async def client_node(args: argparse.Namespace) -> AsyncIterator[tuple[Node, float]]:
     """A short-lived client node that has joined the swarm, and the command's overall deadline."""
     from pcp_p2p.node.node import NodeConfig, open_node
 
@@ -216,7 +223,7 @@ async def client_node(args: argparse.Namespace) -> AsyncIterator[tuple[Any, floa
         yield node, deadline
 
 
-async def fetch_spec(node, run_id: str, deadline: float, timeout: float):  # type: ignore[no-untyped-def]
+async def fetch_spec(node: Node, run_id: str, deadline: float, timeout: float) -> RunSpec:
     """The verified spec of ``run_id`` from the DHT (its owner's signature checked)."""
     from pcp_p2p.diloco.spec import SignedRunSpec, verify_spec
 
@@ -226,7 +233,7 @@ async def fetch_spec(node, run_id: str, deadline: float, timeout: float):  # typ
     return verify_spec(signed)
 
 
-async def fetch_blob(node, cid: str, deadline: float, timeout: float, *, what: str) -> bytes:  # type: ignore[no-untyped-def]
+async def fetch_blob(node: Node, cid: str, deadline: float, timeout: float, *, what: str) -> bytes:
     """The bytes of blob ``cid`` (hash-checked by the blob store) by ``deadline``."""
     progress(f"fetching {what}")
     path = None
@@ -234,10 +241,11 @@ async def fetch_blob(node, cid: str, deadline: float, timeout: float, *, what: s
         path = await node.blobs.fetch(cid, announce=False)
     if path is None:
         raise PeerTimeout(f"could not fetch {what} within {timeout:g} s")
-    return await trio.to_thread.run_sync(Path(path).read_bytes)
+    assert isinstance(path, Path), "a whole blob (no byte range) is fetched into the store"
+    return await trio.to_thread.run_sync(path.read_bytes)
 
 
-async def _fetch_latest(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+async def _fetch_latest(args: argparse.Namespace) -> tuple[RunSpec, CommitRecord, dict[str, np.ndarray]]:
     from pcp_p2p.diloco.messages import CommitRecord
     from pcp_p2p.diloco.tensors import unpack_tensors
 

@@ -39,6 +39,7 @@ digest its part signed.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -66,7 +67,7 @@ def check_split(sub: Submission, assignment: DataAssignment, chunk_steps: int) -
     if len(parts) > MAX_GROUP_PARTS:
         raise RejectedUpdate(f"a group split of {len(parts)} parts; at most {MAX_GROUP_PARTS}")
     ranks = [p.rank for p in parts]
-    if ranks[0] < 0 or any(b <= a for a, b in zip(ranks, ranks[1:])):
+    if ranks[0] < 0 or any(b <= a for a, b in itertools.pairwise(ranks)):
         raise RejectedUpdate("a group split's ranks must be distinct, non-negative and in order")
     cap = (assignment.max_steps // chunk_steps) * chunk_steps
     for p in parts:

@@ -172,12 +172,15 @@ def sign(msg: S, identity: Identity) -> S:
     signature would not verify.
     """
     canonical = decode(encode(msg), type(msg))
-    return dataclasses.replace(canonical, signature=identity.sign(signing_bytes(canonical)))  # type: ignore[type-var]
+    return dataclasses.replace(canonical, signature=identity.sign(signing_bytes(canonical)))
 
 
 def verify(msg: Message, signer: str) -> None:
     """Raise :class:`~pcp_p2p.errors.BadSignature` unless ``signer`` signed ``msg``."""
-    verify_signature(signer, signing_bytes(msg), msg.signature)  # type: ignore[attr-defined]
+    signature = getattr(msg, "signature", None)
+    if not isinstance(signature, bytes):  # the codec checked the field's type: this is a message with none
+        raise TypeError(f"{msg.TAG} is not a signed message")
+    verify_signature(signer, signing_bytes(msg), signature)
 
 
 ROUND_MESSAGES: tuple[type[Message], ...] = (Join, RoundAnnouncement, Submission, CommitRecord, Leave)

@@ -35,7 +35,9 @@ class Quadratic:
     floor: float = 0.0  # added to every loss, like a language model's irreducible entropy
 
     @classmethod
-    def make(cls, rng: np.random.Generator, shape: tuple[int, int], spread: float = 0.5, floor: float = 0.0) -> Quadratic:
+    def make(
+        cls, rng: np.random.Generator, shape: tuple[int, int], spread: float = 0.5, floor: float = 0.0,
+    ) -> Quadratic:
         names = {"w": shape, "b": (shape[1],)}
         return cls(
             curvature={k: rng.uniform(0.5, 2.0, s).astype(np.float32) for k, s in names.items()},
@@ -62,7 +64,8 @@ class Quadratic:
 
     def score(self, theta: Params) -> float:
         """The loss on the held-out coordinates only: cheaper and noisier than :meth:`loss`."""
-        tot = sum(float(np.sum(self.held_out[k] * self.curvature[k] * (theta[k] - self.optimum[k]) ** 2)) for k in theta)
+        tot = sum(float(np.sum(self.held_out[k] * self.curvature[k] * (theta[k] - self.optimum[k]) ** 2))
+                  for k in theta)
         n = sum(float(m.sum()) for m in self.held_out.values())
         return self.floor + 0.5 * tot / max(1.0, n)
 

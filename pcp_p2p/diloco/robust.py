@@ -61,14 +61,17 @@ the plain mean; a combine costs about 40 ns per parameter per worker.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec
 
 import numpy as np
 
 from pcp_p2p.diloco.spec import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.errors import ConfigError, RejectedUpdate
+
+P = ParamSpec("P")
 
 CHUNK_ELEMENTS = 1 << 18
 """Upper bound on K × coordinates processed at once by the coordinate-wise rules
@@ -191,7 +194,8 @@ def trimmed_mean_block(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
     acc = np.zeros(x.shape[0], dtype=np.float64)
     for j in range(x.shape[1]):  # a fixed order of additions: the same bits everywhere
         acc += kept[:, j] * xs[:, j]
-    return (acc / kept.sum(axis=1)).astype(np.float32)
+    mean: np.ndarray = (acc / kept.sum(axis=1)).astype(np.float32)
+    return mean
 
 
 def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -201,10 +205,13 @@ def median_block(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     lower = np.minimum((hi < 0.5 - 1e-12).sum(axis=1), k - 1)
     upper = np.minimum((hi <= 0.5 + 1e-12).sum(axis=1), k - 1)
     rows = np.arange(x.shape[0])
-    return (0.5 * (xs[rows, lower].astype(np.float64) + xs[rows, upper])).astype(np.float32)
+    median: np.ndarray = (0.5 * (xs[rows, lower].astype(np.float64) + xs[rows, upper])).astype(np.float32)
+    return median
 
 
-def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[no-untyped-def]
+def _columnwise(
+    deltas: Sequence[Params], fn: Callable[Concatenate[np.ndarray, P], np.ndarray], *args: P.args, **kwargs: P.kwargs,
+) -> Params:
     """Apply an (n, K) → (n,) kernel to every tensor, ``CHUNK_ELEMENTS // K`` coordinates at a time."""
     out: Params = {}
     k = len(deltas)
@@ -213,7 +220,7 @@ def _columnwise(deltas: Sequence[Params], fn, *args) -> Params:  # type: ignore[
         flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
         res = np.empty(ref.size, dtype=np.float32)
         for s in range(0, ref.size, step):
-            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args)
+            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args, **kwargs)
         out[name] = res.reshape(ref.shape)
     return out
 
@@ -310,7 +317,8 @@ class Aggregate:
 
 
 def aggregate(
-    deltas: Mapping[str, Params], tokens: Mapping[str, float], policy: AggregationPolicy, *, center: Params | None = None
+    deltas: Mapping[str, Params], tokens: Mapping[str, float], policy: AggregationPolicy, *,
+    center: Params | None = None,
 ) -> Aggregate:
     """The whole pipeline: norm screen → capped weights → ``policy.rule``."""
     norms = {k: global_norm(deltas[k]) for k in sorted(deltas)}

@@ -109,7 +109,7 @@ class AuditClerk:
         self.jobs[key] = (job, offered)
         report: AuditReport | None = None
         try:
-            with trio.move_on_after(2 * rt.spec.round.deadline_s + AUDIT_GRACE_S):
+            with trio.move_on_after(2 * rt.spec.round.deadline_s + AUDIT_GRACE_S) as deadline:
                 try:
                     w = rt.machine.worker
                     if req.target != rt.machine.target or w is None \
@@ -139,8 +139,9 @@ class AuditClerk:
                         report = job.finish_replays(reps)
                 except PcpError as exc:
                     report = job.give_up(f"{type(exc).__name__}: {exc}")
-            if report is None:
+            if deadline.cancelled_caught:  # (then no report was made: each is made after the last await)
                 report = job.give_up("the audit's deadline passed")
+            assert report is not None
             log.info("run %s: audit of %s round %d: %s %s", rt.run_id[:16], req.worker, req.round + 1,
                      report.verdict, ",".join(report.differs))
             audits = rt.machine.stats.audits

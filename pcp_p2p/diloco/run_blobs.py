@@ -22,6 +22,7 @@ from pcp_p2p.errors import BlobNotFound, LocalError, OversizedMessage, PcpError,
 
 if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService
+    from pcp_p2p.blob.store import BlobStore
     from pcp_p2p.node.node import Node
 
 log = logging.getLogger("pcp.run")
@@ -45,7 +46,7 @@ class RunBlobs:
         self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
 
     @property
-    def store(self):  # type: ignore[no-untyped-def]
+    def store(self) -> BlobStore:
         return self.blobs.store
 
     # -- storing --------------------------------------------------------------------------

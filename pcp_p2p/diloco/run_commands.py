@@ -43,7 +43,7 @@ ASK_AT_MOST = 3  # members asked for the phase before giving up (each may cost A
 WATCH_EVERY_S = 2.0
 
 
-def register_actions(run_sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_actions(run_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``status``, ``watch`` and ``stop`` under ``pcp run``."""
     status = run_sub.add_parser(
         "status",

@@ -9,7 +9,7 @@ logged once (the protocol has other paths: direct messages, later lookups).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -19,6 +19,7 @@ from pcp_p2p.diloco.commits import commit_seq
 from pcp_p2p.diloco.election import LEASE_KIND, Lease
 from pcp_p2p.diloco.messages import CommitRecord
 from pcp_p2p.errors import PcpError
+from pcp_p2p.wire import Message
 
 if TYPE_CHECKING:
     from pcp_p2p.node.node import Node
@@ -75,13 +76,14 @@ class RunRecords:
         lease = await self._get(LEASE_KIND, self.run_id)
         return lease if isinstance(lease, Lease) else None
 
-    async def lookup_owner_record(self, kind: str) -> Any:
+    async def lookup_owner_record(self, kind: str) -> Message | None:
         """The owner's ``<run>.<owner>`` record of ``kind`` (an allowlist update, a stop), or ``None``."""
         return await self._get(kind, owner_record_name(self.run_id, self.owner))
 
-    async def _get(self, kind: str, name: str) -> Any:
+    async def _get(self, kind: str, name: str) -> Message | None:
         try:
-            return await self.node.get_record(kind, name)
+            payload: Message | None = await self.node.get_record(kind, name)
+            return payload
         except PcpError as exc:
             log.debug("%s lookup failed: %s", kind, exc)
             return None

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pcp_p2p.diloco.election import BecomeShepherd, Lease
+from pcp_p2p.diloco.effects import CancelInner, Discarded, Finished, Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.election import BecomeShepherd, Lease, PublishLease
 from pcp_p2p.diloco.messages import CommitRecord
 from pcp_p2p.errors import PcpError
 from pcp_p2p.wire import Message
@@ -254,3 +255,12 @@ class Audit:
 
     sender: str
     message: Message
+
+
+RunEffect = (
+    Send | StoreBlob | RunInner | CancelInner | Rejected | Discarded | Finished | PublishLease
+    | Fetch | LookUpCommit | LookUpLease | LookUpOwnerRecord | PublishCommit | ReplicateCommit | ReplicateCheckpoint
+    | SetUpShepherd | CancelSetUp | Leads | SaveLease | ReleasePins | RunEnded | Stopped | CommitAccepted | Audit
+)
+"""Everything :class:`~pcp_p2p.diloco.run_machine.RunMachine` asks its pump to do: the round
+machines' and the election's effects it passes on as they are, and the ones above."""

@@ -88,6 +88,7 @@ from pcp_p2p.diloco.effects import (
     Banned,
     Committed,
     Discarded,
+    Effect,
     FetchBlob,
     Finished,
     LookupCommit,
@@ -102,6 +103,7 @@ from pcp_p2p.diloco.election import (
     CommitChecked,
     Election,
     ElectionConfig,
+    ElectionEffect,
     FollowShepherd,
     Heartbeat,
     Lease,
@@ -136,6 +138,7 @@ from pcp_p2p.diloco.run_effects import (
     ReplicateCheckpoint,
     ReplicateCommit,
     Replicated,
+    RunEffect,
     RunEnded,
     SaveLease,
     SetUpEnded,
@@ -221,9 +224,9 @@ class RunMachine:
         self.setup_error: str | None = None  # why this node, elected, could not set the run up
         self.members: list[Member] = []  # the latest view of live members (on_members)
         self._now = started_at
-        self._out: list[Any] = []
+        self._out: list[RunEffect] = []
         self._early: list[tuple[str, Message]] = []  # joins kept while compiling
-        self._held: list[list[Any]] | None = None  # shepherd effects waiting on a replicating commit
+        self._held: list[list[Effect]] | None = None  # shepherd effects waiting on a replicating commit
         self._lookups_pending = 0
         self._seen_commit: str | None = None
         self._saved_term: int | None = None
@@ -245,7 +248,7 @@ class RunMachine:
 
     # -- inputs ---------------------------------------------------------------------------
 
-    def handle(self, ev: Event, now: float) -> list[Any]:
+    def handle(self, ev: Event, now: float) -> list[RunEffect]:
         """Feed one typed input (what a pump posts to its inbox) at ``now``; the effects."""
         if isinstance(ev, MessageIn):
             return self.on_message(ev.sender, ev.message, now)
@@ -277,12 +280,12 @@ class RunMachine:
         self.election.restore(lease)
         self._saved_term = lease.term
 
-    def start(self, now: float) -> list[Any]:
+    def start(self, now: float) -> list[RunEffect]:
         self.phase = "electing"
         self._last_catch_up = now
         return self._run(now, lambda: self._election(self.election.start(now), now))
 
-    def on_members(self, members: list[Member], now: float) -> list[Any]:
+    def on_members(self, members: list[Member], now: float) -> list[RunEffect]:
         """The live members (once a second): the election's candidates, and the lookups now due."""
         def go() -> None:
             self.members = list(members)
@@ -299,36 +302,36 @@ class RunMachine:
             self._election(self.election.on_members(self.candidates(now), now), now)
         return self._run(now, go)
 
-    def on_message(self, sender: str, msg: Message, now: float) -> list[Any]:
+    def on_message(self, sender: str, msg: Message, now: float) -> list[RunEffect]:
         return self._run(now, lambda: self._message(sender, msg, now))
 
-    def on_blob(self, who: str, cid: str, data: bytes, now: float) -> list[Any]:
+    def on_blob(self, who: str, cid: str, data: bytes, now: float) -> list[RunEffect]:
         def go() -> None:
             machine = self.shepherd if who == SHEPHERD else self.worker
             if machine is not None:
                 self._round(who, machine.on_blob(cid, data, now), now)
         return self._run(now, go)
 
-    def on_blob_failed(self, who: str, cid: str, error: PcpError, now: float) -> list[Any]:
+    def on_blob_failed(self, who: str, cid: str, error: PcpError, now: float) -> list[RunEffect]:
         def go() -> None:
             machine = self.shepherd if who == SHEPHERD else self.worker
             if machine is not None:
                 self._round(who, machine.on_blob_failed(cid, error, now), now)
         return self._run(now, go)
 
-    def on_inner_done(self, result: InnerResult, now: float) -> list[Any]:
+    def on_inner_done(self, result: InnerResult, now: float) -> list[RunEffect]:
         def go() -> None:
             if self.worker is not None:
                 self._round(WORKER, self.worker.on_inner_done(result, now), now)
         return self._run(now, go)
 
-    def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Any]:
+    def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[RunEffect]:
         def go() -> None:
             if self.worker is not None:
                 self._round(WORKER, self.worker.on_inner_failed(round_, attempt, error, now), now)
         return self._run(now, go)
 
-    def on_commit_lookup(self, rec: CommitRecord | None, for_election: bool, now: float) -> list[Any]:
+    def on_commit_lookup(self, rec: CommitRecord | None, for_election: bool, now: float) -> list[RunEffect]:
         def go() -> None:
             if rec is not None:
                 self._on_commit(rec, now)
@@ -336,14 +339,14 @@ class RunMachine:
                 self._lookup_done(now)
         return self._run(now, go)
 
-    def on_lease_lookup(self, lease: Lease | None, now: float) -> list[Any]:
+    def on_lease_lookup(self, lease: Lease | None, now: float) -> list[RunEffect]:
         def go() -> None:
             if lease is not None:
                 self._election(self.election.on_lease(lease, now), now)
             self._lookup_done(now)
         return self._run(now, go)
 
-    def on_replicated(self, commit: CommitRecord, acked: list[str], now: float) -> list[Any]:
+    def on_replicated(self, commit: CommitRecord, acked: list[str], now: float) -> list[RunEffect]:
         """The held commit's replication ended (``acked``: who holds the checkpoint): let it out."""
         def go() -> None:
             if not acked:
@@ -355,14 +358,11 @@ class RunMachine:
             first, rest = held[0], held[1:]
             self._round_now(SHEPHERD, [e for e in first if not (
                 isinstance(e, Send) and e.message is commit and e.to in acked)], now)
-            for i, batch in enumerate(rest):
-                if self._held is not None:  # another commit started replicating: it keeps the rest
-                    self._held.extend(rest[i:])
-                    break
+            for batch in rest:  # if another commit starts replicating, _round holds the batches after it
                 self._round(SHEPHERD, batch, now)
         return self._run(now, go)
 
-    def shepherd_built(self, shepherd: Shepherd, now: float) -> list[Any]:
+    def shepherd_built(self, shepherd: Shepherd, now: float) -> list[RunEffect]:
         """The set-up built ``shepherd``: it leads if the term is still this node's."""
         def go() -> None:
             if not self.still_holds(shepherd.term):
@@ -378,7 +378,7 @@ class RunMachine:
         here and, through the member record, on every worker."""
         self.setup_error = error
 
-    def setup_ended(self, term: int, now: float) -> list[Any]:
+    def setup_ended(self, term: int, now: float) -> list[RunEffect]:
         """The set-up of ``term`` is over (built, failed or cancelled): replay the kept joins."""
         def go() -> None:
             if self.becoming_term == term:
@@ -396,7 +396,7 @@ class RunMachine:
                 self._message(sender, msg, now)
         return self._run(now, go)
 
-    def tick(self, now: float) -> list[Any]:
+    def tick(self, now: float) -> list[RunEffect]:
         def go() -> None:
             if self.shepherd is not None:
                 self._round(SHEPHERD, self.shepherd.tick(now), now)
@@ -415,7 +415,7 @@ class RunMachine:
         ) if w is not None]
         return min(wakes, default=None)
 
-    def stop(self, order: StopOrder, now: float) -> list[Any]:
+    def stop(self, order: StopOrder, now: float) -> list[RunEffect]:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
         self.stop_latch.check(order, now)
         if self.finished:
@@ -427,7 +427,7 @@ class RunMachine:
             self._end_stopped()
         return self._run(now, go)
 
-    def stopped_before(self, order: StopOrder, now: float) -> list[Any]:
+    def stopped_before(self, order: StopOrder, now: float) -> list[RunEffect]:
         """The stop order this node kept before it restarted: the run ends at once (raises if bad)."""
         self.stop_latch.apply(order, now)
         return self._run(now, self._end_stopped)
@@ -456,7 +456,7 @@ class RunMachine:
             return []
         if self.shepherd is not None or self.becoming or self.election.holder == self.peer_id:
             return self.run_members()
-        return [self.shepherd_peer] if self.shepherd_peer not in (None, self.peer_id) else []  # type: ignore[list-item]
+        return [self.shepherd_peer] if self.shepherd_peer not in (None, self.peer_id) else []
 
     def still_holds(self, term: int) -> bool:
         return self.election.current_term == term and self.election.holder == self.peer_id
@@ -485,7 +485,7 @@ class RunMachine:
 
     # -- the combining rules --------------------------------------------------------------
 
-    def _run(self, now: float, go: Callable[[], Any]) -> list[Any]:
+    def _run(self, now: float, go: Callable[[], None]) -> list[RunEffect]:
         """Feed one input: ``go`` appends effects to a fresh list, which is returned (re-entrant:
         a stop order looked up in the DHT is fed from inside ``on_message``)."""
         outer, self._out = self._out, []
@@ -675,7 +675,7 @@ class RunMachine:
         best = self.election.best_commit
         return best is not None and best.round + 1 >= self.spec.round.rounds
 
-    def _election(self, effects: list[Any], now: float) -> None:
+    def _election(self, effects: list[ElectionEffect], now: float) -> None:
         self._now = now
         if self._final_committed():
             # The run is over: no new terms (a lapsed lease now means nothing).
@@ -740,17 +740,17 @@ class RunMachine:
         else:
             self._round(WORKER, self.worker.set_shepherd(e.term, e.peer, now, base=e.base), now)
 
-    def _round(self, who: str, effects: list[Any], now: float) -> None:
+    def _round(self, who: str, effects: list[Effect], now: float) -> None:
         """A round machine's effects; a commit's first send to another node holds the rest."""
         self._now = now
         if who == SHEPHERD:
             if self._held is not None:  # a commit is replicating: keep the shepherd's order
                 self._held.append(effects)
                 return
-            first = next((i for i, e in enumerate(effects) if isinstance(e, Send)
+            found = next(((i, e.message) for i, e in enumerate(effects) if isinstance(e, Send)
                           and isinstance(e.message, CommitRecord) and e.to != self.peer_id), None)
-            if first is not None:
-                commit = effects[first].message
+            if found is not None:
+                first, commit = found
                 # From the commit's own Committed on (its DHT record, our election's view of
                 # it): a commit held is nowhere, or a node reading the DHT would follow a
                 # commit whose checkpoint died with this node.
@@ -766,7 +766,7 @@ class RunMachine:
                 return
         self._round_now(who, effects, now)
 
-    def _round_now(self, who: str, effects: list[Any], now: float) -> None:
+    def _round_now(self, who: str, effects: list[Effect], now: float) -> None:
         for e in effects:
             if isinstance(e, Send):
                 if isinstance(e.message, Submission):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -30,6 +30,8 @@ from pcp_p2p.errors import PcpError, VerificationError
 from pcp_p2p.wire import encode
 
 if TYPE_CHECKING:
+    from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.diloco.engine import Evaluator
     from pcp_p2p.diloco.runtime import RunRuntime
 
 log = logging.getLogger("pcp.run")
@@ -41,8 +43,8 @@ class TermSetUp:
     def __init__(self, rt: RunRuntime) -> None:
         self.rt = rt
         self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
-        self.evaluate: Any = None
-        self.standby: list[Any] = []  # artifacts built and signed ahead of a takeover
+        self.evaluate: Evaluator | None = None
+        self.standby: list[Artifact] = []  # artifacts built and signed ahead of a takeover
 
     def wanted_targets(self) -> list[str]:
         """The best allowed CPU target of each member taking part in the run."""
@@ -60,22 +62,24 @@ class TermSetUp:
                 wanted.add(allowed[0])
         return sorted(wanted)
 
-    async def build_artifacts(self, targets: list[str]) -> list[Any]:
+    async def build_artifacts(self, targets: list[str]) -> list[Artifact]:
         """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
         this task's cancellation stops at once: the thread is abandoned and the compiler
         process it runs is killed (``CompileCancelled`` there)."""
         rt = self.rt
         from pcp_p2p.diloco import engine
 
-        assert rt.dataset is not None
+        dataset = rt.dataset
+        assert dataset is not None
         cancel = threading.Event()
+
+        def build() -> list[Artifact]:
+            return engine.build_train_artifacts(rt.spec, dataset.vocab_size, targets, rt.node.identity,
+                                                rt.node.config.data_dir / "artifact-cache", cancel=cancel)
+
         try:
-            return await trio.to_thread.run_sync(
-                lambda: engine.build_train_artifacts(
-                    rt.spec, rt.dataset.vocab_size, targets, rt.node.identity,  # type: ignore[union-attr]
-                    rt.node.config.data_dir / "artifact-cache", cancel=cancel),
-                abandon_on_cancel=True,
-            )
+            # trio_typing's stubs (a libp2p dependency) shadow trio's own types and predate abandon_on_cancel
+            return await trio.to_thread.run_sync(build, abandon_on_cancel=True)  # type: ignore[call-arg]
         finally:
             cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
 
@@ -167,7 +171,7 @@ class TermSetUp:
             self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
         state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         if eff.checkpoint_cid:
-            state = await self._starting_state(eff)
+            state = await self._starting_state(eff, eff.checkpoint_cid)
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
         return Shepherd(
@@ -177,7 +181,7 @@ class TermSetUp:
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
 
-    async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
+    async def _starting_state(self, eff: BecomeShepherd, checkpoint_cid: str) -> OuterState:
         """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
 
         Workers replicate every committed checkpoint, so the first path is the normal one;
@@ -185,11 +189,11 @@ class TermSetUp:
         """
         rt = self.rt
         try:
-            ckpt = decode_checkpoint(await rt.io.fetch_bytes(eff.checkpoint_cid, max_size=rt.state_bound(2)))
+            ckpt = decode_checkpoint(await rt.io.fetch_bytes(checkpoint_cid, max_size=rt.state_bound(2)))
             if ckpt.run_id != rt.run_id:
                 raise VerificationError("the lease names a checkpoint of another run")
             log.info("run %s: term %d continues from round %d (checkpoint %s)", rt.run_id[:16], eff.term,
-                     ckpt.state.round + 1, eff.checkpoint_cid[-12:])
+                     ckpt.state.round + 1, checkpoint_cid[-12:])
             return ckpt.state
         except PcpError as exc:
             lease = rt.machine.election.lease

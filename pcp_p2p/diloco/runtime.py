@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,7 @@ from pcp_p2p.diloco.run_effects import (
     ReplicateCheckpoint,
     ReplicateCommit,
     Replicated,
+    RunEffect,
     RunEnded,
     SaveLease,
     SetUpShepherd,
@@ -89,6 +90,9 @@ from pcp_p2p.wire import Message, decode, encode
 if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService
     from pcp_p2p.diloco.engine import InnerEngine
+    from pcp_p2p.diloco.pins import RunPins
+    from pcp_p2p.diloco.shepherd import Shepherd
+    from pcp_p2p.diloco.worker import Worker
     from pcp_p2p.node.node import Node
 
 __all__ = ["COMMIT_PUT_ATTEMPTS", "PINS_FILE", "RunRuntime"]
@@ -100,7 +104,7 @@ STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told t
 KEEP_CHECKPOINTS = 2
 LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
-OWNER_RECORDS: dict[str, type] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
+OWNER_RECORDS: dict[str, type[Message]] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
 
 
 TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often
@@ -148,15 +152,15 @@ class RunRuntime:
         self.machine.phase = value
 
     @property
-    def pins(self):  # type: ignore[no-untyped-def]
+    def pins(self) -> RunPins:
         return self.io.pins
 
     @property
-    def worker(self):  # type: ignore[no-untyped-def]
+    def worker(self) -> Worker | None:
         return self.machine.worker
 
     @property
-    def shepherd(self):  # type: ignore[no-untyped-def]
+    def shepherd(self) -> Shepherd | None:
         return self.machine.shepherd
 
     def status(self) -> dict[str, Any]:
@@ -296,7 +300,12 @@ class RunRuntime:
 
     # -- effects --------------------------------------------------------------------------
 
-    def _carry_out(self, effects: list[Any]) -> None:
+    def _spawn(self, async_fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Start an effect's task in the run's nursery (which run_forever opens before any such effect)."""
+        assert self._nursery is not None, "an effect that starts a task came before run_forever"
+        self._nursery.start_soon(async_fn, *args)
+
+    def _carry_out(self, effects: list[RunEffect]) -> None:
         n = self._nursery
         for e in effects:
             if log.isEnabledFor(logging.DEBUG):
@@ -305,35 +314,35 @@ class RunRuntime:
                 if e.to == self.node.peer_id:
                     self.post(MessageIn(self.node.peer_id, e.message))
                 else:
-                    n.start_soon(self.send_to, e.to, e.message)  # type: ignore[union-attr]
+                    self._spawn(self.send_to, e.to, e.message)
             elif isinstance(e, StoreBlob):
                 self.io.store_later(e.cid, e.data)
             elif isinstance(e, Fetch):
-                n.start_soon(self._fetch, e.who, e.cid, e.hint)  # type: ignore[union-attr]
+                self._spawn(self._fetch, e.who, e.cid, e.hint)
             elif isinstance(e, RunInner):
                 cancel = threading.Event()
                 self._cancel[(e.round, e.attempt)] = cancel
-                n.start_soon(self._inner, e, cancel)  # type: ignore[union-attr]
+                self._spawn(self._inner, e, cancel)
             elif isinstance(e, CancelInner):
                 ev = self._cancel.pop((e.round, e.attempt), None)
                 if ev is not None:
                     ev.set()
             elif isinstance(e, LookUpCommit):
-                n.start_soon(self._lookup_commit, e.for_election)  # type: ignore[union-attr]
+                self._spawn(self._lookup_commit, e.for_election)
             elif isinstance(e, LookUpLease):
-                n.start_soon(self._lookup_lease)  # type: ignore[union-attr]
+                self._spawn(self._lookup_lease)
             elif isinstance(e, LookUpOwnerRecord):
-                n.start_soon(self._lookup_owner_record, e.kind)  # type: ignore[union-attr]
+                self._spawn(self._lookup_owner_record, e.kind)
             elif isinstance(e, PublishLease):
-                n.start_soon(self._publish_lease, e.lease)  # type: ignore[union-attr]
+                self._spawn(self._publish_lease, e.lease)
             elif isinstance(e, PublishCommit):
-                n.start_soon(self.records.publish_commit, e.record)  # type: ignore[union-attr]
+                self._spawn(self.records.publish_commit, e.record)
             elif isinstance(e, ReplicateCommit):
-                n.start_soon(self._replicate_commit, e)  # type: ignore[union-attr]
+                self._spawn(self._replicate_commit, e)
             elif isinstance(e, ReplicateCheckpoint):
-                n.start_soon(self._replicate_checkpoint, e.cid)  # type: ignore[union-attr]
+                self._spawn(self._replicate_checkpoint, e.cid)
             elif isinstance(e, SetUpShepherd):
-                n.start_soon(self.setup.run, e.become)  # type: ignore[union-attr]
+                self._spawn(self.setup.run, e.become)
             elif isinstance(e, CancelSetUp):
                 self.setup.cancel(e.why)
             elif isinstance(e, Leads):
@@ -348,7 +357,8 @@ class RunRuntime:
                     self._prewarmed = True  # after the first commit: training is under way
                     n.start_soon(self.setup.prewarm)
             elif isinstance(e, Audit):
-                self.audits.on_message(e.sender, e.message, n)  # type: ignore[arg-type]
+                assert n is not None, "an audit message came before run_forever"
+                self.audits.on_message(e.sender, e.message, n)
             elif isinstance(e, Rejected):
                 self.reject(e.peer or "?", e.error, counted=True)
             elif isinstance(e, Stopped):

@@ -20,6 +20,7 @@ target this machine can run), which ``pcp run create`` prints.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -83,11 +84,10 @@ class TrainingService:
                                      self._on_round_message)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
-        # Every run's summary by run id, for `pcp run status` (the `run` section is the latest run only).
-        self.node.config.extra_status["runs"] = lambda: {rid: summary_of(r.status()) for rid, r in self.runtimes.items()}
+        self.node.config.extra_status["runs"] = self.runs_status
         # Top-level election fields for `pcp status --json` (the dashboard's shepherd panel).
         for key in ("term", "lease_expires_s", "shepherd_history"):
-            self.node.config.extra_status[key] = lambda key=key: (self.run_status() or {}).get(key)
+            self.node.config.extra_status[key] = functools.partial(self._run_status_field, key)
         self.node.nursery.start_soon(self._discovery_loop)
         if self.trust_file is not None:
             self.node.nursery.start_soon(self._trust_file_loop)
@@ -163,7 +163,7 @@ class TrainingService:
             await self._look_up_owners()
             # Listed runs are looked up each pass until found, like advertised ones:
             # a DHT miss on the run record must not wait for the next owner lookup.
-            for owner, run_ids in list(self._owner_listed.items()):
+            for run_ids in list(self._owner_listed.values()):
                 for run_id in self.book.unknown(run_ids):
                     await self._look_up(run_id)
             await trio.sleep(DISCOVERY_PERIOD_S)
@@ -258,6 +258,13 @@ class TrainingService:
         if not self.runtimes:
             return None
         return list(self.runtimes.values())[-1].status()
+
+    def runs_status(self) -> dict[str, dict[str, Any]]:
+        """Every run's summary by run id, for `pcp run status` (the `run` section is the latest run only)."""
+        return {rid: summary_of(r.status()) for rid, r in self.runtimes.items()}
+
+    def _run_status_field(self, key: str) -> Any:
+        return (self.run_status() or {}).get(key)
 
 
     def artifacts_status(self) -> list[dict[str, Any]] | None:

@@ -52,6 +52,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Callable, Collection
+from typing import TypedDict, Unpack
 
 import numpy as np
 
@@ -120,6 +121,19 @@ TRANSITIONS: dict[Phase, set[Phase]] = {
     Phase.COLLECTING: {Phase.COLLECTING, Phase.WAITING, Phase.FINISHED},
     Phase.FINISHED: {Phase.FINISHED},
 }
+
+
+class ShepherdOptions(TypedDict, total=False):
+    """The optional arguments of :class:`Shepherd` (what :meth:`Shepherd.from_checkpoint` passes on)."""
+
+    artifacts: dict[str, str] | None
+    evaluate: Callable[[Params], float] | None
+    end_round: int | None
+    dataset_cid: str
+    admit: Callable[[str], str | None] | None
+    score: Callable[[Params], float] | None
+    val_loss: float | None
+    audits: AuditDesk | None
 
 
 class Shepherd:
@@ -207,7 +221,8 @@ class Shepherd:
 
     @classmethod
     def from_checkpoint(
-        cls, *, spec: RunSpec, run_id: str, identity: Identity, term: int, checkpoint: bytes, **kw: object
+        cls, *, spec: RunSpec, run_id: str, identity: Identity, term: int, checkpoint: bytes,
+        **kw: Unpack[ShepherdOptions],
     ) -> Shepherd:
         """A shepherd for ``term`` continuing from a checkpoint blob (failover, rotation)."""
         ckpt = decode_checkpoint(checkpoint)
@@ -216,7 +231,7 @@ class Shepherd:
         if term < ckpt.term:
             raise StaleMessage(f"term {term} is older than the checkpoint's term {ckpt.term}")
         kw.setdefault("val_loss", ckpt.metrics.get("val_loss"))  # the val-jump guard's yardstick
-        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)  # type: ignore[arg-type]
+        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)
 
     # --- inputs ------------------------------------------------------------
 
@@ -393,7 +408,8 @@ class Shepherd:
         agg = self.round_agg
         if self.phase is Phase.WAITING:
             wake = self.next_wakeup
-            if wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum and not self.handed_over:
+            if (wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum
+                    and not self.handed_over):
                 return self._announce(now)
             return []
         if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
@@ -603,7 +619,8 @@ class Shepherd:
             screened = result.screened
             if len(result.weights) < quorum:
                 break
-            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
+            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr,
+                                      momentum=self.spec.outer.momentum)
             val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
             if not guard or val_loss is None or self.val_loss is None or val_loss <= self._val_limit():
                 outcome = (result, new_state, val_loss)
@@ -679,7 +696,7 @@ class Shepherd:
             )
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)
-            return effects + [Finished(new_state.round, theta_cid)]
+            return [*effects, Finished(new_state.round, theta_cid)]
         if self.end_round is not None and new_state.round >= self.end_round:
             self.handed_over = True  # rotation: the next term announces round end_round
         elif len(self.roster) >= self.spec.round.min_quorum:

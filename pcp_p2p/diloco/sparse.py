@@ -57,10 +57,14 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pcp_p2p.errors import ConfigError, InvalidInput, MalformedMessage, OversizedMessage
+
+if TYPE_CHECKING:
+    from pcp_p2p.diloco.tensors import Compressor  # tensors imports this module
 
 MAGIC = b"PCPS"
 VERSION = 1
@@ -74,8 +78,8 @@ Params = dict[str, np.ndarray]
 Layout = Mapping[str, np.ndarray] | Mapping[str, tuple[int, ...]]
 
 
-def _shape(v: object) -> tuple[int, ...]:
-    return tuple(int(d) for d in (v if isinstance(v, tuple) else np.shape(v)))  # type: ignore[arg-type]
+def _shape(v: np.ndarray | tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(d) for d in (v if isinstance(v, tuple) else np.shape(v)))
 
 
 def layout_digest(like: Layout) -> bytes:
@@ -99,15 +103,17 @@ def _unpack(buf: bytes, count: int, width: int, what: str) -> np.ndarray:
     if bits[count * width :].any():
         raise MalformedMessage(f"sparse Δ: non-zero padding bits after the {what}")
     weights = (np.uint32(1) << np.arange(width - 1, -1, -1, dtype=np.uint32)).astype(np.uint32)
-    return bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
+    values: np.ndarray = bits[: count * width].reshape(count, width).astype(np.uint32) @ weights
+    return values
 
 
 def _lloyd_levels(mag: np.ndarray, levels: int) -> np.ndarray:
     """Per row of ``mag`` (rows x k, float64 ≥ 0): ``levels`` ascending magnitudes minimising squared error."""
     if levels == 1:
-        return mag.mean(axis=1, keepdims=True)
+        mean: np.ndarray = mag.mean(axis=1, keepdims=True)
+        return mean
     qs = (np.arange(levels) + 0.5) / levels
-    lv = np.quantile(mag, qs, axis=1).T  # (rows, levels), ascending
+    lv: np.ndarray = np.quantile(mag, qs, axis=1).T  # (rows, levels), ascending
     for _ in range(LLOYD_ITERS):
         edges = 0.5 * (lv[:, 1:] + lv[:, :-1])
         which = (mag[:, :, None] > edges[:, None, :]).sum(axis=2)  # (rows, k) level index
@@ -273,7 +279,7 @@ class SparseTopK:
             raise MalformedMessage(f"sparse Δ: {name}: indices repeated or out of order within a chunk")
 
 
-def encode_with_feedback(codec: object, delta: Mapping[str, np.ndarray]) -> tuple[bytes, Params | None]:
+def encode_with_feedback(codec: Compressor, delta: Mapping[str, np.ndarray]) -> tuple[bytes, Params | None]:
     """``(payload, new residual)`` for a worker's Δ under ``codec``.
 
     With a codec that wants error feedback (``codec.error_feedback``) the new
@@ -283,11 +289,11 @@ def encode_with_feedback(codec: object, delta: Mapping[str, np.ndarray]) -> tupl
     inner steps from ``θ − residual`` (:func:`local_start`), so its next Δ,
     measured from θ, already holds it.
     """
-    payload = codec.encode(delta)  # type: ignore[attr-defined]
-    if not getattr(codec, "error_feedback", False):
+    payload = codec.encode(delta)
+    if not codec.error_feedback:
         return payload, None
     target = {k: np.asarray(v, dtype=_F32) for k, v in delta.items()}
-    sent = codec.decode(payload, len(payload) + 4 * sum(v.size for v in target.values()), like=target)  # type: ignore[attr-defined]
+    sent = codec.decode(payload, len(payload) + 4 * sum(v.size for v in target.values()), like=target)
     return payload, {k: target[k] - sent[k] for k in target}
 
 

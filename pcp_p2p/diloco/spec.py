@@ -163,7 +163,8 @@ class AggregationPolicy(Message):
     clip_iters: int = 3  # centered_clip: refinement passes
     norm_vs_median: float = 3.0  # refuse ‖Δ‖ above this times the round's median norm; 0 = off
     max_share: float = 0.5  # the most token weight one worker may carry in a round
-    score_tolerance: float = 0.05  # refuse a Δ scoring worse than θ (or the round median, if higher) by more (nats); <0 = off
+    # refuse a Δ scoring worse than θ (or the round median, if higher) by more (nats); <0 = off
+    score_tolerance: float = 0.05
     val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
     audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
 
@@ -295,7 +296,7 @@ def _build(cls: type[Message], table: Any, where: str) -> Any:
     """A struct from a TOML table, with ints accepted for floats and unknown keys refused."""
     if not isinstance(table, dict):
         raise ConfigError(f"run spec: [{where}] must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
         if key not in fields:
@@ -321,7 +322,8 @@ def parse_spec(text: str) -> RunSpec:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"run spec is not valid TOML: {exc}") from exc
-    known = {"name", "seed", "model", "inner", "outer", "round", "election", "aggregation", "admission", "data", "targets"}
+    known = {"name", "seed", "model", "inner", "outer", "round", "election", "aggregation", "admission", "data",
+             "targets"}
     for key in doc:
         if key not in known:
             raise ConfigError(f"run spec: unknown key {key!r} (known: {', '.join(sorted(known))})")

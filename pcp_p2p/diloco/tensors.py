@@ -48,7 +48,9 @@ class Compressor(Protocol):
 
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes: ...
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
+    def decode(
+        self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None,
+    ) -> Params:
         """Tensors from ``data``; ``like`` (θ) gives the layout a codec that does not send it needs."""
         ...
 
@@ -78,7 +80,9 @@ class Fp32Codec:
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes:
         return pack_tensors(params, "fp32")
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
+    def decode(
+        self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None,
+    ) -> Params:
         return unpack_tensors(data, max_bytes)
 
 
@@ -91,7 +95,9 @@ class Int8BlockCodec:
     def encode(self, params: Mapping[str, np.ndarray]) -> bytes:
         return pack_tensors(params, "int8")
 
-    def decode(self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None) -> Params:
+    def decode(
+        self, data: bytes, max_bytes: int = MAX_BUNDLE_BYTES, like: Mapping[str, np.ndarray] | None = None,
+    ) -> Params:
         return unpack_tensors(data, max_bytes)
 
 

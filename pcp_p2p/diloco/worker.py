@@ -252,14 +252,16 @@ class Worker:
                 pass  # a new term may restart from an earlier commit (failover, fork choice)
             elif committed is not None:
                 if ann.round <= committed.round:
-                    raise StaleMessage(f"announcement of round {ann.round + 1}, already committed {committed.round + 1}")
+                    raise StaleMessage(
+                        f"announcement of round {ann.round + 1}, already committed {committed.round + 1}")
                 if ann.round == committed.round + 1 and ann.theta_cid != committed.theta_cid:
                     raise VerificationError("announcement does not start from the committed θ")
             cur = self.current
             if cur is not None and (ann.term, ann.round, ann.attempt) <= (cur.term, cur.round, cur.attempt):
                 if (ann.term, ann.round, ann.attempt) == (cur.term, cur.round, cur.attempt):
                     return []  # duplicate delivery
-                raise StaleMessage(f"announcement of round {ann.round + 1}.{ann.attempt}, already at {cur.round + 1}.{cur.attempt}")
+                raise StaleMessage(f"announcement of round {ann.round + 1}.{ann.attempt}, "
+                                   f"already at {cur.round + 1}.{cur.attempt}")
         except PcpError as exc:
             return [Rejected(ann.shepherd, exc)]
         self.term = ann.term
@@ -274,7 +276,7 @@ class Worker:
         artifact = ann.artifacts.get(self.target)
         if ann.artifacts and artifact is None:
             self.phase = WorkerPhase.IDLE
-            return effects + [Rejected(ann.shepherd, RejectedUpdate(f"no artifact for target {self.target}"))]
+            return [*effects, Rejected(ann.shepherd, RejectedUpdate(f"no artifact for target {self.target}"))]
         self.wanted = set()
         if self.theta_cid != ann.theta_cid:
             self.wanted.add(ann.theta_cid)
@@ -366,7 +368,7 @@ class Worker:
         self.submitted.append(sub)
         del self.submitted[:-KEEP_SUBMITTED]  # an audit asks about a recent round only
         self.phase = WorkerPhase.SUBMITTED
-        return effects + [Send(ann.shepherd, sub)]
+        return [*effects, Send(ann.shepherd, sub)]
 
     def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Effect]:
         ann = self.current

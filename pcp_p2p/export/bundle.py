@@ -79,8 +79,11 @@ def load_export(path: Path) -> ExportBundle:
     manifest = _read_json(path / MANIFEST_FILE, "manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ExportError(f"{path / MANIFEST_FILE} is not a {FORMAT} v{VERSION} manifest")
+    model = manifest.get("model")
+    if not isinstance(model, dict):
+        raise ExportError(f"{path / MANIFEST_FILE}: bad model config: not a table")
     try:
-        config = GPTConfig.from_dict(manifest.get("model"))  # type: ignore[arg-type]
+        config = GPTConfig.from_dict(model)
     except (PcpError, TypeError) as exc:
         raise ExportError(f"{path / MANIFEST_FILE}: bad model config: {exc}") from exc
     try:

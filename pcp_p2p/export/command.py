@@ -13,16 +13,22 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 from pcp_p2p import logs
 from pcp_p2p.errors import ConfigError
 from pcp_p2p.node.identity import default_data_dir
 from pcp_p2p.shutdown import run_until_signal
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from pcp_p2p.diloco.spec import RunSpec
+
 FORMATS = ("onnx",)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from pcp_p2p.diloco.generate import DEFAULT_TIMEOUT_S
 
     p = sub.add_parser(
@@ -71,7 +77,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _fetch(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+class ExportIds(TypedDict):
+    """What the manifest says the exported θ is (:func:`~pcp_p2p.export.onnx_export.export_onnx`'s keywords)."""
+
+    run_id: str
+    theta_cid: str
+    checkpoint_cid: str | None
+    round_: int | None
+
+
+async def _fetch(args: argparse.Namespace) -> tuple[RunSpec, dict[str, np.ndarray], ExportIds]:
     """``(spec, θ, ids for the manifest)`` from the swarm."""
     from pcp_p2p.cid import cid_of
     from pcp_p2p.diloco.checkpoint import checkpoint_theta_bytes, decode_checkpoint

@@ -51,7 +51,10 @@ def run_guest(model_dir: Path, args: list[str], *, wasm: Path | None = None) -> 
         code = 0
         try:
             instance = linker.instantiate(store, module)
-            instance.exports(store)["_start"](store)
+            start = instance.exports(store).get("_start")
+            if not isinstance(start, wasmtime.Func):
+                raise GuestError("the wasm guest has no _start function (not a WASI command module)")
+            start(store)
         except wasmtime.ExitTrap as exc:
             code = exc.code
         except (wasmtime.Trap, wasmtime.WasmtimeError) as exc:

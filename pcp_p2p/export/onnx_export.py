@@ -100,7 +100,7 @@ def onnx_bytes(cfg: GPTConfig, theta: dict[str, np.ndarray]) -> bytes:
     params = {k: jnp.asarray(np.asarray(v, dtype=np.float32)) for k, v in theta.items()}
     model = to_onnx(
         lambda idx: forward(cfg, params, idx.astype(jnp.int32)),
-        inputs=[jax.ShapeDtypeStruct((1, cfg.block_size), jnp.float32)],
+        inputs=[jax.ShapeDtypeStruct((1, cfg.block_size), jnp.float32)],  # type: ignore[no-untyped-call]  # jax leaves its __init__ unannotated
         model_name="pcp_gpt",
         opset=OPSET,
         input_names=[INPUT_NAME],

@@ -26,8 +26,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from functools import cache
-from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin
+from typing import Any, ClassVar, TypeVar, Union, dataclass_transform, get_args, get_origin
 
 import msgpack
 
@@ -52,8 +51,15 @@ class Message:
     TAG: ClassVar[str]
     MAX_SIZE: ClassVar[int]
     VERSION: ClassVar[int] = PROTOCOL_VERSION
+    # Set by the decorators; declared so the type checker sees every message as
+    # a dataclass instance (``dataclasses.fields`` and ``replace`` accept it).
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
 
+# ``dataclass_transform`` tells a type checker that these decorators make
+# frozen dataclasses, so ``Lease(run_id=..., term=...)`` is checked field by
+# field (names, types, required fields) like a plain ``@dataclass`` would be.
+@dataclass_transform(frozen_default=True)
 def wire_message(tag: str, max_size: int = DEFAULT_MAX_SIZE) -> Callable[[type[M]], type[M]]:
     """Declare a frozen, slotted wire message with a tag and a size limit."""
     if max_size > HARD_MAX_SIZE:
@@ -71,6 +77,7 @@ def wire_message(tag: str, max_size: int = DEFAULT_MAX_SIZE) -> Callable[[type[M
     return wrap
 
 
+@dataclass_transform(frozen_default=True)
 def wire_struct(cls: type[M]) -> type[M]:
     """Declare a frozen struct nested inside messages (no tag, no own size limit)."""
     return dataclasses.dataclass(frozen=True, slots=True)(cls)
@@ -78,7 +85,7 @@ def wire_struct(cls: type[M]) -> type[M]:
 
 def encode(msg: Message) -> bytes:
     """Bytes for ``msg``; raises :class:`OversizedMessage` above its limit."""
-    data = msgpack.packb([msg.VERSION, msg.TAG, _to_wire(msg)], use_bin_type=True)
+    data: bytes = msgpack.packb([msg.VERSION, msg.TAG, _to_wire(msg)], use_bin_type=True)
     if len(data) > msg.MAX_SIZE:
         raise OversizedMessage(f"{msg.TAG}: {len(data)} bytes > limit {msg.MAX_SIZE}")
     return data
@@ -132,7 +139,7 @@ def decode(data: bytes | bytearray | memoryview, *expected: type[M]) -> M:
 
 def signing_bytes(msg: Message) -> bytes:
     """The bytes a signature covers: the encoding with ``signature`` emptied."""
-    return encode(dataclasses.replace(msg, signature=b""))  # type: ignore[type-var]
+    return encode(dataclasses.replace(msg, signature=b""))
 
 
 def registered_types() -> dict[str, type[Message]]:
@@ -152,7 +159,7 @@ def _to_wire(value: Any, tp: Any = Any) -> Any:
     """
     if isinstance(value, Message):
         hints = _hints(type(value))
-        return {f.name: _to_wire(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}  # type: ignore[arg-type]
+        return {f.name: _to_wire(getattr(value, f.name), hints[f.name]) for f in dataclasses.fields(value)}
     if type(value) is int and _wants_float(tp):
         return float(value)
     if isinstance(value, tuple):
@@ -177,9 +184,19 @@ def _wants_float(tp: Any) -> bool:
     return False
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+_HINTS: dict[type[Message], dict[str, Any]] = {}
+
+
+def _hints(cls: type[Message]) -> dict[str, Any]:
+    """The resolved field annotations of ``cls``, computed once per class.
+
+    A plain dict rather than ``functools.cache``: the type checker does not
+    accept a class object as the cache's ``Hashable`` argument.
+    """
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _from_wire_message(cls: type[Message], body: Any, where: str) -> Message:
@@ -187,7 +204,7 @@ def _from_wire_message(cls: type[Message], body: Any, where: str) -> Message:
         raise MalformedMessage(f"{where}: body is not a map")
     hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         if f.name in body:
             kwargs[f.name] = _check(hints[f.name], body[f.name], f"{where}.{f.name}")
         elif f.default is not dataclasses.MISSING:

@@ -28,6 +28,10 @@ class ByteStream(Protocol):
     async def write(self, data: bytes) -> None: ...
 
 
+class ResettableStream(Protocol):
+    async def reset(self) -> None: ...
+
+
 async def read_exact(stream: ByteStream, n: int) -> bytes:
     """Exactly ``n`` bytes, or :class:`PeerGone` if the stream ends first."""
     return bytes(await read_body(stream, n))
@@ -39,7 +43,7 @@ async def read_length(stream: ByteStream, *, max_size: int) -> int:
     Split from :func:`read_body` so a caller can budget the declared size
     (:mod:`pcp_p2p.node.budget`) and set the body's deadline from it.
     """
-    (n,) = _LEN.unpack(await read_exact(stream, _LEN.size))
+    n: int = _LEN.unpack(await read_exact(stream, _LEN.size))[0]
     if n > max_size:
         raise OversizedMessage(f"frame of {n} bytes > limit {max_size}")
     if n == 0:
@@ -69,30 +73,31 @@ async def read_body(stream: ByteStream, n: int) -> bytearray:
 
 async def read_frame(stream: ByteStream, *, max_size: int, timeout: float) -> bytes:
     """One frame of at most ``max_size`` bytes within ``timeout`` seconds."""
-    with trio.move_on_after(timeout) as scope:
-        n = await read_length(stream, max_size=max_size)
-        return bytes(await read_body(stream, n))
-    assert scope.cancelled_caught
-    raise PeerTimeout(f"no complete frame within {timeout:.1f} s")
+    try:
+        with trio.fail_after(timeout):
+            n = await read_length(stream, max_size=max_size)
+            return bytes(await read_body(stream, n))
+    except trio.TooSlowError:
+        raise PeerTimeout(f"no complete frame within {timeout:.1f} s") from None
 
 
 async def write_frame(stream: ByteStream, data: bytes, *, timeout: float) -> None:
-    with trio.move_on_after(timeout) as scope:
-        try:
-            await stream.write(_LEN.pack(len(data)) + data)
-        except trio.Cancelled:
-            raise
-        except Exception as exc:
-            raise PeerGone(f"stream closed while writing: {type(exc).__name__}") from exc
-        return
-    assert scope.cancelled_caught
-    raise PeerTimeout(f"could not write a frame within {timeout:.1f} s")
+    try:
+        with trio.fail_after(timeout):
+            try:
+                await stream.write(_LEN.pack(len(data)) + data)
+            except trio.Cancelled:
+                raise
+            except Exception as exc:
+                raise PeerGone(f"stream closed while writing: {type(exc).__name__}") from exc
+    except trio.TooSlowError:
+        raise PeerTimeout(f"could not write a frame within {timeout:.1f} s") from None
 
 
-async def reset_quietly(stream: object) -> None:
+async def reset_quietly(stream: ResettableStream) -> None:
     """Reset a stream we are giving up on; the peer may already be gone, so never raise."""
     with trio.move_on_after(1):
         try:
-            await stream.reset()  # type: ignore[attr-defined]
+            await stream.reset()
         except Exception:
             pass
