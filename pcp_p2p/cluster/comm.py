@@ -106,7 +106,7 @@ class DeadlineComm:
 
     def drain(self, tag: int) -> list[tuple[int, bytes]]:
         """Every message with ``tag`` already here, without waiting (heartbeats: a few bytes each)."""
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             status = self.MPI.Status()
             m = self.comm.Improbe(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
