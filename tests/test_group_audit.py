@@ -60,7 +60,7 @@ def test_a_consistent_split_passes_and_survives_the_codec() -> None:
     ("a state_out its parts do not name", PARTS, {"state_out": "grp-" + "0" * 64}),
     ("an idle part naming states", (PARTS[0], GroupPart(1, 10, 0, FRESH_STATE, "")), {}),
     ("a part without states", (PARTS[0], GroupPart(1, 10, 5, "", "")), {}),
-    ("too many parts", (*tuple(GroupPart(r, 0, 0, "", "") for r in range(300)), PARTS[0]), {}),
+    ("too many parts", (*(GroupPart(r, 0, 0, "", "") for r in range(300)), PARTS[0]), {}),
 ])
 def test_a_split_that_does_not_tile_or_add_up_is_refused(why: str, parts: tuple[GroupPart, ...],
                                                           over: dict) -> None:
