@@ -256,8 +256,8 @@ async def flood_node(
 async def _settled_rss(pid: int, *, within_s: float = 10.0, tolerance_mib: float = 2.0) -> float:
     """RSS once two samples a second apart agree within ``tolerance_mib`` (or after ``within_s``)."""
     last = rss_mib(pid)
-    with trio.move_on_after(within_s):
-        while True:
+    with trio.move_on_after(within_s) as scope:
+        while not scope.cancel_called:
             await trio.sleep(1.0)  # a process settling: there is no event to wait on
             now = rss_mib(pid)
             if abs(now - last) <= tolerance_mib:

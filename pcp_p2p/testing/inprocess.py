@@ -29,6 +29,7 @@ from pcp_p2p.diloco.data import CharDataset, batches_for, batches_for_assignment
 from pcp_p2p.diloco.effects import (
     Committed,
     Discarded,
+    Effect,
     FetchBlob,
     LookupCommit,
     Rejected,
@@ -93,7 +94,7 @@ def pump_run(
     me = shepherd.peer_id
     now = 0.0
 
-    def carry_out(node: str, effects: list) -> None:
+    def carry_out(node: str, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, Send):
                 data = encode(e.message)  # through the real codec, both ways
