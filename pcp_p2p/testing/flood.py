@@ -34,6 +34,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import IHost
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from pcp_p2p.node.identity import Identity
@@ -140,7 +141,7 @@ async def flood_streams(
         if settled == total and at_full_pressure is not None:
             at_full_pressure.set()
 
-    async def one_stream(host: Any) -> None:
+    async def one_stream(host: IHost) -> None:
         try:
             stream = await host.new_stream(info.peer_id, [MSG_PROTOCOL])
         except Exception as exc:  # the node reset it during negotiation (a refusal) or is gone

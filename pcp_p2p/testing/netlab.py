@@ -883,7 +883,7 @@ def netlab(root: Path | None = None, tag: str | None = None) -> Iterator[Lab]:
 # Measuring a path (for tests and benchmarks)
 
 
-def _serve_in_thread(target: Any, *args: Any) -> threading.Thread:
+def _serve_in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
     t = threading.Thread(target=target, args=args, daemon=True)
     t.start()
     return t

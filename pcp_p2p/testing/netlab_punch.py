@@ -21,12 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any
 
 import multiaddr
 import trio
 from libp2p import new_host
-from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -42,7 +41,7 @@ PEER_PORT = 4002
 LIMITS = RelayLimits(duration=600, data=4 << 20, max_circuit_conns=16, max_reservations=16)
 
 
-def connection_addrs(host: Any, peer: ID) -> list[list[str]]:
+def connection_addrs(host: IHost, peer: ID) -> list[list[str]]:
     """The transport addresses of every connection to ``peer`` (``/p2p-circuit`` ones are relayed)."""
     conns = host.get_network().connections.get(peer, [])
     out = []
