@@ -232,7 +232,8 @@ class Arm:
             out["attacker_in_commits"] = sum(self.attacker in c.participants for c in rl.commits)
             out["attacker_refusals"] = dict(Counter(rl.rejected_from(self.attacker)))
             out["attacker_refusal_example"] = next((t for p, _, t in rl.rejected if p == self.attacker), None)
-        log(f"{self.name}: val {final_val:.4f}{'' if stalled is None else ' STALLED'} curve {out['val_curve']} ({out['seconds']} s"
+        log(f"{self.name}: val {final_val:.4f}{'' if stalled is None else ' STALLED'} "
+            f"curve {out['val_curve']} ({out['seconds']} s"
             + (f", attacker in {out['attacker_in_commits']}/{len(rl.commits)} commits, "
                f"refused {out['attacker_refusals']}" if self.attacker else "") + ")")
         return out
@@ -338,7 +339,8 @@ def audit_figure(arm: Arm, trainer: JaxTrainer, rate: float) -> dict:
 
 def flood_figure() -> dict:
     if os.environ.get("PCP_BENCH_FLOOD", "1") == "0":
-        return {"flood_rss_growth_mib": None, "flood_rss_growth_mib_target": 64, "flood_note": "skipped (PCP_BENCH_FLOOD=0)"}
+        return {"flood_rss_growth_mib": None, "flood_rss_growth_mib_target": 64,
+                "flood_note": "skipped (PCP_BENCH_FLOOD=0)"}
     import logging
 
     from pcp_p2p.testing.flood import flood
@@ -417,7 +419,8 @@ def main() -> None:
         "defences": {"rule": g.rule, "trim_fraction": g.trim_fraction, "norm_vs_median": g.norm_vs_median,
                      "max_share": g.max_share, "score_tolerance": g.score_tolerance, "val_jump": g.val_jump},
         "config": {"workers": WORKERS, "byzantine": 1, "rounds": ROUNDS, "inner_steps": H, "batch": B,
-                   "seq_len": T, "warm_start_steps": WARMUP, "fresh_moments": FRESH_MOMENTS, "min_quorum": QUORUM, "model": "tiny",
+                   "seq_len": T, "warm_start_steps": WARMUP, "fresh_moments": FRESH_MOMENTS, "min_quorum": QUORUM,
+                   "model": "tiny",
                    "max_inner_steps": 10 * H, "codec": "int8", "val_batches": VAL_BATCHES},
         "arms": {k: {kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()}
                  for k, r in results.items()},

@@ -61,7 +61,8 @@ def main() -> int:
     s_rate = [t / s for t, s in zip(res["single_tokens"], res["single_round_s"])]
     speedup = statistics.median(g_rate) / statistics.median(s_rate)
     for i, (gs, ss) in enumerate(zip(res["group_round_s"], res["single_round_s"])):
-        print(f"round {i + 1}: group {gs:.2f} s ({g_rate[i]:.0f} tok/s), one process {ss:.2f} s ({s_rate[i]:.0f} tok/s)")
+        print(f"round {i + 1}: group {gs:.2f} s ({g_rate[i]:.0f} tok/s), "
+              f"one process {ss:.2f} s ({s_rate[i]:.0f} tok/s)")
     print(json.dumps({
         "headline": round(speedup, 3),
         "unit": "x (group tokens/s over one process's, same total work)",

@@ -34,6 +34,7 @@ arms run; the figures of a skipped arm are null).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -78,7 +79,7 @@ RUN_DEADLINE_S = 240 + ROUNDS * (BUDGET_S * 3 + 20)
 def round_times(commit_seen_at: dict[int, float]) -> list[float]:
     """Seconds between consecutive commits (from the first commit on: the set-up is not a round)."""
     rounds = sorted(commit_seen_at)
-    return [commit_seen_at[b] - commit_seen_at[a] for a, b in zip(rounds, rounds[1:])]
+    return [commit_seen_at[b] - commit_seen_at[a] for a, b in itertools.pairwise(rounds)]
 
 
 class Phases:

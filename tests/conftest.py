@@ -28,7 +28,8 @@ async def swarm3(tmp_path: Path) -> AsyncIterator[tuple]:
     from pcp_p2p.node.node import NodeConfig, open_node
 
     def cfg(name: str, **kw: object) -> NodeConfig:
-        return NodeConfig(tmp_path / name, listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS, op_timeout=2.0, **kw)  # type: ignore[arg-type]
+        return NodeConfig(tmp_path / name, listen=("/ip4/127.0.0.1/tcp/0",), capabilities=TEST_CAPS,
+                          op_timeout=2.0, **kw)  # type: ignore[arg-type]  # kw: any other NodeConfig field
 
     async with AsyncExitStack() as stack:
         boot = await stack.enter_async_context(open_node(cfg("boot", role="bootstrap")))

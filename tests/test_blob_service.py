@@ -646,8 +646,9 @@ async def test_a_peer_that_asks_for_data_and_never_connects_holds_its_share_of_s
                     third.append(await ask())
 
                 nursery.start_soon(ask_again)
-                while not a._uploads._by_peer[hog.peer_id].statistics().tasks_waiting:
-                    await trio.sleep(0.01)  # (no event to wait on: the request is in another host's handler)
+                # no event to wait on: the request is in another host's handler
+                while not a._uploads._by_peer[hog.peer_id].statistics().tasks_waiting:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
                 # the hog's third request waits on its own share, so an honest peer still gets a slot
                 assert bytes(await f.fetch_into(cid, providers=[info(a)])) == data
             assert third == ["busy"]

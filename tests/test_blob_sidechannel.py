@@ -58,7 +58,8 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 def test_records_round_trip(pair: tuple[socket.socket, socket.socket]) -> None:
     a, b = pair
     k = key_for("A", "B")
-    tx, rx = RecordCipher.for_direction(k, client_to_server=False), RecordCipher.for_direction(k, client_to_server=False)
+    tx = RecordCipher.for_direction(k, client_to_server=False)
+    rx = RecordCipher.for_direction(k, client_to_server=False)
     out = bytearray(CS + 16)
     payloads = [os.urandom(CS), os.urandom(10), b""]
     threading.Thread(target=lambda: [send_record(a, tx, KIND_CHUNK, p, out) for p in payloads]).start()

@@ -10,7 +10,8 @@ import time
 from pcp_p2p.node.capabilities import measure_gflops, probe, usable_cores
 
 # Keeps every core busy with numpy's multi-threaded BLAS, as a neighbour training would.
-BUSY = "import numpy as np, time\na = np.ones((600, 600), np.float32)\nend = time.time() + 20\nwhile time.time() < end: a @ a\n"
+BUSY = ("import numpy as np, time\na = np.ones((600, 600), np.float32)\nend = time.time() + 20\n"
+        "while time.time() < end: a @ a\n")
 
 
 def test_throughput_read_under_load_matches_the_idle_figure() -> None:

@@ -33,7 +33,8 @@ def test_every_subcommand_has_help(argv: list[str]) -> None:
 
 def test_join_help_documents_the_issue_flags() -> None:
     parser = build_parser()
-    text = parser._subparsers._group_actions[0].choices["node"]._subparsers._group_actions[0].choices["join"].format_help()  # type: ignore[union-attr]
+    node = parser._subparsers._group_actions[0].choices["node"]  # type: ignore[union-attr]  # private, Optional
+    text = node._subparsers._group_actions[0].choices["join"].format_help()
     for flag in ("--bootstrap", "--listen", "--data-dir", "--addr-file", "--backend", "--client-mode", "--swarm-key"):
         assert flag in text
 

@@ -110,6 +110,16 @@ def _bad_spec(tmp: Path, boot: Node, port: int) -> tuple[list[str], str]:
     return ["run", "create", str(tmp / "run.toml"), "--bootstrap", boot.addr, "--data-dir", str(tmp)], "rounds"
 
 
+def _data_dir_is_a_file(tmp: Path, boot: Node, port: int) -> tuple[list[str], str]:
+    (tmp / "f").write_text("")
+    return ["node", "join", "--data-dir", str(tmp / "f" / "sub")], "f/sub/logs: not a directory"
+
+
+def _bad_config(tmp: Path, boot: Node, port: int) -> tuple[list[str], str]:
+    (tmp / "c.toml").write_text("listen = [\n")
+    return ["bootstrap", "--config", str(tmp / "c.toml")], "c.toml"
+
+
 def _unreadable_blob_dir(tmp: Path, boot: Node, port: int) -> tuple[list[str], str]:
     # A data dir the node cannot write into (its blob store's place is a file).
     (tmp / "blobs").write_text("not a directory")
@@ -130,13 +140,11 @@ CASES: dict[str, Case] = {
         ["node", "join", "--listen", "/ip4/127.0.0.1/tcp/0", "--metrics-port", str(port), "--data-dir", str(tmp)],
         f"cannot serve metrics on 127.0.0.1:{port}: address already in use"),
     "node join: data dir not writable": _unreadable_blob_dir,
-    "node join: data dir is a file": lambda tmp, boot, port: (
-        (tmp / "f").write_text(""), ["node", "join", "--data-dir", str(tmp / "f" / "sub")])[1:] + ("f/sub/logs: not a directory",),
+    "node join: data dir is a file": _data_dir_is_a_file,
     "run create: bad run spec": _bad_spec,
     "status: dead node": lambda tmp, boot, port: (
         ["status", "--json", "--connect", f"/ip4/127.0.0.1/tcp/1/p2p/{DEAD_PEER}", "--timeout", "5"], ""),
-    "bootstrap: bad --config": lambda tmp, boot, port: (
-        (tmp / "c.toml").write_text("listen = [\n"), ["bootstrap", "--config", str(tmp / "c.toml")])[1:] + ("c.toml",),
+    "bootstrap: bad --config": _bad_config,
 }
 
 
@@ -156,7 +164,8 @@ def test_run_create_with_an_unreachable_bootstrap_is_one_error_line(tmp_path: Pa
     assert "no bootstrap server answered" in line and dead in line
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a ro mount")
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare for a ro mount")
 def test_read_only_data_dir_is_one_error_line(tmp_path: Path) -> None:
     from pcp_p2p.node.identity import load_or_create_identity
 
@@ -171,7 +180,8 @@ def test_read_only_data_dir_is_one_error_line(tmp_path: Path) -> None:
 
 
 def test_debug_prints_the_traceback_wherever_the_flag_is(tmp_path: Path) -> None:
-    for argv in (["--debug", "status", "--data-dir", str(tmp_path)], ["status", "--data-dir", str(tmp_path), "--debug"]):
+    for argv in (["--debug", "status", "--data-dir", str(tmp_path)],
+                 ["status", "--data-dir", str(tmp_path), "--debug"]):
         res = pcp(*argv)
         assert res.returncode == 1 and "Traceback" in res.stderr and "no running node" in res.stderr
 

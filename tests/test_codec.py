@@ -148,7 +148,8 @@ def test_mutated_messages_raise_only_protocol_errors(data: st.DataObject) -> Non
 
 @settings(max_examples=200, deadline=None)
 @given(st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
     max_leaves=20,
 ))

@@ -30,7 +30,7 @@ module @jit_f {
     %1 = stablehlo.reduce(%0 init: %cst) applies stablehlo.add across dimensions = [1] : (tensor<4x8xf32>, tensor<f32>) -> tensor<4xf32>
     return %1 : tensor<4xf32>
   }
-}"""
+}"""  # noqa: E501  (StableHLO prints an op on one line; the rewrite matches that text)
 
 
 def test_gpu_rewrite_moves_negate_out_of_zero_init_reduce():

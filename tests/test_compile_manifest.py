@@ -9,10 +9,9 @@ import pytest
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, cache_key
-from pcp_p2p.compile.iree_compile import compile_flags
 from pcp_p2p.compile.manifest import Manifest, read_manifest, sign_manifest, verify_manifest, write_manifest
 from pcp_p2p.compile.signature import TensorSpec, check_array
-from pcp_p2p.compile.targets import get_target
+from pcp_p2p.compile.targets import compile_flags, get_target
 from pcp_p2p.errors import BadSignature, ConfigError, HashMismatch, InvalidInput, MalformedMessage
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import decode, encode
@@ -163,7 +162,7 @@ def test_cache_round_trip_and_damage(tmp_path):
     assert cache.get(key) == ART
     # every part of the key matters
     assert key != cache_key(cid_of(b"module {}"), "cpu-x86_64-v3", "3.13.1@abc", flags)
-    assert key != cache_key(cid_of(b"module {}"), "cpu-x86_64-v3", "3.13.0@abc", flags + ("-O3",))
+    assert key != cache_key(cid_of(b"module {}"), "cpu-x86_64-v3", "3.13.0@abc", (*flags, "-O3"))
     assert key != cache_key(cid_of(b"module { }"), "cpu-x86_64-v3", "3.13.0@abc", flags)
     # a damaged entry is a miss and is dropped, never a wrong artifact
     vmfb = next(tmp_path.rglob("*.vmfb"))

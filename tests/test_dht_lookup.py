@@ -211,7 +211,7 @@ async def test_pipelined_kad_requests_are_understood_by_the_library_server(swarm
 
 
 async def test_a_peer_that_refuses_the_value_answers_with_peer_gone(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     mallory = Identity.generate()
     forged = sign_record(mallory, "member", a.peer_id, a._signed_member_record(), ttl_s=60)
     with trio.fail_after(10), pytest.raises(PeerGone):
@@ -228,13 +228,14 @@ async def test_a_kad_request_to_a_peer_without_kad_fails_cleanly_and_the_peer_li
 
     from pcp_p2p.node.status import fetch_status
 
-    boot, a, b = swarm3
+    _boot, a, _b = swarm3
     client = new_host(key_pair=Identity.generate().key_pair)
     async with client.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
         await client.connect(info_from_p2p_addr(multiaddr.Multiaddr(a.addrs()[0])))
         with trio.fail_after(10):
-            while not a.host.get_peerstore().get_protocols(client.get_id()):
-                await trio.sleep(0.05)  # identify has not reported the client's protocols yet
+            # identify has not reported the client's protocols yet (py-libp2p's peerstore has no event)
+            while not a.host.get_peerstore().get_protocols(client.get_id()):  # noqa: ASYNC110
+                await trio.sleep(0.05)
         assert not rpc.speaks_kad(a.host, client.get_id())
         from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
 

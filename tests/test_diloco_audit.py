@@ -269,7 +269,7 @@ def run_job(sub_bytes: bytes, auditor: Identity, theta_local, state_out: str, lo
 
 
 def test_an_honest_round_matches_and_a_tampered_delta_is_caught():
-    sub, sub_bytes = submission(state_out="e" * 64)
+    _, sub_bytes = submission(state_out="e" * 64)
     ok = run_job(sub_bytes, A1, local_theta(), "e" * 64, (2.0, 1.5))
     assert ok.verdict == MATCH and ok.differs == () and ok.max_abs_diff == 0.0
     # the worker submitted a Δ scaled by 3 (or anything else than it computed)
@@ -353,7 +353,7 @@ def test_forged_evidence_is_refused():
     with pytest.raises(NotElected):
         verify_evidence(ev, is_shepherd=lambda term, peer: False)
     # reports that agree with the worker (an honest Δ) are no evidence
-    honest_sub, honest_bytes = submission(state_out="e" * 64)
+    _, honest_bytes = submission(state_out="e" * 64)
     reports = [run_job(honest_bytes, a, local_theta(), "e" * 64, (2.0, 1.5)) for a in (A1, A2)]
     fake = audit.Evidence(honest_bytes, tuple(selected_request(honest_bytes, a) for a in (A1, A2)),
                           tuple(reports), ("delta",))

@@ -77,7 +77,7 @@ class Round:
         for i in self.ids:
             self.shepherd.on_join(sign(Join(run_id=RUN_ID, worker=i.peer_id, target="cpu", tokens_per_s=100.0), i), 0.0)
         effects = self.shepherd.tick(now=self.shepherd.join_grace_s)
-        self.ann = [e.message for e in effects if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)][0]
+        self.ann = next(e.message for e in effects if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement))
 
     def submit(self, who: int, delta, steps: int = 10, now: float = 3.0):
         a = self.ann

@@ -77,7 +77,7 @@ def test_bad_datasets_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="not 'shakespeare', a file or a folder"):
         load_corpus(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no .txt files"):
+    with pytest.raises(ConfigError, match=r"no \.txt files"):
         load_corpus(str(tmp_path / "empty"))
     (tmp_path / "short.txt").write_text("hi")
     with pytest.raises(ConfigError, match="too short"):
@@ -100,7 +100,7 @@ def test_batches_for_an_announced_assignment():
     ds = CharDataset.from_text(TEXT)
     a = DataAssignment(worker="w", shard=1, num_shards=3, seed=42, max_steps=6)
     x, y = batches_for_assignment(ds.train, a, batch_size=2, seq_len=8)
-    assert x.shape == (6, 2, 8)
+    assert x.shape == y.shape == (6, 2, 8)
     x2, _ = batches_for(ds.train, shard=1, num_shards=3, seed=42, steps=6, batch_size=2, seq_len=8)
     np.testing.assert_array_equal(x, x2)
 

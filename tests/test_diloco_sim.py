@@ -102,7 +102,7 @@ async def test_round_without_quorum_is_retried_and_a_late_joiner_restores_it(aut
 
 
 async def test_late_joiner_contributes_from_the_next_round(autojump_clock):
-    plans = tuple(WorkerPlan(tokens_per_s=s) for s in SPEEDS[:3]) + (WorkerPlan(tokens_per_s=64.0, join_at=15.0),)
+    plans = (*(WorkerPlan(tokens_per_s=s) for s in SPEEDS[:3]), WorkerPlan(tokens_per_s=64.0, join_at=15.0))
     r = await simulate(SimConfig(spec=spec(), workers=plans, seed=5))
     check_invariants(r, 6)
     assert len(r.commits[0].participants) == 3

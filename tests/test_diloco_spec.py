@@ -134,7 +134,7 @@ def test_signed_spec_with_out_of_range_values_is_a_remote_fault():
     from pcp_p2p.wire import signing_bytes
 
     signed = dataclasses.replace(unsigned, signature=owner.sign(signing_bytes(unsigned)))
-    with pytest.raises(MalformedMessage, match="outer.momentum"):
+    with pytest.raises(MalformedMessage, match=r"outer\.momentum"):
         verify_spec(signed)
     with pytest.raises(ConfigError):
         sign_spec(bad, owner)

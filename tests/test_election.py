@@ -136,7 +136,7 @@ def test_young_or_non_compiling_nodes_are_never_elected():
     first = order(0)[0]
     e = Election(RUN, first, CFG)
     e.start(0.0)
-    e.on_members([Candidate(first.peer_id, 1.0)] + view(IDS[1:]), 2.0)  # first is too young
+    e.on_members([Candidate(first.peer_id, 1.0), *view(IDS[1:])], 2.0)  # first is too young
     assert not of(e.tick(2.0), PublishLease)
 
 

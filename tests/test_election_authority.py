@@ -152,7 +152,7 @@ def test_an_eligible_member_out_of_turn_is_held_not_followed() -> None:
 
 
 def test_a_term_cannot_leap_ahead_of_the_chain() -> None:
-    e, holder = follower()
+    e, _ = follower()
     # while term 0 lives, only a fresh claim of term 1 may replace it
     jump = ranked_ids(7)[0]
     (err,) = errors(e.on_lease(lease(jump, 7, 2.0), 2.0))
@@ -207,7 +207,7 @@ def test_a_commit_for_the_current_term_by_anyone_but_its_holder_is_refused() -> 
 def test_a_held_commit_is_released_once_its_lease_is_accepted() -> None:
     e, holder = follower()
     e.tick(12.0)
-    nxt = [i for i in ranked_ids(1) if i.peer_id != holder.peer_id][0]
+    nxt = next(i for i in ranked_ids(1) if i.peer_id != holder.peer_id)
     early = commit(nxt, 1, 0, "term1")
     assert isinstance(errors(e.on_commit(early, 12.1))[0], HeldBack)
     out = e.on_lease(lease(nxt, 1, 12.2), 12.2)
@@ -218,7 +218,7 @@ def test_a_held_commit_is_released_once_its_lease_is_accepted() -> None:
 def test_replays_from_an_older_term_or_another_run_are_refused() -> None:
     e, holder = follower()
     e.tick(12.0)
-    nxt = [i for i in ranked_ids(1) if i.peer_id != holder.peer_id][0]
+    nxt = next(i for i in ranked_ids(1) if i.peer_id != holder.peer_id)
     e.on_lease(lease(nxt, 1, 12.2), 12.2)
     assert isinstance(errors(e.on_commit(commit(holder, 0, 3, "late"), 13.0))[0], StaleMessage)
     other = sign(dataclasses.replace(commit(nxt, 1, 0), run_id="another-run", signature=b""), nxt)

@@ -80,7 +80,7 @@ def test_a_silent_holder_is_suspected_and_replaced_long_before_its_lease_lapses(
     # The holder dies at 1.5. B's silence reaches suspect_s first.
     out = b.tick(3.0) + b.on_lookups_done(3.0)
     claims = [x.lease for x in out if isinstance(x, PublishLease) and not x.renewal]
-    assert [(l.term, l.holder) for l in claims] == [(1, b.peer_id)]  # holder left out of the ranking
+    assert [(c.term, c.holder) for c in claims] == [(1, b.peer_id)]  # holder left out of the ranking
     assert claims[0].claimed_at == 3.0 < holder.lease.expiry  # 8 s before the lease would lapse
     # At 2.95 C has not suspected the holder yet (1.45 s of silence), and the claim skips a
     # holder it still counts as alive: held back, not followed.

@@ -259,7 +259,7 @@ def test_manifest_of_another_artifact_is_refused():
 def _fake_artifact(tmp_path, target: str):
     """A correctly signed manifest for some bytes built 'for' ``target`` (refused before loading)."""
     from pcp_p2p.cid import cid_of
-    from pcp_p2p.compile.iree_compile import compile_flags
+    from pcp_p2p.compile.targets import compile_flags
 
     data = b"not really an artifact" * 10
     t = get_target(target)

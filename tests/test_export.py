@@ -304,7 +304,8 @@ async def test_pcp_export_and_generate_engines_against_a_swarm(tmp_path: Path) -
         await boot.put_record(sign_record(owner, "run", run_id, signed, ttl_s=MAX_TTL_S))
         await boot.put_record(sign_record(shepherd, "commit", run_id, rec, ttl_s=MAX_TTL_S, seq=commit_seq(rec)))
 
-        for source, out in ((["--run", run_id], tmp_path / "by-run"), (["--checkpoint", ckpt_cid], tmp_path / "by-ckpt")):
+        for source, out in ((["--run", run_id], tmp_path / "by-run"),
+                            (["--checkpoint", ckpt_cid], tmp_path / "by-ckpt")):
             res = await pcp("export", *source, "--format", "onnx", "--out", str(out), "--json")
             assert res.returncode == 0, res.stderr.decode()[-3000:]
             manifest = json.loads(res.stdout)

@@ -60,7 +60,7 @@ def test_a_consistent_split_passes_and_survives_the_codec() -> None:
     ("a state_out its parts do not name", PARTS, {"state_out": "grp-" + "0" * 64}),
     ("an idle part naming states", (PARTS[0], GroupPart(1, 10, 0, FRESH_STATE, "")), {}),
     ("a part without states", (PARTS[0], GroupPart(1, 10, 5, "", "")), {}),
-    ("too many parts", tuple(GroupPart(r, 0, 0, "", "") for r in range(300)) + (PARTS[0],), {}),
+    ("too many parts", (*(GroupPart(r, 0, 0, "", "") for r in range(300)), PARTS[0]), {}),
 ])
 def test_a_split_that_does_not_tile_or_add_up_is_refused(why: str, parts: tuple[GroupPart, ...],
                                                           over: dict) -> None:
@@ -76,7 +76,7 @@ def test_only_a_sum_of_three_or_more_parts_gets_a_rounding_allowance() -> None:
     theta = {"w": np.array([1.0, -2.0, 0.5], np.float32)}
     delta = {"w": np.array([1e-3, -2e-3, 0.0], np.float32)}
     assert group_replay.group_tolerance(group_sub(PARTS), theta, delta) == 0.0  # one float64 addition: exact
-    three = PARTS + (GroupPart(2, 5, 5, FRESH_STATE, "e" * 64),)
+    three = (*PARTS, GroupPart(2, 5, 5, FRESH_STATE, "e" * 64))
     tol = group_replay.group_tolerance(group_sub(three), theta, delta)
     assert tol == 2.0 * float(np.spacing(np.float32(2.0)))  # fp32 codec: two float32 ulps of max |θ|, no more
 
@@ -235,7 +235,7 @@ def test_an_honest_group_round_replays_bit_for_bit_and_a_tampered_one_is_caught(
 
     # a split that passes every check but is not the one trained (a third, idle rank: K = 3 cuts other
     # sub-shards): only the replay can tell, and it does
-    three = parts1 + (GroupPart(2, 0, 0, "", ""),)
+    three = (*parts1, GroupPart(2, 0, 0, "", ""))
     _, lying = _submit(theta1, g1, res1, three, tps)
     group_replay.check_split(decode(lying, Submission), assignment, CHUNK)
     _, rep_s = _audit(auditor, A1, lying, theta1, bundle, assignment)

@@ -98,7 +98,8 @@ async def test_failed_probes_slow_this_node_down_and_answered_ones_speed_it_up(
         await trio.sleep(0.1)
         effects, _ = m.tick(trio.current_time())
         pings += [trio.current_time() for e in effects if isinstance(e, Send) and e.packet.kind == "ping"]
-    assert m.health == 2 and trio.current_time() > CFG.probe_timeout_s * (1 + 2)  # the second probe waited twice as long
+    # the second probe waited twice as long
+    assert m.health == 2 and trio.current_time() > CFG.probe_timeout_s * (1 + 2)
     # (the first ping is the "buddy" one telling A it is suspected; the last is the new probe)
     probe = [e for e in m.tick(trio.current_time() + 100)[0] if isinstance(e, Send) and e.packet.kind == "ping"][-1]
     score = m.health  # (the probe in flight timed out first: 3)
@@ -130,7 +131,8 @@ def test_a_probe_whose_helpers_all_nack_blames_the_target_not_this_node() -> Non
 async def test_suspect_that_answers_directly_is_cleared(autojump_clock: trio.testing.MockClock) -> None:
     m = machine(suspicion_s=10.0)
     m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),)), 0.0)
-    m.respond(B.peer_id, SwimPacket("ping", 1, SELF.peer_id, updates=(Gossip("suspect", A.peer_id, 1_000_000, 1),)), 0.0)
+    suspect_a = Gossip("suspect", A.peer_id, 1_000_000, 1)
+    m.respond(B.peer_id, SwimPacket("ping", 1, SELF.peer_id, updates=(suspect_a,)), 0.0)
     assert m.suspected() == [A.peer_id]
     m.respond(A.peer_id, SwimPacket("ping", 2, SELF.peer_id), 1.0)  # A itself talks to us
     assert m.suspected() == []
@@ -167,7 +169,8 @@ def test_bad_gossip_is_refused_alone_and_the_rest_of_the_packet_counts() -> None
     garbage = Gossip("alive", B.peer_id, 1, 1, b"\x00garbage")
     unknown = Gossip("resurrect", A.peer_id, 1, 1)
     good = alive(A)
-    _, _, events = m.respond(B.peer_id, SwimPacket("sync", updates=(forged, mismatch, client, garbage, unknown, good)), 0.0)
+    updates = (forged, mismatch, client, garbage, unknown, good)
+    _, _, events = m.respond(B.peer_id, SwimPacket("sync", updates=updates), 0.0)
     errors = m.take_errors()
     assert [type(e) for e in errors][:2] == [BadSignature, BadSignature]
     assert isinstance(errors[2], VerificationError) and isinstance(errors[4], MalformedMessage)
@@ -258,7 +261,8 @@ def test_a_record_resigned_for_age_is_not_gossiped_but_reaches_those_who_ping() 
     ack, _, _ = m.respond(A.peer_id, SwimPacket("ping", 5, SELF.peer_id, known_boot=1_000_000, known_seq=1), 2.0)
     assert ack is not None and ack.updates[0].peer_id == SELF.peer_id and ack.updates[0].seq == 2
     # A claim about the older record needs no new seq, only that the current one travels.
-    m.respond(A.peer_id, SwimPacket("gossip", updates=(Gossip("suspect", SELF.peer_id, 1_000_000, 1, origin=A.peer_id),)), 3.0)
+    old_claim = Gossip("suspect", SELF.peer_id, 1_000_000, 1, origin=A.peer_id)
+    m.respond(A.peer_id, SwimPacket("gossip", updates=(old_claim,)), 3.0)
     effects, _ = m.tick(3.1)
     assert not any(isinstance(e, Refute) for e in effects)
     assert any(g.peer_id == SELF.peer_id and g.kind == "alive" and g.seq == 2 for g in _queued(m))
@@ -316,10 +320,10 @@ async def test_restarted_node_comes_back_with_a_higher_incarnation(autojump_cloc
     old_boot = boot_ms(net.nodes[victim].machine.get(victim).record)  # type: ignore[union-attr]
     back = net.restart(victim)
     back.machine.join(net.now)
-    net._exchange(victim, Send(list(net.nodes)[0], (), back.machine.join(net.now), 1.0))
+    net._exchange(victim, Send(next(iter(net.nodes)), (), back.machine.join(net.now), 1.0))
     await run_on_trio(net, 20)
     assert all(victim in net.view(p) for p in net.live_ids())
-    assert boot_ms(net.nodes[list(net.nodes)[0]].machine.get(victim).record) > old_boot  # type: ignore[union-attr]
+    assert boot_ms(net.nodes[next(iter(net.nodes))].machine.get(victim).record) > old_boot  # type: ignore[union-attr]
 
 
 async def test_partition_splits_the_views_and_healing_merges_them(autojump_clock: trio.testing.MockClock) -> None:

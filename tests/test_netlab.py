@@ -366,7 +366,8 @@ def test_py_libp2p_hole_punches_through_cone_nats_and_not_a_symmetric_one(tmp_pa
             targets[host.name] = line.split()[-1]
         results = {}
         for name, target in targets.items():
-            dialer = lab.popen(alice, [*probe, "dial", alice.ip, relay_addr, target, "30"], name=f"to-{name}")  # DCUtR: 3 rounds of 5 s + 2 s
+            # DCUtR: 3 rounds of 5 s + 2 s
+            dialer = lab.popen(alice, [*probe, "dial", alice.ip, relay_addr, target, "30"], name=f"to-{name}")
             assert read_line(dialer).startswith("RESERVED")
             results[name] = json.loads(read_line(dialer, 90))
             dialer.stop()

@@ -54,7 +54,7 @@ async def open_raw(target_addr: str, payload: bytes | None, protocol: str = STAT
 
 
 async def test_status_json_lists_every_member(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     obj = to_json(await fetch_status(a.addrs()[0], timeout=10))
     assert obj["peer_id"] == a.peer_id
     assert {"peer_id", "addrs", "version", "uptime_s", "capabilities", "members"} <= obj.keys()
@@ -65,7 +65,7 @@ async def test_status_json_lists_every_member(swarm3) -> None:
 
 
 async def test_dht_records_travel_between_nodes(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     await a.put_record(a._signed_member_record())
     record = await b.get_record("member", a.peer_id)
     assert isinstance(record, MemberRecord) and record.peer_id == a.peer_id
@@ -73,7 +73,7 @@ async def test_dht_records_travel_between_nodes(swarm3) -> None:
 
 
 async def test_forged_record_is_not_stored_by_a_remote_dht(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     mallory = Identity.generate()
     rec = MemberRecord(a.peer_id, ("/ip4/6.6.6.6/tcp/1",), "worker", 0.0, a.capabilities)
     forged = dataclasses.replace(sign_record(mallory, "member", a.peer_id, rec, ttl_s=60))
@@ -83,7 +83,8 @@ async def test_forged_record_is_not_stored_by_a_remote_dht(swarm3) -> None:
 
     host = new_host(key_pair=mallory.key_pair)
     async with host.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        dht = KadDHT(host, DHTMode.CLIENT, validator=NamespacedValidator({"pcp": BlankValidator()}), validator_changed=True)
+        dht = KadDHT(host, DHTMode.CLIENT, validator=NamespacedValidator({"pcp": BlankValidator()}),
+                     validator_changed=True)
         await host.connect(info_from_p2p_addr(multiaddr.Multiaddr(b.addrs()[0])))
         await dht.add_peer(b.host.get_id())
         with trio.fail_after(10):
@@ -94,7 +95,7 @@ async def test_forged_record_is_not_stored_by_a_remote_dht(swarm3) -> None:
 
 
 async def test_malformed_status_request_is_rejected_and_node_keeps_running(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, _b = swarm3
     garbage = b"\xde\xad\xbe\xef" * 4
     assert await open_raw(a.addrs()[0], struct.pack(">I", len(garbage)) + garbage) == b""
     await a.wait_until(lambda: a.rejected["status:MalformedMessage"] >= 1, timeout=10)
@@ -102,14 +103,14 @@ async def test_malformed_status_request_is_rejected_and_node_keeps_running(swarm
 
 
 async def test_oversized_status_request_is_rejected(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, _b = swarm3
     assert await open_raw(a.addrs()[0], struct.pack(">I", 50_000_000)) == b""
     await a.wait_until(lambda: a.rejected["status:OversizedMessage"] >= 1, timeout=10)
     assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
 
 
 async def test_peer_that_never_writes_costs_one_timeout(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, _b = swarm3
     assert await open_raw(a.addrs()[0], None) == b""  # the node resets the idle stream (op_timeout 2 s)
     assert a.boundary.dropped["status:PeerTimeout"] == 1  # dropped, not counted against the peer
     assert not any(k.endswith("PeerTimeout") for k in a.rejected)
@@ -117,13 +118,14 @@ async def test_peer_that_never_writes_costs_one_timeout(swarm3) -> None:
 
 
 async def test_bad_swim_packets_are_refused_counted_and_change_nothing(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     mallory = Identity.generate()
     frame = lambda data: struct.pack(">I", len(data)) + data  # noqa: E731
     # garbage; a ping meant for another node; a sync whose record b signed for mallory's key;
     # a replay of b's first record (older than what a holds: dropped, nothing changes).
     rec = b.member_record()
-    forged = sign_record(b.identity, "member", mallory.peer_id, dataclasses.replace(rec, peer_id=mallory.peer_id), ttl_s=60)
+    forged = sign_record(b.identity, "member", mallory.peer_id, dataclasses.replace(rec, peer_id=mallory.peer_id),
+                         ttl_s=60)
     first = sign_record(b.identity, "member", b.peer_id, rec, ttl_s=60, seq=0)
     bad = [
         b"garbage",
@@ -147,7 +149,7 @@ async def test_bad_swim_packets_are_refused_counted_and_change_nothing(swarm3) -
 
 
 async def test_a_peer_that_probes_too_often_is_refused_and_the_view_holds(swarm3) -> None:
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     host, info = await raw_stream(a.addrs()[0])
     frame = lambda data: struct.pack(">I", len(data)) + data  # noqa: E731
     answered = 0
@@ -179,7 +181,8 @@ async def test_status_of_a_dead_address_is_a_typed_error() -> None:
 
 async def test_private_swarm_refuses_outsiders(tmp_path: Path, caps) -> None:
     write_swarm_key(tmp_path / "swarm.key")
-    config = NodeConfig(tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), swarm_key=tmp_path / "swarm.key", capabilities=caps)
+    config = NodeConfig(tmp_path / "n", listen=("/ip4/127.0.0.1/tcp/0",), swarm_key=tmp_path / "swarm.key",
+                        capabilities=caps)
     async with open_node(config) as node:
         key = read_swarm_key(tmp_path / "swarm.key")
         assert (await fetch_status(node.addrs()[0], swarm_key=key, timeout=10)).peer_id == node.peer_id
@@ -200,7 +203,7 @@ async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> Non
     from pcp_p2p.node.messaging import MSG_PROTOCOL
     from pcp_p2p.node.status import StatusRequest
 
-    boot, a, b = swarm3
+    _boot, a, b = swarm3
     got: list[tuple[str, object]] = []
 
     async def handler(sender: str, msg: object) -> None:
@@ -221,7 +224,8 @@ async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> Non
     except BaseException as exc:
         if isinstance(exc, trio.Cancelled):
             raise
-    await b.wait_until(lambda: b.rejected["message:ProtocolError"] + b.rejected["message:MalformedMessage"] >= 2, timeout=10)
+    await b.wait_until(lambda: b.rejected["message:ProtocolError"] + b.rejected["message:MalformedMessage"] >= 2,
+                       timeout=10)
     assert (await fetch_status(b.addrs()[0])).peer_id == b.peer_id
 
 

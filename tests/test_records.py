@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 import pytest
+from libp2p.records.utils import InvalidRecordType
 from libp2p.records.validator import NamespacedValidator
 
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
@@ -119,9 +120,9 @@ def test_strict_namespace_refuses_other_namespaces() -> None:
     ns = NamespacedValidator({"pcp": PcpRecordValidator()}, strict_validation=True)
     rec = signed()
     ns.validate(rec.key, encode(rec))
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidRecordType):
         ns.validate("/other/key", b"anything")
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidRecordType):
         ns.validate("plain-key", b"anything")
 
 

@@ -200,5 +200,5 @@ def test_aggregate_screens_then_caps_then_combines():
     assert agg.weights == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
     assert set(agg.norms) == set(deltas)
     # trimmed mean of the three: per coordinate, 1/12 of the extremes and 1/3 of the middle, over 1/2
-    np.testing.assert_allclose(agg.delta["x"], [(0.9 / 12 + 1.0 / 3 + 1.2 / 12) / 0.5, (0.8 / 12 + 1.0 / 3 + 1.1 / 12) / 0.5],
-                               rtol=1e-6)
+    np.testing.assert_allclose(agg.delta["x"], [(0.9 / 12 + 1.0 / 3 + 1.2 / 12) / 0.5,
+                                                (0.8 / 12 + 1.0 / 3 + 1.1 / 12) / 0.5], rtol=1e-6)

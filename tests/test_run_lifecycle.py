@@ -151,7 +151,7 @@ def test_a_dataset_that_cannot_be_read_is_refused_naming_the_key(tmp_path: Path)
         with pytest.raises(ConfigError, match=r"^run spec: data\.dataset: "):
             check_dataset(bad)
     (tmp_path / "short.txt").write_text("too short")
-    with pytest.raises(ConfigError, match="data.dataset.*too short"):
+    with pytest.raises(ConfigError, match=r"data\.dataset.*too short"):
         check_dataset(str(tmp_path / "short.txt"))
     (tmp_path / "ok.txt").write_text("to be or not to be, that is the question " * 4)
     check_dataset(str(tmp_path / "ok.txt"))

@@ -65,7 +65,7 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
     run_id, signed = await publish(boot, owner, "stop-me", [a, b])
     kept_id, _ = await publish(boot, owner, "keep-me", [a, b])
     for n in (a, b):  # both take part, and their member records say so
-        await n.wait_until(lambda: all(run_id in m.record.runs for m in n.membership.live()), timeout=30)
+        await n.wait_until(lambda n=n: all(run_id in m.record.runs for m in n.membership.live()), timeout=30)
     client = ("--bootstrap", boot.addrs()[0], "--wait", "3", "--json")
 
     status = await pcp("run", "status", "--run", run_id, *client, "--data-dir", str(tmp_path / "viewer"))
@@ -130,7 +130,8 @@ async def test_run_stop_ends_the_run_on_every_node_and_only_the_owner_can(swarm3
     assert watch.returncode == 0, watch.stderr
     assert len(watch.stdout.splitlines()) == 1 and " stopped · round 1/12 (0 committed)" in watch.stdout
     # On a run that goes on, `watch` keeps watching until Ctrl+C: exit 130, no traceback.
-    watching = subprocess.Popen([*pcp_command(), "run", "watch", "--run", kept_id, "--bootstrap", boot.addrs()[0],
+    # Popen returns once the child is spawned (ASYNC220): its output is read on a thread below.
+    watching = subprocess.Popen([*pcp_command(), "run", "watch", "--run", kept_id, "--bootstrap", boot.addrs()[0],  # noqa: ASYNC220
                                  "--wait", "0", "--data-dir", str(tmp_path / "viewer")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
@@ -178,7 +179,7 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", list(CLI_CASES))
-def test_owner_commands_fail_in_one_line(case: str, bootstrap: PcpProcess, tmp_path: Path) -> None:
+def test_owner_commands_fail_in_one_line(case: str, bootstrap: PcpProcess, tmp_path: Path) -> None:  # noqa: F811  (the fixture imported above)
     argv, expected = CLI_CASES[case]
     line = assert_one_error_line(pcp_sync(*argv(tmp_path, bootstrap.addr)))
     assert expected in line, line

@@ -14,6 +14,8 @@ from pcp_p2p.diloco.worker import pseudo_gradient
 from pcp_p2p.errors import ConfigError, InvalidInput, MalformedMessage, OversizedMessage
 
 CODEC = SparseTopK("t", chunk=64, k=4, bits=2)
+# A run spec that takes the sparse codec, with the aggregation rule and audit rate the codec requires.
+SPARSE_SPEC = '[round]\ndelta_codec = "topk2"\n[aggregation]\nrule = "centered_clip"\naudit_rate = 0.0'
 
 
 def delta(seed: int = 0, shapes=(("w", (8, 20)), ("b", (7,)))) -> dict[str, np.ndarray]:
@@ -99,7 +101,7 @@ def test_worker_takes_a_residual_only_once_a_commit_lists_it():
     from pcp_p2p.node.identity import Identity
 
     shepherd, me, other = Identity(b"s" * 32), Identity(b"w" * 32), Identity(b"o" * 32)
-    w = Worker(spec=parse_spec('[round]\ndelta_codec = "topk2"\n[aggregation]\nrule = "centered_clip"\naudit_rate = 0.0'), run_id="run",
+    w = Worker(spec=parse_spec(SPARSE_SPEC), run_id="run",
                identity=me, shepherds={0: shepherd.peer_id}, target="cpu-x", tokens_per_s=1.0)
 
     def commit(round_, participants):
@@ -143,7 +145,8 @@ GOOD = CODEC.encode(D)
 def _mutate_header(**fields) -> bytes:
     magic, version, bits, chunk, k, digest = _HEADER.unpack_from(GOOD)
     vals = {"magic": magic, "version": version, "bits": bits, "chunk": chunk, "k": k, "digest": digest, **fields}
-    return _HEADER.pack(vals["magic"], vals["version"], vals["bits"], vals["chunk"], vals["k"], vals["digest"]) + GOOD[_HEADER.size:]
+    header = _HEADER.pack(vals["magic"], vals["version"], vals["bits"], vals["chunk"], vals["k"], vals["digest"])
+    return header + GOOD[_HEADER.size:]
 
 
 def _levels_offset() -> int:
@@ -179,7 +182,8 @@ def _indices(values: list[int]) -> bytes:
         (GOOD + b"\0", MalformedMessage, "takes exactly"),
         (_with(_levels_offset(), np.array([np.nan], "<f2").tobytes()), MalformedMessage, "non-finite levels"),
         (_with(_levels_offset(), np.array([-1.0], "<f2").tobytes()), MalformedMessage, "non-negative and ascending"),
-        (_with(_levels_offset(), np.array([2.0, 1.0], "<f2").tobytes()), MalformedMessage, "non-negative and ascending"),
+        (_with(_levels_offset(), np.array([2.0, 1.0], "<f2").tobytes()), MalformedMessage,
+         "non-negative and ascending"),
         (_with(_first_block_layout()[0], _indices([1, 1, 2, 3])), MalformedMessage, "repeated or out of order"),
         (_with(_first_block_layout()[0], _indices([5, 4, 6, 7])), MalformedMessage, "repeated or out of order"),
     ],
@@ -227,14 +231,15 @@ def test_aggregator_refuses_a_malformed_sparse_submission_with_its_cause():
     from pcp_p2p.diloco.aggregate import RoundAggregator
     from pcp_p2p.errors import RejectedUpdate
 
-    spec = parse_spec('[round]\ndelta_codec = "topk2"\n[aggregation]\nrule = "centered_clip"\naudit_rate = 0.0')
+    spec = parse_spec(SPARSE_SPEC)
     theta = {"w": np.zeros((64, 128), np.float32)}
     agg = RoundAggregator(spec=spec, announcement=None, theta=theta)  # type: ignore[arg-type]
 
     class Sub:
         codec, steps = "topk2", 10
 
-    good = codec_of("topk2").encode({"w": np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32) * 1e-3})
+    w = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32) * 1e-3
+    good = codec_of("topk2").encode({"w": w})
     assert np.count_nonzero(agg.check_delta(Sub, good)["w"]) == 2 * 64  # two chunks of 4096, 64 kept each
     with pytest.raises(RejectedUpdate) as info:
         agg.check_delta(Sub, good[:-3])
@@ -245,10 +250,11 @@ def test_aggregator_refuses_a_malformed_sparse_submission_with_its_cause():
 
 
 def test_spec_takes_the_sparse_codec_and_names_the_key_otherwise():
-    assert parse_spec('[round]\ndelta_codec = "topk2"\n[aggregation]\nrule = "centered_clip"\naudit_rate = 0.0').round.delta_codec == "topk2"
+    assert parse_spec(SPARSE_SPEC).round.delta_codec == "topk2"
     with pytest.raises(ConfigError, match=r"^run spec: aggregation.audit_rate must be 0 with round.delta_codec"):
         parse_spec('[round]\ndelta_codec = "topk2"\n[aggregation]\nrule = "mean"')  # audits cannot replay a residual
-    with pytest.raises(ConfigError, match=r"^run spec: aggregation.rule must not be trimmed_mean with round.delta_codec"):
+    with pytest.raises(ConfigError,
+                       match=r"^run spec: aggregation.rule must not be trimmed_mean with round.delta_codec"):
         parse_spec('[round]\ndelta_codec = "topk2"\n[aggregation]\naudit_rate = 0.0')
     assert set(spec_mod.DELTA_CODECS) == set(CODECS)  # every codec a spec may name exists, and only those
     with pytest.raises(ConfigError, match=r"^run spec: round.delta_codec must be one of"):

@@ -194,7 +194,8 @@ class Poisoner:
                 continue
             self.assigned.append(ann.round)
             member = self.node.membership.get(ann.shepherd)
-            providers = [PeerInfo(ID.from_base58(ann.shepherd), transport_addrs(member.record.addrs))] if member else None
+            providers = ([PeerInfo(ID.from_base58(ann.shepherd), transport_addrs(member.record.addrs))]
+                         if member else None)
             try:
                 theta = unpack_tensors(bytes(await self.node.blobs.fetch_into(ann.theta_cid, providers=providers)))
             except PcpError:

@@ -195,7 +195,8 @@ def test_run_create_names_each_refusal_and_what_to_do() -> None:
     )
     lines = _handoff_summary(handoff, owner).splitlines()
     assert lines[0] == "handed to 1 node(s); 2 refused, 1 unreachable:"
-    assert lines[1] == f"  12D3KooWpeerA: not trusted (start it with --trust {owner}, or add {owner} to its --trust-file)"
+    assert lines[1] == (f"  12D3KooWpeerA: not trusted (start it with --trust {owner}, "
+                        f"or add {owner} to its --trust-file)")
     assert lines[2].startswith("  12D3KooWpeerB: cannot run the run's compile targets: best target cpu-aarch64")
     assert "\x1b" not in lines[2]  # a stranger's text never reaches the terminal raw
     assert lines[3] == "  12D3KooWpeerC: unreachable (stream closed)"
@@ -231,7 +232,8 @@ async def pcp_json(*argv: str) -> dict:
 async def wait_for_run(node, service, run_id: str, timeout: float = 45.0) -> None:  # type: ignore[no-untyped-def]
     """Until the node takes part in ``run_id``: no event says so, so look twice a second, bounded."""
     with trio.fail_after(timeout):
-        while run_id not in service.runtimes or run_id not in node.runs:
+        # no event: a node takes a run up without notifying its waiters
+        while run_id not in service.runtimes or run_id not in node.runs:  # noqa: ASYNC110
             await trio.sleep(0.5)
 
 
@@ -313,7 +315,7 @@ async def test_pcp_node_join_trust_file_reload_and_run_create_report(tmp_path: P
 
     async def wait_until_in_run(swarm, proc, run_id: str) -> None:  # type: ignore[no-untyped-def]
         with trio.fail_after(60):  # polled: no cross-process event says "took the run up"
-            while await run_of(swarm, proc) != run_id:
+            while await run_of(swarm, proc) != run_id:  # noqa: ASYNC110  (another process)
                 await trio.sleep(0.5)
 
     async with local_swarm(tmp_path) as swarm:

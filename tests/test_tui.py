@@ -8,6 +8,7 @@ they agreed on; ``status_nulls.json`` has those sections present but null.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from pathlib import Path
@@ -150,7 +151,8 @@ def test_a_training_node_s_run_is_named_by_its_spec_with_the_round_out_of_all() 
 
 def test_before_the_first_commit_the_quorum_is_unknown_not_failed() -> None:
     view = make_view()
-    view.apply_status(live_run_snapshot(round=0, phase="training", participants=0, history=[], loss=None, val_loss=None))
+    view.apply_status(live_run_snapshot(round=0, phase="training", participants=0, history=[], loss=None,
+                                        val_loss=None))
     text = screen(view)
     assert "quorum -/3" in text and "✗" not in text and "no round committed yet" in text
 
@@ -178,7 +180,8 @@ def test_the_shepherd_is_marked_in_the_swarm_even_though_its_heartbeat_says_trai
 
 
 def test_an_artifact_listed_twice_shows_once_and_null_cache_is_not_a_miss() -> None:
-    cid, other = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", "bafkreiab6ydd4x7cxvbmjqp2fmlfcu6f2xqbsn2ixb5bcvmfxyzqlmbu3e"
+    cid = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+    other = "bafkreiab6ydd4x7cxvbmjqp2fmlfcu6f2xqbsn2ixb5bcvmfxyzqlmbu3e"
     obj = live_run_snapshot()
     # a shepherd: loaded into its executor (null) and compiled (false); a fetched-only one (null)
     obj["artifacts"] = [{"target": "cpu-x86_64-v4", "cid": cid, "size": 10, "cache_hit": None},
@@ -269,7 +272,8 @@ def test_the_data_dir_address_is_read_again_on_every_attempt(tmp_path: Path) -> 
     assert source() == "/ip4/127.0.0.1/tcp/2/p2p/A"
     addr_file.unlink()  # the node is down: keep trying the last address given
     assert source() == "/ip4/127.0.0.1/tcp/1/p2p/A"
-    fixed = _addr_source(Namespace(connect="/ip4/127.0.0.1/tcp/9/p2p/B", data_dir=tmp_path), "/ip4/127.0.0.1/tcp/9/p2p/B")
+    fixed = _addr_source(Namespace(connect="/ip4/127.0.0.1/tcp/9/p2p/B", data_dir=tmp_path),
+                         "/ip4/127.0.0.1/tcp/9/p2p/B")
     assert fixed() == "/ip4/127.0.0.1/tcp/9/p2p/B"
 
 
@@ -493,7 +497,7 @@ def test_round_ticks_never_crowd_and_keep_the_first_and_last() -> None:
         labels = [label for _, label in ticks]
         assert labels[0] == "1" and labels[-1] == str(n), (n, w, ticks)
         spans = [(min(x, w - len(label)), min(x, w - len(label)) + len(label)) for x, label in ticks]
-        assert all(a_end < b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), (n, w, ticks)
+        assert all(a_end < b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)), (n, w, ticks)
         assert all(0 <= s and e <= w for s, e in spans)
 
 

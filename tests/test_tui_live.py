@@ -65,10 +65,11 @@ class Tmux:
     async def quit(self, rc_file: Path) -> str:
         """Press ``q`` and return the exit code the shell wrote to ``rc_file``."""
         self("send-keys", "-t", "tui", "q")
+        rc = trio.Path(rc_file)
         with trio.fail_after(15):  # the file is written by another process: poll it
-            while not (rc_file.exists() and rc_file.read_text().strip()):
+            while not (await rc.exists() and (await rc.read_text()).strip()):  # noqa: ASYNC110
                 await trio.sleep(0.1)
-        return rc_file.read_text().strip()
+        return (await rc.read_text()).strip()
 
     def kill(self) -> None:
         subprocess.run(["tmux", "-L", self.socket, "kill-server"], capture_output=True, timeout=10)

@@ -21,11 +21,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pcp_p2p.errors import PeerTimeout
+
+if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: only where a communicator exists
+    from mpi4py import MPI
 
 POLL_MIN_S = 0.0005
 POLL_MAX_S = 0.01
@@ -40,7 +43,7 @@ class Cancelled(Exception):
 class DeadlineComm:
     """Point-to-point bytes and a sum-allreduce over mpi4py communicators, each bounded by a deadline."""
 
-    def __init__(self, comm: Any, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, comm: MPI.Intracomm, clock: Callable[[], float] = time.monotonic) -> None:
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -48,9 +51,9 @@ class DeadlineComm:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.clock = clock
-        self._abandoned: list[tuple[Any, Any]] = []
+        self._abandoned: list[tuple[MPI.Request, object]] = []  # with the buffer it must keep alive
         self._lock = threading.Lock()  # the abandoned list is touched from the heartbeat thread too
-        self._groups: dict[tuple[int, ...], Any] = {}
+        self._groups: dict[tuple[int, ...], MPI.Intracomm] = {}
         self._group_tag = 1000
         self._stopped = threading.Event()
         self._progress = threading.Thread(target=self._keep_progressing, name="pcp-mpi-progress", daemon=True)
@@ -84,7 +87,7 @@ class DeadlineComm:
             time.sleep(pause)
             pause = min(POLL_MAX_S, pause * 2)
 
-    def _abandon(self, req: Any, buf: Any) -> None:
+    def _abandon(self, req: MPI.Request, buf: object) -> None:
         with self._lock:
             self._abandoned.append((req, buf))
             self._abandoned = [(r, b) for r, b in self._abandoned if not r.Test()]
@@ -106,7 +109,7 @@ class DeadlineComm:
 
     def drain(self, tag: int) -> list[tuple[int, bytes]]:
         """Every message with ``tag`` already here, without waiting (heartbeats: a few bytes each)."""
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             status = self.MPI.Status()
             m = self.comm.Improbe(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
@@ -129,7 +132,7 @@ class DeadlineComm:
         costs the deadline, not the process.
         """
         status = self.MPI.Status()
-        matched: list[Any] = []
+        matched: list[MPI.Message] = []
 
         def probe() -> bool:
             m = self.comm.Improbe(source=source, tag=tag, status=status)
@@ -153,7 +156,7 @@ class DeadlineComm:
 
     # -- the reduction --------------------------------------------------------------------------
 
-    def group_comm(self, members: tuple[int, ...]) -> Any:
+    def group_comm(self, members: tuple[int, ...]) -> MPI.Intracomm:
         """A communicator of exactly ``members`` (ranks of this one), cached; collective over them only."""
         if members not in self._groups:
             group = self.comm.Get_group().Incl(list(members))

@@ -56,7 +56,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -91,10 +92,15 @@ from pcp_p2p.diloco.messages import FRESH_STATE, GroupPart
 from pcp_p2p.diloco.tensors import pack_tensors, unpack_tensors
 from pcp_p2p.diloco.worker import InnerResult
 from pcp_p2p.errors import ConfigError, ExecutorError, PcpError, PeerTimeout
+from pcp_p2p.wire import Message
 
 if TYPE_CHECKING:
-    from pcp_p2p.diloco.engine import InnerEngine
+    from pcp_p2p.diloco.audit import InnerState
+    from pcp_p2p.diloco.engine import InnerEngine, Replay
+    from pcp_p2p.diloco.messages import DataAssignment
     from pcp_p2p.diloco.spec import SignedRunSpec
+
+R = TypeVar("R", bound=Message)
 
 log = logging.getLogger("pcp.cluster")
 
@@ -312,13 +318,13 @@ class WorkerGroup:
                     ready.append(r)
         return GroupEngine(self, local, run_id, tuple(ready))
 
-    def _reply(self, rank: int, kind: type, deadline: float, wanted: Callable[[Any], bool],
-               cancel: threading.Event | None = None) -> Any:
+    def _reply(self, rank: int, kind: type[R], deadline: float, wanted: Callable[[R], bool],
+               cancel: threading.Event | None = None) -> R:
         """The next reply of ``kind`` from ``rank`` that ``wanted`` accepts (see :meth:`_reply_framed`)."""
         return self._reply_framed(rank, kind, deadline, wanted, cancel)[0]
 
-    def _reply_framed(self, rank: int, kind: type, deadline: float, wanted: Callable[[Any], bool],
-                      cancel: threading.Event | None = None) -> tuple[Any, list[memoryview]]:
+    def _reply_framed(self, rank: int, kind: type[R], deadline: float, wanted: Callable[[R], bool],
+                      cancel: threading.Event | None = None) -> tuple[R, list[memoryview]]:
         """The next reply of ``kind`` from ``rank`` that ``wanted`` accepts (stale ones are skipped).
 
         Waits in short slices: when the launcher reports a death meanwhile, the census
@@ -375,9 +381,10 @@ class GroupEngine:
     def kept_states(self) -> tuple[str, ...]:
         return tuple(self._states)
 
-    def replay(self, *args: Any) -> Any:
+    def replay(self, theta: dict[str, np.ndarray], state: InnerState | None,
+               assignment: DataAssignment, steps: int) -> Replay:
         """Replays of OTHER workers' rounds run on rank 0 alone (same target, same artifact)."""
-        return self.local.replay(*args)
+        return self.local.replay(theta, state, assignment, steps)
 
     def export_state(self, digest: str) -> bytes:
         """The group state ``digest`` for an auditor: every stateful rank's blob, gathered over MPI.
@@ -570,14 +577,14 @@ def _quiet_exit() -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _ignored(signum: int, frame: Any) -> None:
+def _ignored(signum: int, frame: FrameType | None) -> None:
     log.info("rank: %s ignored; rank 0 stops this rank", signal.Signals(signum).name)
 
 
 _ON_RANK_DIED: list[Callable[[], None]] = []
 
 
-def _rank_died(signum: int, frame: Any) -> None:
+def _rank_died(signum: int, frame: FrameType | None) -> None:
     log.warning("group: the launcher reports that a rank died (SIGUSR1)")
     for hook in _ON_RANK_DIED:
         hook()
@@ -661,7 +668,7 @@ class _Follower:
             return
         self._reply(StateBlob(msg.epoch, msg.digest), blob)
 
-    def _reply(self, msg: Any, *parts: bytes) -> None:
+    def _reply(self, msg: Message, *parts: bytes) -> None:
         try:
             self.dc.send(0, TAG_REPLY, frame(msg, *parts), self.dc.clock() + 30.0)
         except PeerTimeout as exc:

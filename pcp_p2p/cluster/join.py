@@ -9,17 +9,23 @@ rank runs :func:`~pcp_p2p.cluster.group.serve_follower` and never opens a node.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pcp_p2p.cluster.launch import Launch
+
+if TYPE_CHECKING:
+    from pcp_p2p.cluster.group import WorkerGroup
+    from pcp_p2p.node.node import NodeConfig
 
 log = logging.getLogger("pcp.cluster")
 
 
-def join_as_group(launch: Launch, config: Any, args: Any, serve: Callable[[Any], int]) -> int:
+def join_as_group(launch: Launch, config: NodeConfig, args: argparse.Namespace,
+                  serve: Callable[[NodeConfig], int]) -> int:
     """Run this rank of ``pcp node join``; ``serve(config)`` runs the node (rank 0 only)."""
     from pcp_p2p import logs
     from pcp_p2p.cluster.group import WorkerGroup, serve_follower
@@ -38,7 +44,7 @@ def join_as_group(launch: Launch, config: Any, args: Any, serve: Callable[[Any],
         group.close()
 
 
-def group_config(config: Any, group: Any, backend: str) -> Any:
+def group_config(config: NodeConfig, group: WorkerGroup, backend: str) -> NodeConfig:
     """The node's config as rank 0 of ``group``: the group in its status, capabilities and runtime."""
     from pcp_p2p.node.capabilities import probe
 

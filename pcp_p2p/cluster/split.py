@@ -80,9 +80,13 @@ def flat_size(theta: Mapping[str, np.ndarray]) -> int:
 
 
 def weighted_flat(theta: Mapping[str, np.ndarray], theta_local: Mapping[str, np.ndarray], tokens: int) -> np.ndarray:
-    """``tokens · (θ − θ_local)`` flattened in float64 (sorted names), with ``tokens`` appended: one rank's allreduce buffer."""
+    """``tokens · (θ − θ_local)`` flattened in float64 (sorted names), with ``tokens`` appended.
+
+    One rank's allreduce buffer.
+    """
     parts = [
-        (np.asarray(theta[k], dtype=np.float64) - np.asarray(theta_local[k], dtype=np.float32).astype(np.float64)).ravel()
+        (np.asarray(theta[k], dtype=np.float64)
+         - np.asarray(theta_local[k], dtype=np.float32).astype(np.float64)).ravel()
         for k in sorted(theta)
     ]
     buf = np.empty(sum(p.size for p in parts) + 1, dtype=np.float64)
@@ -107,7 +111,9 @@ def theta_from_sum(theta: Mapping[str, np.ndarray], summed: np.ndarray) -> dict[
     return out
 
 
-def combine(theta: Mapping[str, np.ndarray], parts: Sequence[tuple[Mapping[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+def combine(
+    theta: Mapping[str, np.ndarray], parts: Sequence[tuple[Mapping[str, np.ndarray], int]]
+) -> dict[str, np.ndarray]:
     """The group's θ_local from (θ_local_k, tokens_k) of every rank: what the allreduce computes, in one process."""
     summed = np.sum([weighted_flat(theta, local, tokens) for local, tokens in parts if tokens > 0], axis=0)
     return theta_from_sum(theta, summed)

@@ -17,13 +17,27 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from pcp_p2p.compile.model import PRESETS, preset
 from pcp_p2p.compile.programs import PROGRAMS, ProgramOptions
 from pcp_p2p.errors import ConfigError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+class ArtifactRow(TypedDict):
+    """One artifact as ``--json`` prints it and the table lists it."""
+
+    program: str
+    target: str
+    cid: str
+    size: int
+    compile_s: float
+    cached: bool
+    artifact: str
+    manifest: str
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "compile",
         help="compile the model's programs to signed IREE artifacts",
@@ -70,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"compiling {args.model} ({', '.join(programs)}) for {len(targets)} target(s) "
           f"as {identity.peer_id}", file=progress, flush=True)
-    rows: list[dict] = []
+    rows: list[ArtifactRow] = []
     t_start = time.perf_counter()
 
     def done(art: Artifact) -> None:

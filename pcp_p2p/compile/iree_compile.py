@@ -19,11 +19,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from pcp_p2p.compile.child import run_child
-from pcp_p2p.compile.targets import (  # noqa: F401  (re-exported: callers import them here)
-    allowed_flag_lists,
-    compile_flag_choices,
-    compile_flags,
-)
 from pcp_p2p.errors import CompileError, CompilerRejected
 
 TOOL = "iree-compile"
@@ -38,7 +33,8 @@ def compiler_path() -> str:
     try:
         from iree.compiler.tools.binaries import find_tool
 
-        return find_tool(TOOL)
+        tool: str = find_tool(TOOL)  # the iree package ships no type information
+        return tool
     except Exception:  # not installed, or its own lookup failed
         pass
     found = shutil.which(TOOL)

@@ -20,12 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from pcp_p2p.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+
+# A model's parameters as the forward pass sees them: traced or concrete JAX arrays by name.
+Params = Mapping[str, "jax.Array"]
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ def zeros_like_params(cfg: GPTConfig) -> dict[str, np.ndarray]:
 # for its config and shapes costs a worker nothing.
 
 
-def _layer_norm(x: Any, g: Any, b: Any, eps: float = 1e-5) -> Any:
+def _layer_norm(x: jax.Array, g: jax.Array, b: jax.Array, eps: float = 1e-5) -> jax.Array:
     import jax.numpy as jnp
 
     mu = jnp.mean(x, axis=-1, keepdims=True)
@@ -153,7 +160,7 @@ def _layer_norm(x: Any, g: Any, b: Any, eps: float = 1e-5) -> Any:
     return (x - mu) * (1.0 / jnp.sqrt(var + eps)) * g + b
 
 
-def _attention(cfg: GPTConfig, p: dict[str, Any], pre: str, x: Any) -> Any:
+def _attention(cfg: GPTConfig, p: Params, pre: str, x: jax.Array) -> jax.Array:
     import jax
     import jax.numpy as jnp
 
@@ -166,14 +173,14 @@ def _attention(cfg: GPTConfig, p: dict[str, Any], pre: str, x: Any) -> Any:
     v = v.reshape(B, T, nh, hs).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
     att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
     causal = jnp.tril(jnp.ones((T, T), dtype=bool))  # (T, T)
-    att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
+    att = jnp.where(causal, att, jnp.finfo(att.dtype).min)  # type: ignore[no-untyped-call]  # ml_dtypes.finfo is unannotated
     att = jax.nn.softmax(att, axis=-1)  # (B, nh, T, T)
     y = att @ v  # (B, nh, T, hs)
     y = y.transpose(0, 2, 1, 3).reshape(B, T, C)  # (B, T, C)
     return y @ p[pre + "c_proj.w"] + p[pre + "c_proj.b"]  # (B, T, C)
 
 
-def _mlp(p: dict[str, Any], pre: str, x: Any) -> Any:
+def _mlp(p: Params, pre: str, x: jax.Array) -> jax.Array:
     import jax
 
     h = x @ p[pre + "c_fc.w"] + p[pre + "c_fc.b"]  # (B, T, 4C)
@@ -181,11 +188,11 @@ def _mlp(p: dict[str, Any], pre: str, x: Any) -> Any:
     return h @ p[pre + "c_proj.w"] + p[pre + "c_proj.b"]  # (B, T, C)
 
 
-def forward(cfg: GPTConfig, params: dict[str, Any], idx: Any) -> Any:
+def forward(cfg: GPTConfig, params: Params, idx: jax.Array) -> jax.Array:
     """Logits ``(B, T, vocab_size)`` for token ids ``idx`` of shape ``(B, T)``, ``T <= block_size``."""
     import jax.numpy as jnp
 
-    B, T = idx.shape
+    T = idx.shape[1]
     p = params
     x = jnp.take(p["wte"], idx, axis=0) + p["wpe"][:T]  # (B, T, C)
     for i in range(cfg.n_layer):
@@ -196,7 +203,7 @@ def forward(cfg: GPTConfig, params: dict[str, Any], idx: Any) -> Any:
     return x @ p["wte"].T  # (B, T, V)
 
 
-def loss_fn(cfg: GPTConfig, params: dict[str, Any], x: Any, y: Any) -> Any:
+def loss_fn(cfg: GPTConfig, params: Params, x: jax.Array, y: jax.Array) -> jax.Array:
     """Mean cross-entropy of next-token targets ``y`` (B, T) given inputs ``x`` (B, T)."""
     import jax
     import jax.numpy as jnp

@@ -36,11 +36,11 @@ import msgpack
 from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, atomic_write, cache_key
 from pcp_p2p.compile.child import run_child
-from pcp_p2p.compile.iree_compile import compile_flag_choices, compiler_version, run_compiler
+from pcp_p2p.compile.iree_compile import compiler_version, run_compiler
 from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
-from pcp_p2p.compile.targets import Target
+from pcp_p2p.compile.targets import Target, compile_flag_choices
 from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
 from pcp_p2p.node.identity import Identity
 

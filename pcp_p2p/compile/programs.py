@@ -34,11 +34,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pcp_p2p.compile.model import GPTConfig, forward, is_decayed, loss_fn, param_shapes
 from pcp_p2p.compile.signature import TensorSpec
 from pcp_p2p.errors import ConfigError
+
+if TYPE_CHECKING:
+    import jax
+
+# Named tensors inside a program: parameters, AdamW moments, gradients.
+Tensors = dict[str, "jax.Array"]
+# What a train step threads from one inner step to the next: params, m, v, step.
+TrainCarry = tuple[Tensors, Tensors, Tensors, "jax.Array"]
 
 PROGRAMS = ("train", "eval", "sample")
 
@@ -89,13 +97,16 @@ class Program:
     options: ProgramOptions
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
-    fn: Callable[..., tuple[Any, ...]]
+    fn: Callable[..., tuple[jax.Array, ...]]
 
-    def input_structs(self) -> list[Any]:
+    def input_structs(self) -> list[jax.ShapeDtypeStruct]:
         """``jax.ShapeDtypeStruct`` per input, for lowering without data."""
         import jax
 
-        return [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in self.inputs]
+        return [
+            jax.ShapeDtypeStruct(s.shape, s.dtype)  # type: ignore[no-untyped-call]  # jax leaves __init__ unannotated
+            for s in self.inputs
+        ]
 
 
 def _param_specs(cfg: GPTConfig, prefix: str) -> tuple[TensorSpec, ...]:
@@ -122,8 +133,8 @@ def build_program(name: str, cfg: GPTConfig, opts: ProgramOptions) -> Program:
     return builders[name](cfg, opts)
 
 
-def _adamw(opts: ProgramOptions, names: tuple[str, ...], params: dict, grads: dict,
-           m: dict, v: dict, step: Any, lr: Any) -> tuple[dict, dict, dict, Any]:
+def _adamw(opts: ProgramOptions, names: tuple[str, ...], params: Tensors, grads: Tensors,
+           m: Tensors, v: Tensors, step: jax.Array, lr: jax.Array) -> tuple[Tensors, Tensors, Tensors, jax.Array]:
     """One AdamW update with global-norm clipping and bias correction."""
     import jax.numpy as jnp
 
@@ -135,7 +146,9 @@ def _adamw(opts: ProgramOptions, names: tuple[str, ...], params: dict, grads: di
     t = step.astype(jnp.float32)
     bc1 = 1.0 - opts.beta1**t  # bias corrections
     bc2 = 1.0 - opts.beta2**t
-    new_p, new_m, new_v = {}, {}, {}
+    new_p: Tensors = {}
+    new_m: Tensors = {}
+    new_v: Tensors = {}
     for n in names:
         g = grads[n]
         new_m[n] = opts.beta1 * m[n] + (1.0 - opts.beta1) * g
@@ -160,7 +173,7 @@ def _train(cfg: GPTConfig, opts: ProgramOptions) -> Program:
     )
     outputs = (*state_specs(cfg), TensorSpec("losses", (H,), "float32"))
 
-    def train(*args: Any) -> tuple[Any, ...]:
+    def train(*args: jax.Array) -> tuple[jax.Array, ...]:
         import jax
         from jax import lax
 
@@ -169,7 +182,7 @@ def _train(cfg: GPTConfig, opts: ProgramOptions) -> Program:
         v = dict(zip(names, args[2 * n : 3 * n]))
         step, lr, xs, ys = args[3 * n :]
 
-        def inner_step(carry: tuple, batch: tuple) -> tuple[tuple, Any]:
+        def inner_step(carry: TrainCarry, batch: tuple[jax.Array, jax.Array]) -> tuple[TrainCarry, jax.Array]:
             params, m, v, step = carry
             x, y = batch  # (B, T) each
             loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, x, y))(params)
@@ -189,7 +202,7 @@ def _eval(cfg: GPTConfig, opts: ProgramOptions) -> Program:
               TensorSpec("y", (B, T), "int32"))
     outputs = (TensorSpec("loss", (), "float32"),)
 
-    def evaluate(*args: Any) -> tuple[Any]:
+    def evaluate(*args: jax.Array) -> tuple[jax.Array]:
         params = dict(zip(names, args[:-2]))
         return (loss_fn(cfg, params, args[-2], args[-1]),)
 
@@ -203,7 +216,7 @@ def _sample(cfg: GPTConfig, opts: ProgramOptions) -> Program:
               TensorSpec("length", (), "int32"))
     outputs = (TensorSpec("logits", (S, cfg.vocab_size), "float32"),)
 
-    def sample(*args: Any) -> tuple[Any]:
+    def sample(*args: jax.Array) -> tuple[jax.Array]:
         from jax import lax
 
         params = dict(zip(names, args[:-2]))

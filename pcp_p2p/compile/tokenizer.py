@@ -10,7 +10,6 @@ This module imports only numpy: workers use it without JAX.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 
@@ -66,12 +65,12 @@ class CharTokenizer:
         vocab = self.vocab
         return "".join(vocab[i] for i in arr.tolist())
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, str]:
         """A msgpack/JSON-able description: ``{"kind": "char", "vocab": "<chars>"}``."""
         return {"kind": "char", "vocab": "".join(self.vocab)}
 
     @classmethod
-    def from_dict(cls, d: Any) -> CharTokenizer:
+    def from_dict(cls, d: object) -> CharTokenizer:
         """Inverse of :meth:`to_dict`; a malformed dict raises :class:`MalformedMessage`."""
         if not isinstance(d, dict) or d.get("kind") != "char" or not isinstance(d.get("vocab"), str):
             raise MalformedMessage("not a char tokenizer description")

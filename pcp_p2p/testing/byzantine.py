@@ -29,18 +29,37 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import ClassVar
+from typing import ClassVar, TypedDict, Unpack
 
 import numpy as np
 
 from pcp_p2p.diloco.aggregate import delta_norm_bound
 from pcp_p2p.diloco.effects import Effect, RunInner, Send
 from pcp_p2p.diloco.messages import FRESH_STATE, RoundAnnouncement, Submission
+from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.diloco.worker import InnerResult, Worker
+from pcp_p2p.node.identity import Identity
 
 UNDER_BOUND = 0.99
 """How close to the aggregator's absolute norm bound a maximal attacker goes."""
+
+
+class WorkerArgs(TypedDict):
+    """:class:`Worker`'s keyword arguments, which every attacker passes through unchanged."""
+
+    spec: RunSpec
+    run_id: str
+    identity: Identity
+    shepherds: dict[int, str]
+    target: str
+    tokens_per_s: float
+
+
+class AttackerArgs(WorkerArgs, total=False):
+    """What a subclass of :class:`ByzantineWorker` passes up: the worker's arguments and the seed."""
+
+    seed: int
 
 
 class ByzantineWorker(Worker):
@@ -48,8 +67,8 @@ class ByzantineWorker(Worker):
 
     kind: ClassVar[str] = "byzantine"
 
-    def __init__(self, *, seed: int = 0, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
+    def __init__(self, *, seed: int = 0, **kw: Unpack[WorkerArgs]) -> None:
+        super().__init__(**kw)
         self.rng = np.random.default_rng(seed)
         self.last_base: Params | None = None
         self.last_honest: Params | None = None
@@ -103,7 +122,8 @@ class ByzantineWorker(Worker):
         self.last_base, self.last_honest, self.last_forged = theta, honest, delta
         forged_local = {k: (theta[k] - delta[k]).astype(np.float32) for k in theta}
         losses = self.last_losses[:steps] or (2.0,)  # a healthy-looking training loss
-        effects = super().on_inner_done(dataclasses.replace(result, theta=forged_local, steps=steps, losses=losses), now)
+        forged = dataclasses.replace(result, theta=forged_local, steps=steps, losses=losses)
+        effects = super().on_inner_done(forged, now)
         # Persistent: it joins again with every submission, so a refusal never
         # makes it miss rounds and drop off the roster (a Join resets the count).
         return effects + self._join() if any(isinstance(e, Send) for e in effects) else effects
@@ -127,7 +147,7 @@ class RandomDelta(ByzantineWorker):
 
     kind = "random"
 
-    def __init__(self, *, claim_steps: int, **kw: object) -> None:
+    def __init__(self, *, claim_steps: int, **kw: Unpack[AttackerArgs]) -> None:
         super().__init__(**kw)
         self.claim_steps = claim_steps
 
@@ -155,7 +175,7 @@ class ScaledHonest(ByzantineWorker):
 
     kind = "scaled"
 
-    def __init__(self, *, scale: float = 10.0, **kw: object) -> None:
+    def __init__(self, *, scale: float = 10.0, **kw: Unpack[AttackerArgs]) -> None:
         super().__init__(**kw)
         self.scale = scale
 
@@ -179,7 +199,7 @@ class TokenInflation(ByzantineWorker):
     kind = "token_inflation"
     CLAIMED_TOKENS_PER_S = 1e12
 
-    def __init__(self, *, payload: str = "extrapolated", **kw: object) -> None:
+    def __init__(self, *, payload: str = "extrapolated", **kw: Unpack[AttackerArgs]) -> None:
         if payload not in ("extrapolated", "random"):
             raise ValueError(f"payload {payload!r}: 'extrapolated' or 'random'")
         kw["tokens_per_s"] = self.CLAIMED_TOKENS_PER_S
@@ -210,7 +230,7 @@ class StaleReplay(ByzantineWorker):
 
     kind = "stale_replay"
 
-    def __init__(self, **kw: object) -> None:
+    def __init__(self, **kw: Unpack[AttackerArgs]) -> None:
         super().__init__(**kw)
         self.kept: tuple[Params, int] | None = None
 

@@ -34,6 +34,7 @@ from typing import Any
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import IHost
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from pcp_p2p.node.identity import Identity
@@ -140,7 +141,7 @@ async def flood_streams(
         if settled == total and at_full_pressure is not None:
             at_full_pressure.set()
 
-    async def one_stream(host: Any) -> None:
+    async def one_stream(host: IHost) -> None:
         try:
             stream = await host.new_stream(info.peer_id, [MSG_PROTOCOL])
         except Exception as exc:  # the node reset it during negotiation (a refusal) or is gone
@@ -256,8 +257,8 @@ async def flood_node(
 async def _settled_rss(pid: int, *, within_s: float = 10.0, tolerance_mib: float = 2.0) -> float:
     """RSS once two samples a second apart agree within ``tolerance_mib`` (or after ``within_s``)."""
     last = rss_mib(pid)
-    with trio.move_on_after(within_s):
-        while True:
+    with trio.move_on_after(within_s) as scope:
+        while not scope.cancel_called:
             await trio.sleep(1.0)  # a process settling: there is no event to wait on
             now = rss_mib(pid)
             if abs(now - last) <= tolerance_mib:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from pcp_p2p.diloco.data import CharDataset, batches_for, batches_for_assignment
 from pcp_p2p.diloco.effects import (
     Committed,
     Discarded,
+    Effect,
     FetchBlob,
     LookupCommit,
     Rejected,
@@ -44,8 +45,14 @@ from pcp_p2p.diloco.worker import InnerResult, Worker
 from pcp_p2p.errors import LocalError
 from pcp_p2p.wire import decode, encode
 
+if TYPE_CHECKING:
+    from pcp_p2p.compile.programs import Program
+
 InnerFn = Callable[[str, RunInner], InnerResult]
 """``(worker peer id, RunInner) -> InnerResult``: the executor of an in-process run."""
+
+AdamState = tuple[Params, Params, "np.ndarray | np.int32"]
+"""A :class:`Trainer`'s optimiser state: AdamW's moments ``m`` and ``v`` and its step count."""
 
 
 @dataclass
@@ -93,7 +100,7 @@ def pump_run(
     me = shepherd.peer_id
     now = 0.0
 
-    def carry_out(node: str, effects: list) -> None:
+    def carry_out(node: str, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, Send):
                 data = encode(e.message)  # through the real codec, both ways
@@ -215,7 +222,7 @@ class JaxTrainer:
         self.inner_cpu_s: list[float] = []
         self.state_cpu_s: list[float] = []
 
-    def _program(self, kind: str, batch: int) -> Any:
+    def _program(self, kind: str, batch: int) -> Program:
         from pcp_p2p.compile.programs import ProgramOptions, build_program
 
         i = self.spec.inner
@@ -231,8 +238,8 @@ class JaxTrainer:
         return init_params(self.cfg, seed=self.spec.seed)
 
     def train(
-        self, theta: Params, state: Any, xs: np.ndarray, ys: np.ndarray, lr: float | None = None
-    ) -> tuple[Params, Any, np.ndarray]:
+        self, theta: Params, state: AdamState | None, xs: np.ndarray, ys: np.ndarray, lr: float | None = None
+    ) -> tuple[Params, AdamState, np.ndarray]:
         """``steps`` AdamW steps on ``xs, ys`` (``(steps, B, T)``): (θ, optimiser state, losses)."""
         batch = int(xs.shape[1])
         fn = self._train.get(batch)
@@ -248,7 +255,7 @@ class JaxTrainer:
         out = [np.asarray(o) for o in out]
         n = len(names)
         new_theta = dict(zip(names, out[:n]))
-        new_state = (dict(zip(names, out[n:2 * n])), dict(zip(names, out[2 * n:3 * n])), out[3 * n])
+        new_state: AdamState = (dict(zip(names, out[n:2 * n])), dict(zip(names, out[2 * n:3 * n])), out[3 * n])
         return new_theta, new_state, out[3 * n + 1]
 
     def run_inner(self, worker: str, e: RunInner) -> InnerResult:
@@ -277,9 +284,11 @@ class JaxTrainer:
         self.state_cpu_s.pop()
         return result
 
-    def warm_start(self, theta: Params, *, steps: int, batch: int, seed: int = 20_000) -> tuple[Params, Any]:
+    def warm_start(
+        self, theta: Params, *, steps: int, batch: int, seed: int = 20_000
+    ) -> tuple[Params, AdamState | None]:
         """``steps`` synchronous AdamW steps at batch ``batch`` from ``theta``: (θ, AdamW state)."""
-        state = None
+        state: AdamState | None = None
         for c in range(steps // self.steps):
             xs, ys = self.dp_batches(seed + c, batch)
             theta, state, _ = self.train(theta, state, xs, ys)
@@ -305,7 +314,7 @@ class JaxTrainer:
         return float(np.mean([float(self._eval(*args, xs[i], ys[i])[0]) for i in range(len(xs))]))
 
 
-def as_inner_state(state: Any) -> InnerState:
+def as_inner_state(state: AdamState) -> InnerState:
     """The trainer's optimiser state ``(m, v, step)`` as the audit module names it."""
     m, v, step = state
     return InnerState(m, v, int(step))

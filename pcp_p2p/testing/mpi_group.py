@@ -31,9 +31,17 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # imported where used: the parent process needs none of these to write a config
+    from pcp_p2p.cluster.group import GroupEngine, WorkerGroup
+    from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.diloco.effects import RunInner
+    from pcp_p2p.diloco.engine import InnerEngine
+    from pcp_p2p.diloco.messages import DataAssignment
+    from pcp_p2p.diloco.worker import InnerResult
 
 SPEC = """
 name = "group"
@@ -55,7 +63,8 @@ def corpus(n: int = 60_000) -> str:
     return " ".join(words[i] for i in rng.integers(0, len(words), size=n // 4))[:n]
 
 
-def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Any = None, **extra: Any) -> Path:
+def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Artifact | None = None,
+            **extra: Any) -> Path:
     """Write the scenario's config (and the artifact's files); its path.
 
     ``artifact``: a compiled train :class:`~pcp_p2p.compile.pipeline.Artifact` for
@@ -109,7 +118,7 @@ def main(config_path: str) -> int:
     return 0
 
 
-def _setup(group: Any, cfg: dict[str, Any]) -> tuple[Any, Any, dict[str, np.ndarray]]:
+def _setup(group: WorkerGroup, cfg: dict[str, Any]) -> tuple[GroupEngine, InnerEngine, dict[str, np.ndarray]]:
     from pcp_p2p.compile.manifest import read_manifest
     from pcp_p2p.diloco.data import CharDataset
     from pcp_p2p.diloco.engine import InnerEngine, initial_theta, start_executor
@@ -126,8 +135,8 @@ def _setup(group: Any, cfg: dict[str, Any]) -> tuple[Any, Any, dict[str, np.ndar
     return engine, local, initial_theta(spec, int(cfg["vocab_size"]))
 
 
-def _round(engine: Any, theta: dict[str, np.ndarray], r: int, steps: int, state: Any = None,
-           budget_s: float = 60.0) -> Any:
+def _round(theta: dict[str, np.ndarray], r: int, steps: int, state: str | None = None,
+           budget_s: float = 60.0) -> RunInner:
     from pcp_p2p.diloco.effects import RunInner
     from pcp_p2p.diloco.messages import DataAssignment
 
@@ -136,7 +145,7 @@ def _round(engine: Any, theta: dict[str, np.ndarray], r: int, steps: int, state:
                     time_budget_s=budget_s, inner_state=state)
 
 
-def _split(engine: Any, eff: Any) -> list[Any]:
+def _split(engine: GroupEngine, eff: RunInner) -> list[DataAssignment]:
     """The sub-assignments the group used (same function, same weights)."""
     from pcp_p2p.cluster.split import rank_steps, sub_assignments
     from pcp_p2p.diloco.engine import CHUNK_STEPS
@@ -147,11 +156,11 @@ def _split(engine: Any, eff: Any) -> list[Any]:
     return sub_assignments(eff.assignment, steps)
 
 
-def _equal(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def _equal(group: WorkerGroup, cfg: dict[str, Any]) -> dict[str, Any]:
     from pcp_p2p.cluster.split import combine
 
     engine, local, theta = _setup(group, cfg)
-    eff = _round(engine, theta, 0, cfg["steps"])
+    eff = _round(theta, 0, cfg["steps"])
     t0 = time.monotonic()
     res = engine.run(eff, threading.Event())
     group_s = time.monotonic() - t0
@@ -167,15 +176,16 @@ def _equal(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     diff = max(float(np.max(np.abs(res.theta[k] - ref[k]))) for k in ref)
     scale = max(float(np.max(np.abs(theta[k] - ref[k]))) for k in ref)
     # a second round from the group's kept state, audited as the swarm would audit it
-    res2 = engine.run(_round(engine, theta, 1, cfg["steps"], res.inner_state), threading.Event())
+    res2 = engine.run(_round(theta, 1, cfg["steps"], res.inner_state), threading.Event())
     return {"max_abs_diff": diff, "delta_max_abs": scale, "steps": res.steps,
             "tokens": res.steps * local.spec.tokens_per_step, "reference": per_rank,
             "group": group.status(), "group_s": group_s, "single_s": single_s,
             "state_in": res.state_in, "state_out": res.state_out,
-            "audit": _audit_round(engine, local, theta, _round(engine, theta, 1, cfg["steps"]), res2)}
+            "audit": _audit_round(engine, local, theta, _round(theta, 1, cfg["steps"]), res2)}
 
 
-def _audit_round(engine: Any, auditor: Any, theta: dict[str, np.ndarray], eff: Any, res: Any) -> dict[str, Any]:
+def _audit_round(engine: GroupEngine, auditor: InnerEngine, theta: dict[str, np.ndarray], eff: RunInner,
+                 res: InnerResult) -> dict[str, Any]:
     """Sign the group's round as its worker would, serve its state bundle over MPI, replay it as an auditor."""
     from pcp_p2p.cid import cid_of
     from pcp_p2p.diloco import audit
@@ -214,14 +224,14 @@ def _audit_round(engine: Any, auditor: Any, theta: dict[str, np.ndarray], eff: A
             "served_ranks": list(decode_group_state(bundle, stateful_ranks(sub)))}
 
 
-def _kill(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    engine, local, theta = _setup(group, cfg)
+def _kill(group: WorkerGroup, cfg: dict[str, Any]) -> dict[str, Any]:
+    engine, _local, theta = _setup(group, cfg)
     out: dict[str, Any] = {"rounds": []}
     victim = group.ranks[1].pid
     how = signal.Signals[cfg.get("signal", "SIGKILL")]  # SIGSTOP: a hung rank
     state = None
     for r in range(3):
-        eff = _round(engine, theta, r, cfg["steps"], state, budget_s=float(cfg.get("budget_s", 2.0)))
+        eff = _round(theta, r, cfg["steps"], state, budget_s=float(cfg.get("budget_s", 2.0)))
         if r == 1:
             threading.Timer(float(cfg.get("kill_after_s", 0.5)), os.kill, (victim, how)).start()
         t0 = time.monotonic()
@@ -235,13 +245,13 @@ def _kill(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _bench(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+def _bench(group: WorkerGroup, cfg: dict[str, Any]) -> dict[str, Any]:
     engine, local, theta = _setup(group, cfg)
     rounds = int(cfg.get("rounds", 3))
     bt = local.spec.tokens_per_step
     g_times, g_tokens, allreduce = [], [], []
     for r in range(rounds):
-        eff = _round(engine, theta, r, cfg["steps"])
+        eff = _round(theta, r, cfg["steps"])
         t0 = time.monotonic()
         res = engine.run(eff, threading.Event())
         g_times.append(time.monotonic() - t0)
@@ -249,7 +259,7 @@ def _bench(group: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         allreduce.append(group.last_round["allreduce_s"])
     s_times, s_tokens = [], []
     for r in range(rounds):
-        eff = _round(engine, theta, r, cfg["steps"])
+        eff = _round(theta, r, cfg["steps"])
         t0 = time.monotonic()
         tokens = 0
         for sub in _split(engine, eff):  # the same total work, one process

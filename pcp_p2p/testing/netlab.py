@@ -579,7 +579,8 @@ class Lab:
             seed = len(self.forwarders)
             delay = spec.delay_ms / 1000
             self.forwarders.append(WireForwarder(
-                wire, "wa", "wb", DelayLine(delay, spec.loss, seed=2 * seed), DelayLine(delay, spec.loss, seed=2 * seed + 1)))
+                wire, "wa", "wb",
+                DelayLine(delay, spec.loss, seed=2 * seed), DelayLine(delay, spec.loss, seed=2 * seed + 1)))
         self._shape(host_ns, host_if, spec.up_mbit)
         self._shape(net_ns, net_if, spec.down_mbit)
 
@@ -748,7 +749,8 @@ class Lab:
                         "--timeout", str(timeout), check=False)
         if res.returncode != 0:
             raise PeerTimeout(f"pcp status of {addr} from {host.name} failed: {res.stderr.strip()}")
-        return json.loads(res.stdout)
+        status: dict[str, Any] = json.loads(res.stdout)  # `pcp status --json` prints one object
+        return status
 
     def status(self, host: Host, addr: str, *, timeout: float = 10.0) -> dict[str, Any]:
         """The status of the node at ``addr`` asked from inside ``host`` over ``/pcp/status``, as
@@ -768,12 +770,13 @@ class Lab:
         bounded by ``deadline_s``; returns the status that listed the member.
         """
         deadline = time.monotonic() + deadline_s
-        last: Any = None
+        last: dict[str, Any] | str | None = None
         while time.monotonic() < deadline:
             try:
-                last = self.status(host, proc.addr, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
-                if any(m.get("peer_id") == peer_id for m in last.get("members", [])):
-                    return last
+                status = self.status(host, proc.addr, timeout=min(10.0, max(1.0, deadline - time.monotonic())))
+                if any(m.get("peer_id") == peer_id for m in status.get("members", [])):
+                    return status
+                last = status
             except PcpError as e:  # not up yet, or refused: ask again until the deadline
                 last = str(e)
             time.sleep(poll_s)
@@ -880,7 +883,7 @@ def netlab(root: Path | None = None, tag: str | None = None) -> Iterator[Lab]:
 # Measuring a path (for tests and benchmarks)
 
 
-def _serve_in_thread(target: Any, *args: Any) -> threading.Thread:
+def _serve_in_thread(target: Callable[..., object], *args: object) -> threading.Thread:
     t = threading.Thread(target=target, args=args, daemon=True)
     t.start()
     return t

@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any
 
 import multiaddr
 import trio
 from libp2p import new_host
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -41,7 +41,7 @@ PEER_PORT = 4002
 LIMITS = RelayLimits(duration=600, data=4 << 20, max_circuit_conns=16, max_reservations=16)
 
 
-def connection_addrs(host: Any, peer: ID) -> list[list[str]]:
+def connection_addrs(host: IHost, peer: ID) -> list[list[str]]:
     """The transport addresses of every connection to ``peer`` (``/p2p-circuit`` ones are relayed)."""
     conns = host.get_network().connections.get(peer, [])
     out = []
@@ -55,6 +55,36 @@ def connection_addrs(host: Any, peer: ID) -> list[list[str]]:
 
 def is_direct(addrs: list[list[str]]) -> bool:
     return any(a and not any("/p2p-circuit" in x for x in a) for a in addrs)
+
+
+class ConnectionWatch(INotifee):
+    """Wakes a waiter each time the swarm opens a connection (DCUtR's direct one among them)."""
+
+    def __init__(self) -> None:
+        self.opened = trio.Event()
+
+    def arm(self) -> trio.Event:
+        """A fresh event for the next connection; take it *before* looking, so none is missed."""
+        self.opened = trio.Event()
+        return self.opened
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        self.opened.set()  # the swarm lists the connection before it notifies
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, addr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, addr: multiaddr.Multiaddr) -> None:
+        pass
 
 
 async def run(role: str, ip: str, relay_addr: str = "", target: str = "", wait_s: str = "40") -> None:
@@ -78,13 +108,18 @@ async def run(role: str, ip: str, relay_addr: str = "", target: str = "", wait_s
             if role == "listen":
                 await trio.sleep_forever()
             peer = ID.from_string(target)
+            watch = ConnectionWatch()
+            host.get_network().register_notifee(watch)
             t0 = trio.current_time()
             await transport.dial(multiaddr.Multiaddr(f"{relay_addr}/p2p-circuit/p2p/{target}"))
             relayed_s = trio.current_time() - t0
             direct_s = None
             with trio.move_on_after(float(wait_s)):
-                while not is_direct(connection_addrs(host, peer)):
-                    await trio.sleep(0.2)  # no event for "DCUtR upgraded": poll the swarm, bounded
+                while True:
+                    opened = watch.arm()
+                    if is_direct(connection_addrs(host, peer)):
+                        break
+                    await opened.wait()
                 direct_s = trio.current_time() - t0
             print(json.dumps({"relayed_s": round(relayed_s, 2), "direct": direct_s is not None,
                               "direct_s": None if direct_s is None else round(direct_s, 2),

@@ -63,6 +63,7 @@ election convergence, memory per node); ``bench/sim.py`` and ``pcp sim`` print i
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import math
 import os
@@ -76,7 +77,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.diloco import aggregate, commits, departures, election, messages, shepherd, worker
@@ -276,18 +277,21 @@ class KeptIdentity(Identity):
     base58 and key parsing). Signing is unchanged: the same key signs the same bytes.
     """
 
+    _key: Ed25519PrivateKey = field(init=False, repr=False, compare=False)
+    _peer: str = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "_key", Ed25519PrivateKey.from_private_bytes(self.seed))
-        object.__setattr__(self, "_peer", Identity.peer_id.fget(self))  # type: ignore[attr-defined]
+        object.__setattr__(self, "_peer", super().peer_id)
 
     @property
     def private_key(self) -> Ed25519PrivateKey:
-        return self._key  # type: ignore[attr-defined,no-any-return]
+        return self._key
 
     @property
     def peer_id(self) -> str:
-        return self._peer  # type: ignore[attr-defined,no-any-return]
+        return self._peer
 
 
 @contextlib.contextmanager
@@ -304,10 +308,10 @@ def verification_cache() -> Iterator[None]:
     """
     real = messages.verify
     ok: dict[int, tuple[Message, str]] = {}
-    keys: dict[str, Any] = {}
+    keys: dict[str, Ed25519PublicKey] = {}
     real_key_of = identity_mod.public_key_of
 
-    def key_of(peer_id: str) -> Any:  # the real one's 4,096-entry cache thrashes at 10,000 peers
+    def key_of(peer_id: str) -> Ed25519PublicKey:  # the real one's 4,096-entry cache thrashes at 10,000 peers
         key = keys.get(peer_id)
         if key is None:
             key = keys[peer_id] = real_key_of(peer_id)
@@ -322,11 +326,11 @@ def verification_cache() -> Iterator[None]:
             ok.clear()
         ok[id(msg)] = (msg, signer)
 
-    saved = [(m, m.verify) for m in _VERIFY_USERS if getattr(m, "verify", None) is real]  # type: ignore[attr-defined]
+    saved = [(m, m.verify) for m in _VERIFY_USERS if getattr(m, "verify", None) is real]
     for m, _ in saved:
-        m.verify = cached  # type: ignore[attr-defined]
-    identity_mod.public_key_of = key_of  # type: ignore[assignment]
-    real_unpack = worker.unpack_tensors
+        m.verify = cached  # type: ignore[attr-defined]  # patching the name each module imported
+    identity_mod.public_key_of = key_of  # type: ignore[assignment]  # a plain function for an lru_cache wrapper
+    real_unpack = unpack_tensors  # what worker imported
     unpacked: dict[int, tuple[bytes, dict[str, np.ndarray]]] = {}
 
     def unpack(data: bytes, *a: Any, **kw: Any) -> dict[str, np.ndarray]:
@@ -346,10 +350,10 @@ def verification_cache() -> Iterator[None]:
     try:
         yield
     finally:
-        identity_mod.public_key_of = real_key_of  # type: ignore[assignment]
+        identity_mod.public_key_of = real_key_of
         worker.unpack_tensors = real_unpack  # type: ignore[attr-defined]
         for m, f in saved:
-            m.verify = f  # type: ignore[attr-defined]
+            m.verify = f  # type: ignore[attr-defined]  # the name each module imported, restored
 
 
 # --- nodes ---------------------------------------------------------------------------------
@@ -645,8 +649,8 @@ class Planet:
             elif isinstance(e, StoreBlob):
                 self.store(node, e.cid, e.data)
             elif isinstance(e, Fetch):
-                self.fetch(node, e.cid, e.hint, lambda data, cid=e.cid, who=e.who: BlobIn(who, cid, data),
-                           lambda cid=e.cid, who=e.who: BlobFailed(who, cid, BlobNotFound(cid)))
+                self.fetch(node, e.cid, e.hint, functools.partial(BlobIn, e.who, e.cid),
+                           functools.partial(_blob_not_found, e.who, e.cid))
             elif isinstance(e, RunInner):
                 steps = max(1, min(e.assignment.max_steps,
                                    int(node.speed * e.time_budget_s // self.spec.tokens_per_step)))
@@ -961,6 +965,11 @@ class Planet:
         if self.end_time is None:
             self.end_time = self.now
         self.finished = True  # the last round is committed; stragglers catching up do not matter
+
+
+def _blob_not_found(who: str, cid: str) -> BlobFailed:
+    """What a node hears when no holder of ``cid`` answered its fetch."""
+    return BlobFailed(who, cid, BlobNotFound(cid))
 
 
 def _rss_kib() -> int:

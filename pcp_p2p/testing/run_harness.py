@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +77,19 @@ from pcp_p2p.node.identity import Identity
 from pcp_p2p.testing.memnet import FaultPlan, Kill, MemBlobs, MemDht, MemNetwork
 from pcp_p2p.wire import Message
 
+SWARM_ELECTION = ElectionConfig(
+    lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
+    claim_timeout_s=10.0, settle_s=1.0,
+)
+"""A simulated swarm's election unless its config says otherwise."""
+
 
 @dataclass(frozen=True)
 class SwarmConfig:
     spec: RunSpec
     nodes: int = 5
-    election: ElectionConfig = ElectionConfig(
-        lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
-        claim_timeout_s=10.0, settle_s=1.0,
-    )
-    plan: FaultPlan = FaultPlan()
+    election: ElectionConfig = SWARM_ELECTION
+    plan: FaultPlan = field(default_factory=FaultPlan)
     membership_lag_s: float = 3.0
     tokens_per_s: float = 64.0
     compile_s: float = 2.0
@@ -134,6 +137,14 @@ class MemNode:
     def up(self) -> bool:
         """Running and answering (neither dead nor hung)."""
         return self.alive and self.hung_until is None
+
+    def boot(self, inbox: trio.MemorySendChannel[Event], now: float) -> None:
+        """(Re)start: alive from ``now`` with a fresh inbox, neither ended nor hung.
+
+        A method, not assignments in the node's loop, because a fault task sets ``hung_until``
+        while the loop awaits: narrowed there to ``None``, its wake-up branch read as dead code.
+        """
+        self.inbox, self.alive, self.started_at, self.ended, self.hung_until = inbox, True, now, None, None
 
     def post(self, ev: Event) -> None:
         if self.alive and self.inbox is not None:  # a hung node finds it when it wakes
@@ -217,7 +228,7 @@ class RunSwarm:
     async def node_loop(self, node: MemNode) -> None:
         send, recv = trio.open_memory_channel[Event](math.inf)
         now = trio.current_time()
-        node.inbox, node.alive, node.started_at, node.ended, node.hung_until = send, True, now, None, None
+        node.boot(send, now)
         self.blobs.alive.add(node.peer_id)
         self.blobs.put(node.peer_id, self.artifact_cid, SIM_ARTIFACT)  # every node built the artifact
         m = node.machine = self._machine(node, now)

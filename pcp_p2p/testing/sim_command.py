@@ -12,7 +12,7 @@ import json
 from pcp_p2p.errors import ConfigError
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "sim",
         help="simulate one run on N nodes (real run machines, virtual time, churn)",
