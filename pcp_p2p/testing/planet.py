@@ -53,7 +53,15 @@ bends a rule tests itself:
   spread over the run, to measure failover.
 - **Verification** of a signature is done once per message object (all
   receivers of one broadcast share the decoded object, so identical bytes):
-  :func:`verification_cache`. Signing is never skipped.
+  :func:`verification_cache`. **Signing** is done once per distinct content and
+  key: Ed25519 is deterministic, so a worker's ``Join``, the same each time it
+  joins again, is the same signed message, and the simulator reuses it (with its
+  wire encoding and its verification). Every distinct message is really signed,
+  and really verified once.
+- **Disk**: the reputation ledger is the real one, kept in memory
+  (:class:`MemoryLedger`; the simulator never reads a ledger back), and the
+  cyclic garbage collector runs at larger thresholds while the planet runs
+  (``GC_THRESHOLD``).
 
 :func:`simulate` runs one configuration and returns :class:`PlanetResult`
 (rounds committed and attempted, goodput, round time, shepherd bytes per round,
@@ -302,6 +310,8 @@ def verification_cache() -> Iterator[None]:
     imported ``verify`` get the cached one and their own back afterwards. Peer
     ids' public keys are kept (the real cache holds 4,096), and a θ blob, one
     bytes object that every worker fetches, is decoded once into read-only arrays.
+    ``messages.sign`` is remembered per (content, identity) the same way (see
+    ``sign_once``): a seatless worker's ``Join`` is signed once, not every deadline.
     """
     real = messages.verify
     ok: dict[int, tuple[Message, str]] = {}
