@@ -8,6 +8,7 @@ of its shepherd, and the figures the bench reports must be computed and sane.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from pcp_p2p.diloco import election, messages, worker
 from pcp_p2p.diloco.messages import RoundAnnouncement
@@ -65,3 +66,29 @@ def test_pcp_sim_prints_the_figures_of_one_run(capsys) -> None:  # type: ignore[
     assert out["nodes"] == 12 and out["rounds_committed"] == 2 and 0 < out["goodput"] <= 1
     assert main(["sim", "--nodes", "12", "--pool", "13"]) == 1  # a ConfigError, reported the CLI's way
     assert "--pool" in capsys.readouterr().err
+
+
+def test_signing_is_shared_only_for_identical_content_and_really_verifies(tmp_path: Path) -> None:
+    from pcp_p2p.diloco.messages import Join
+    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.testing.planet import MemoryLedger
+
+    me, other = Identity(b"\1" * 32), Identity(b"\2" * 32)
+    join = Join(run_id="r", worker=me.peer_id, target="cpu", tokens_per_s=64.0)
+    real_sign = messages.sign
+    with verification_cache():
+        assert worker.sign is not real_sign and election.sign is not real_sign
+        first, again = worker.sign(join, me), worker.sign(join, me)
+        assert again is first  # the same content and key: one signature, reused
+        assert worker.sign(join, other) is not first  # another key signs for itself
+        moved = worker.sign(Join(run_id="r", worker=me.peer_id, target="cpu", tokens_per_s=65.0), me)
+        assert moved.signature != first.signature  # other content, another real signature
+    assert worker.sign is real_sign and election.sign is real_sign
+    messages.verify(first, me.peer_id)  # a real signature (raises BadSignature otherwise)
+    assert first == real_sign(join, me)  # Ed25519 is deterministic: what the real sign gives
+
+    ledger = MemoryLedger(tmp_path / "ledger.json", "r")
+    ledger.strike("p", "RejectedUpdate", 0.0)
+    ledger.ban("q", b"evidence", "caught", 1.0)
+    assert ledger.score("p") < 0.5 and ledger.banned("q")  # the real ledger's bookkeeping
+    assert not (tmp_path / "ledger.json").exists()  # ... kept in memory

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pcp_p2p.diloco import robust
-from pcp_p2p.diloco.messages import RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.messages import DataAssignment, RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.tensors import Params, codec_of, global_norm, num_params
 from pcp_p2p.errors import PcpError, RejectedUpdate, StaleMessage
@@ -116,10 +116,24 @@ class RoundAggregator:
     refused: dict[str, PcpError] = field(default_factory=dict)
     _seen: dict[str, bytes] = field(default_factory=dict)
     submissions: dict[str, Submission] = field(default_factory=dict)
+    # the announcement's assignments by worker, indexed on first use: a lookup per
+    # submission that scanned them made a round of R workers cost R² (R up to MAX_ROSTER)
+    _by_worker: dict[str, DataAssignment] | None = field(default=None, init=False, repr=False)
+    _assigned: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+
+    def _assignment(self, worker: str) -> DataAssignment | None:
+        if self._by_worker is None:
+            self._by_worker = {}
+            for a in self.announcement.assignments:
+                self._by_worker.setdefault(a.worker, a)  # the first, as ``assignment_for`` finds it
+            self._assigned = frozenset(self._by_worker)
+        return self._by_worker.get(worker)
 
     @property
-    def assigned(self) -> set[str]:
-        return {a.worker for a in self.announcement.assignments}
+    def assigned(self) -> frozenset[str]:
+        if self._by_worker is None:
+            self._assignment("")
+        return self._assigned
 
     @property
     def reported(self) -> set[str]:
@@ -143,7 +157,7 @@ class RoundAggregator:
             raise RejectedUpdate(f"submission for future term/round/attempt {tag}, current {cur}")
         if sub.base_theta_cid != a.theta_cid:
             raise StaleMessage("submission trained from another θ than announced")
-        assignment = a.assignment_for(sub.worker)
+        assignment = self._assignment(sub.worker)
         if assignment is None:
             raise RejectedUpdate(f"{sub.worker:.16}… is not assigned in this round")
         if sub.worker in self._seen:

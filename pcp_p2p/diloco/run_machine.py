@@ -408,12 +408,12 @@ class RunMachine:
     @property
     def next_wakeup(self) -> float | None:
         """The earliest deadline of the three machines (a past one: a worker busy training)."""
-        wakes = [w for w in (
-            self.shepherd.next_wakeup if self.shepherd else None,
-            self.worker.next_wakeup if self.worker else None,
-            self.election.next_wakeup,
-        ) if w is not None]
-        return min(wakes, default=None)
+        wake = self.election.next_wakeup  # (read after every input: no list built)
+        for machine in (self.shepherd, self.worker):
+            w = machine.next_wakeup if machine is not None else None
+            if w is not None and (wake is None or w < wake):
+                wake = w
+        return wake
 
     def stop(self, order: StopOrder, now: float) -> list[RunEffect]:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
@@ -439,9 +439,12 @@ class RunMachine:
         return [
             Candidate(m.peer_id, max(0.0, now - m.started_at), m.can_compile, m.reachability)
             for m in self.members
+            # a member that cannot compile never leads (``election.eligible``): not a candidate,
+            # which spares the shepherd's view of the whole run a check per member
+            if m.can_compile
             # Bans are each node's own: filtering candidates on them would give nodes
             # different rankings. The owner's lists are the same everywhere.
-            if m.worker and m.in_run and self.admission.may_lead(m.peer_id, local_bans=False)
+            and m.worker and m.in_run and self.admission.may_lead(m.peer_id, local_bans=False)
             # a member that announced its departure is gone, though the view may list it a while
             and not self.departures.gone(m.peer_id, m.started_at)
         ]

@@ -349,8 +349,10 @@ class Shepherd:
         if not any(self.misses.values()):  # nobody missed a round: refused in O(R) in C, not a sort
             # per join (a full roster hears every seatless worker's join again each deadline)
             raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers, all contributing)")
-        idle = max(sorted(self.roster), key=lambda w: self.misses.get(w, 0))
-        if self.misses.get(idle, 0) == 0:
+        # the first of the sorted roster among those that missed the most (no sort: O(R))
+        most = max(self.misses.get(w, 0) for w in self.roster)
+        idle = min(w for w in self.roster if self.misses.get(w, 0) == most)
+        if most == 0:
             raise RejectedUpdate(f"the roster is full ({MAX_ROSTER} workers, all contributing)")
         self.roster.pop(idle)
         self.misses.pop(idle, None)
@@ -542,13 +544,14 @@ class Shepherd:
     def _count_misses(self, accepted: set[str]) -> None:
         agg = self.round_agg
         assert agg is not None
+        reported = agg.reported  # (a set built per call: once, not once per worker)
         for w in agg.assigned:
             if w not in self.roster:  # left, evicted or banned meanwhile: nothing to count
                 self.misses.pop(w, None)
             elif w in accepted:
                 self.misses[w] = 0
             else:
-                if w not in agg.reported:  # silent until the deadline (a refused Δ did arrive)
+                if w not in reported:  # silent until the deadline (a refused Δ did arrive)
                     self.deadlines.missed(w, agg.announcement.deadline - self.announced_at)
                 self.misses[w] = self.misses.get(w, 0) + 1
                 if self.misses[w] >= EVICT_AFTER_MISSES:
