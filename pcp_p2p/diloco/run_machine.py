@@ -150,7 +150,7 @@ from pcp_p2p.diloco.run_effects import (
 from pcp_p2p.diloco.shepherd import Shepherd
 from pcp_p2p.diloco.spec import RunSpec
 from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.errors import HeldBack, NotElected, PcpError, StaleMessage, VerificationError
+from pcp_p2p.errors import HeldBack, NotElected, PcpError, RemoteError, StaleMessage, VerificationError
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import Message, encode
 
@@ -523,14 +523,14 @@ class RunMachine:
                 self._out.extend(self.stop(msg, now))
             except StaleMessage:
                 pass  # already stopped
-            except PcpError as exc:
+            except RemoteError as exc:  # a bug of ours reaches the runtime's boundary
                 self._reject(sender, exc)
         elif isinstance(msg, AllowlistUpdate):
             try:
                 self.admission.apply(msg, now)  # owner-signed, or refused
             except StaleMessage:
                 pass  # the one in force, again
-            except PcpError as exc:
+            except RemoteError as exc:  # a bug of ours reaches the runtime's boundary
                 self._reject(sender, exc)
         elif isinstance(msg, (Join, Submission, AuditReport)):
             if self.shepherd is None and self.becoming:
@@ -603,7 +603,7 @@ class RunMachine:
         then the shepherd stops waiting for it and relays it, and the election forgets it."""
         try:
             self.departures.check(msg, sender, now, relayer=self.election.holder)
-        except PcpError as exc:
+        except RemoteError as exc:  # a bug of ours reaches the runtime's boundary
             self._reject(sender, exc)
             return
         log.info("run %s: %s left the run", self.run_id[:16], msg.peer)
@@ -621,7 +621,7 @@ class RunMachine:
         try:
             offender = verify_evidence(ev, rate=self.spec.aggregation.audit_rate, is_shepherd=self.holds_term,
                                        chunk_steps=CHUNK_STEPS)
-        except PcpError as exc:
+        except RemoteError as exc:  # a bug of ours reaches the runtime's boundary
             self._reject(sender, exc)
             return
         if not self.ledger.banned(offender):
