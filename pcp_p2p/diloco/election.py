@@ -444,6 +444,16 @@ class Election:
             return self.vacant_since + (n + 1) * c.claim_timeout_s
         return None
 
+    def heartbeat(self, now: float) -> Heartbeat | None:
+        """The signed heartbeat this node would send at ``now``: ``None`` unless heartbeats are on
+        and it holds a term whose lease has not lapsed. Changes nothing, so a runtime may send
+        it from a task of its own while the machine is busy with an input (``tick`` sends it
+        too, every ``heartbeat_s``)."""
+        lease = self.lease
+        if not self.config.heartbeats or self.role is not Role.HOLDER or lease is None or now >= lease.expiry:
+            return None
+        return sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now), self.identity)
+
     def status(self, now: float) -> dict[str, Any]:
         """``term``, ``lease_expires_s``, ``shepherd_history``, for ``pcp status --json``."""
         lease = self.lease
@@ -913,10 +923,9 @@ class Election:
                 )
                 self.lease = renewed
                 return [PublishLease(renewed, renewal=True)]
-            if c.heartbeats and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
+            beat = self.heartbeat(now)
+            if beat is not None and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
                 self.last_beat = now
-                beat = sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now),
-                            self.identity)
                 return [SendHeartbeat(beat)]
             return []
         if self.role is Role.FOLLOWER and lease is not None:

@@ -61,7 +61,8 @@ input                      effect
 ``on_inner_done`` / failed to the worker
 ``on_*_lookup``            to the election / worker; the election's wait ends when all answered
 ``on_replicated``          the held commit and everything after it go out
-``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ
+``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ;
+                           after a failover it takes over the attempt in flight (``adopt``)
 ``setup_ended``            compiling over: the kept joins are replayed
 ``tick``                   every machine's deadlines
 ``stop``                   the owner's order: ``Stopped``, ``RunEnded``
@@ -371,7 +372,20 @@ class RunMachine:
             self.shepherd = shepherd
             # The term's starting θ must be fetchable by the workers.
             self._round(SHEPHERD, [StoreBlob(shepherd.theta_cid, shepherd.theta_bytes)], now)
+            self._take_over_attempt(shepherd, now)
         return self._run(now, go)
+
+    def _take_over_attempt(self, shepherd: Shepherd, now: float) -> None:
+        """A failover's successor takes over the attempt in flight (``Shepherd.adopt``): the one its
+        own worker holds, signed by the holder of its term as this node's election knows it. The
+        dead term's shepherd is not waited for; every other worker sends its submission again."""
+        ann = self.worker.current if self.worker is not None else None
+        if ann is None or not self.holds_term(ann.term, ann.shepherd):
+            return
+        self._round(SHEPHERD, shepherd.adopt(ann, now, gone={ann.shepherd} - {self.peer_id}), now)
+        if shepherd.adopted is not None:
+            log.info("run %s: term %d takes over round %d attempt %d of term %d", self.run_id[:16],
+                     shepherd.term, ann.round + 1, ann.attempt, ann.term)
 
     def setup_failed(self, error: str | None) -> None:
         """A set-up attempt failed (``None``: the latest succeeded): shown as the run's phase
@@ -590,6 +604,7 @@ class RunMachine:
             "round": rec.round + 1, "theta": rec.theta_cid, "loss": rec.mean_loss,  # 1-based
             "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
             "term": rec.term, "shepherd": rec.shepherd,
+            "at": round(now, 3),  # when this node accepted it (its clock): bench/failover.py times takeovers by it
         })
         log.info("run %s: round %d committed, loss %.4f, val %.4s, %d workers",
                  self.run_id[:16], rec.round + 1, rec.mean_loss,
@@ -839,15 +854,11 @@ def max_claim_age(spec: RunSpec) -> float:
     return e.rotate_every * (r.deadline_s + 10.0) * 3 + e.claim_timeout_s + 2 * e.lease_s
 
 
-HEARTBEAT_FAILOVER = False
-"""Whether runs use the election's heartbeat failover (``ElectionConfig.heartbeat_s``). Off: in
-``bench/failover.py`` on a loaded 2-core machine it measured worse than lease expiry (11–99 s
-against 10–11 s: spurious suspicions of a busy shepherd, term changes during a successor's
-compile); the mechanism is tested on MockClock and kept for when that is understood."""
-HEARTBEATS_PER_RENEWAL = 4  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.5 s)
-SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (3 s)
-# (3 missed beats, 1.5 s, deposed busy shepherds on a loaded 2-core machine: a commit
-# can keep a shepherd's event loop from sending for over a second.)
+HEARTBEATS_PER_RENEWAL = 8  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.25 s)
+SUSPECT_AFTER_BEATS = 5  # heartbeats missed in a row before followers suspect the shepherd (1.25 s)
+# (Before the runtime fed the machine off its event loop, a commit kept a shepherd from
+# sending for over a second on a loaded 2-core machine, and even 3 s of silence deposed
+# busy shepherds now and then: see the essay in runtime.py.)
 
 
 def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig:
@@ -862,6 +873,6 @@ def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig
         min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
         settle_s=settle_s, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(spec),
         rounds=spec.round.rounds,
-        heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL if HEARTBEAT_FAILOVER else 0.0,
+        heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL,
         suspect_s=SUSPECT_AFTER_BEATS * e.renew_every_s / HEARTBEATS_PER_RENEWAL,
     ).validate()

@@ -43,6 +43,7 @@ class TermSetUp:
         self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
         self.evaluate: Any = None
         self.standby: list[Any] = []  # artifacts built and signed ahead of a takeover
+        self.ready = False  # the standby is hot: artifacts and evaluator built (status shows it)
 
     def wanted_targets(self) -> list[str]:
         """The best allowed CPU target of each member taking part in the run."""
@@ -97,6 +98,7 @@ class TermSetUp:
             self.standby = await self.build_artifacts(self.wanted_targets())
             if self.evaluate is None:
                 self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+            self.ready = True
             log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
         except PcpError as exc:
             rt.node.log_once("self", exc, "standby build failed")
@@ -168,6 +170,7 @@ class TermSetUp:
         state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         if eff.checkpoint_cid:
             state = await self._starting_state(eff)
+        self.ready = True  # the artifacts are in the cache and the evaluator is built
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
         return Shepherd(
