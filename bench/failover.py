@@ -121,38 +121,40 @@ rotate_every = 0
                             return time.monotonic() - t
                         await trio.sleep(0.5)
 
-            # Baseline: time between consecutive commits with no kill.
-            n0, _, _, _ = await wait_commits(2, 240)
-            gaps = []
-            for _ in range(3):
-                t = time.monotonic()
-                n0, _, _, _ = await wait_commits(n0 + 1, 60)
-                gaps.append(time.monotonic() - t)
+            try:
+                # Baseline: time between consecutive commits with no kill.
+                n0, _, _, _ = await wait_commits(2, 240)
+                gaps = []
+                for _ in range(3):
+                    t = time.monotonic()
+                    n0, _, _, _ = await wait_commits(n0 + 1, 60)
+                    gaps.append(time.monotonic() - t)
 
-            times, polled, standby_waits = [], [], []
-            for k in range(args.kills):
-                standby_waits.append(await wait_standby(300))
-                n0, term0, shepherd, _ = await wait_commits(n0, 60)
-                victim = next(w for w in swarm.workers if w.peer_id == shepherd and w.running)
-                t, killed_at = time.monotonic(), time.time()
-                await swarm.kill(victim, signal.SIGKILL)
-                while True:
-                    n1, term1, _, got = await wait_commits(n0 + 1, 240)
-                    if term1 > term0:
-                        break
-                    n0 = n1  # a round the old term had already closed; wait for the new term's
-                polled.append(time.monotonic() - t)
-                # When the first node accepted the new term's first commit (the nodes' wall clocks,
-                # on this machine): the poll above only notices it up to a status sweep later.
-                ats = [h["at"] for r in got for h in r.get("history") or []
-                       if h["term"] > term0 and h.get("at") is not None]
-                times.append(min(ats) - killed_at if ats else polled[-1])
-                print(f"kill {k + 1}: next commit under term {term1} after {times[-1]:.2f} s "
-                      f"(noticed by polling after {polled[-1]:.1f} s)", file=sys.stderr)
-                await swarm.restart(victim)
-                n0 = n1
-            if args.keep_logs:
-                await trio.to_thread.run_sync(keep_logs, root, Path(args.keep_logs))
+                times, polled, standby_waits = [], [], []
+                for k in range(args.kills):
+                    standby_waits.append(await wait_standby(300))
+                    n0, term0, shepherd, _ = await wait_commits(n0, 60)
+                    victim = next(w for w in swarm.workers if w.peer_id == shepherd and w.running)
+                    t, killed_at = time.monotonic(), time.time()
+                    await swarm.kill(victim, signal.SIGKILL)
+                    while True:
+                        n1, term1, _, got = await wait_commits(n0 + 1, 240)
+                        if term1 > term0:
+                            break
+                        n0 = n1  # a round the old term had already closed; wait for the new term's
+                    polled.append(time.monotonic() - t)
+                    # When the first node accepted the new term's first commit (the nodes' wall clocks,
+                    # on this machine): the poll above only notices it up to a status sweep later.
+                    ats = [h["at"] for r in got for h in r.get("history") or []
+                           if h["term"] > term0 and h.get("at") is not None]
+                    times.append(min(ats) - killed_at if ats else polled[-1])
+                    print(f"kill {k + 1}: next commit under term {term1} after {times[-1]:.2f} s "
+                          f"(noticed by polling after {polled[-1]:.1f} s)", file=sys.stderr)
+                    await swarm.restart(victim)
+                    n0 = n1
+            finally:
+                if args.keep_logs:
+                    await trio.to_thread.run_sync(keep_logs, root, Path(args.keep_logs))
     med = statistics.median(times)
     return {
         "headline": round(med, 2),

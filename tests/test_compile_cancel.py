@@ -158,7 +158,7 @@ def becoming_runtime() -> RunRuntime:
     rt.machine.becoming, rt.machine.becoming_term = True, 4  # as after BecomeShepherd(term=4)
     rt.setup = TermSetUp(rt)
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
-    rt._machine_lock, rt._machine_thread = threading.Lock(), trio.CapacityLimiter(1)
+    rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
     return rt
 
 

@@ -10,6 +10,7 @@ loop, none would have (the step gives up after 10 s and the test fails).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from types import SimpleNamespace
@@ -69,7 +70,7 @@ async def test_a_shepherd_busy_with_a_long_input_keeps_beating_and_is_not_depose
     rt.machine = SimpleNamespace(  # type: ignore[assignment]
         election=holder, handle=busy_step, run_members=lambda: [follower.peer_id])
     rt._machine_lock, rt._machine_thread = threading.Lock(), trio.CapacityLimiter(1)
-    rt._beat_at = float("-inf")
+    rt._beat_at, rt._beating, rt._beats_in = float("-inf"), set(), []
     async with trio.open_nursery() as nursery:
         rt._nursery = nursery
         nursery.start_soon(rt._heartbeats)
@@ -80,7 +81,7 @@ async def test_a_shepherd_busy_with_a_long_input_keeps_beating_and_is_not_depose
         released.set()
         nursery.cancel_scope.cancel()
     assert all(b.term == 0 and b.holder == holder.peer_id for b in beats)
-    gaps = [b.sent_at - a.sent_at for a, b in zip(beats, beats[1:])]
+    gaps = [b.sent_at - a.sent_at for a, b in itertools.pairwise(beats)]
     assert max(gaps) < CONFIG.suspect_window_s  # never silent for a suspicion window
 
     end = beats[-1].sent_at

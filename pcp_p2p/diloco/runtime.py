@@ -121,6 +121,7 @@ OWNER_RECORDS: dict[str, type] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: Allowlis
 
 
 SLOW_INPUT_S = 0.5  # a machine step longer than this is logged (the event loop goes on meanwhile)
+MAX_BEATS_QUEUED = 64  # heartbeats kept between two machine steps (more are dropped: liveness hints only)
 TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often
 
 
@@ -160,6 +161,8 @@ class RunRuntime:
         self._machine_thread = trio.CapacityLimiter(1)
         self._status: dict[str, Any] | None = None  # the last status computed (shown while the machine is busy)
         self._beat_at = float("-inf")  # when this node last sent its heartbeat (its clock)
+        self._beating: set[str] = set()  # peers a heartbeat is on its way to (one at a time each)
+        self._beats_in: list[tuple[str, Heartbeat]] = []  # heartbeats received, for the next step
 
     # -- what others read -----------------------------------------------------------------
 
@@ -211,6 +214,12 @@ class RunRuntime:
         before the commit goes anywhere else (the machine's ``ReplicateCommit``).
         """
         if getattr(msg, "run_id", None) != self.run_id:
+            return
+        if isinstance(msg, Heartbeat):
+            # Not behind the inbox: fed to the machine ahead of its next step (``_feed``), so a
+            # follower whose inbox is busy never suspects a holder whose beats are waiting there.
+            if len(self._beats_in) < MAX_BEATS_QUEUED:
+                self._beats_in.append((sender, msg))
             return
         if isinstance(msg, StopOrder):
             self.stop(msg, self.clock())  # refused (the messenger says why) unless the owner signed it
@@ -352,9 +361,14 @@ class RunRuntime:
 
         Not abandoned on cancellation (a step is never half-applied), and one at a
         time (the pump waits; ``_machine_lock`` keeps other tasks out meanwhile)."""
+        beats, self._beats_in = self._beats_in, []
+
         def locked() -> list[Any]:
             with self._machine_lock:
-                return step()
+                effects: list[Any] = []
+                for sender, hb in beats:  # they arrived before this step: the holder was alive then
+                    effects += self.machine.handle(MessageIn(sender, hb), self.clock())
+                return effects + step()
 
         t0 = time.perf_counter()
         effects = await trio.to_thread.run_sync(locked, limiter=self._machine_thread)
@@ -373,6 +387,10 @@ class RunRuntime:
             if isinstance(e, Send):
                 if isinstance(e.message, Heartbeat):
                     self._beat_at = self.clock()
+                    if e.to not in self._beating:  # (else the one in flight will do)
+                        self._beating.add(e.to)
+                        n.start_soon(self._beat, e.to, e.message)  # type: ignore[union-attr]
+                    continue
                 if e.to == self.node.peer_id:
                     self.post(MessageIn(self.node.peer_id, e.message))
                 else:
@@ -485,6 +503,16 @@ class RunRuntime:
             self.node.log_once(peer, exc, f"sending {msg.TAG} failed")
             return False
         return True
+
+    async def _beat(self, peer: str, hb: Heartbeat) -> None:
+        """One heartbeat to ``peer``. At most one is in flight per peer: a slow peer's acks must
+        not pile streams up (the messenger allows a few per peer, and a lease or a submission
+        refused for want of one costs far more than a beat skipped)."""
+        try:
+            with trio.move_on_after(2 * self.machine.election.config.heartbeat_s):
+                await self.send_to(peer, hb)  # (an ack that slow: the next beat goes on a new stream)
+        finally:
+            self._beating.discard(peer)
 
     async def _replicate_commit(self, e: ReplicateCommit) -> None:
         """Make one other node hold the checkpoint: the commit message is the request (a worker
