@@ -24,8 +24,8 @@ from pcp_p2p.diloco.runtime import RunRuntime
 from pcp_p2p.node.identity import Identity
 
 CONFIG = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
-                        claim_timeout_s=10.0, settle_s=0.0, heartbeat_s=0.25, suspect_s=1.25)
-BUSY_S = 1.5  # how long the stand-in step holds the machine, at least (a commit on a loaded machine)
+                        claim_timeout_s=10.0, settle_s=0.0, heartbeat_s=0.25, suspect_s=1.5)
+BUSY_S = 2.0  # how long the stand-in step holds the machine, at least (a commit on a loaded machine)
 
 
 def two_elections(now: float) -> tuple[Election, Election]:

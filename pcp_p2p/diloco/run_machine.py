@@ -28,6 +28,11 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
   a lease or a term any input would still publish or set up is dropped here
   (``PublishLease``/``BecomeShepherd``: a holder does not renew a finished run).
+- **A failover keeps the round in flight**: the successor's new shepherd takes over
+  the attempt its own worker holds (``Shepherd.adopt``) when its election accepted
+  that attempt's shepherd for its term and the attempt starts where the new term
+  does; the dead shepherd's worker is not waited for (workers send their
+  submissions again on following the new term: ``Worker.set_shepherd``).
 - **The election's settling waits for its own lookups only**: a claim waits until
   every lease and commit lookup it asked for answered (``on_lookups_done``).
 - **Catch-up after a restart**: the run's last commit, which no live lease vouches
@@ -855,7 +860,7 @@ def max_claim_age(spec: RunSpec) -> float:
 
 
 HEARTBEATS_PER_RENEWAL = 8  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.25 s)
-SUSPECT_AFTER_BEATS = 5  # heartbeats missed in a row before followers suspect the shepherd (1.25 s)
+SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (1.5 s)
 # (Before the runtime fed the machine off its event loop, a commit kept a shepherd from
 # sending for over a second on a loaded 2-core machine, and even 3 s of silence deposed
 # busy shepherds now and then: see the essay in runtime.py.)

@@ -509,8 +509,11 @@ class RunRuntime:
         not pile streams up (the messenger allows a few per peer, and a lease or a submission
         refused for want of one costs far more than a beat skipped)."""
         try:
-            with trio.move_on_after(2 * self.machine.election.config.heartbeat_s):
-                await self.send_to(peer, hb)  # (an ack that slow: the next beat goes on a new stream)
+            # Given up after a suspicion window (a beat that late is no use; the next goes on a
+            # new stream). Not sooner: on a loaded machine opening a stream can take most of a
+            # second, and a beat cut off before its frame went out is no beat at all.
+            with trio.move_on_after(self.machine.election.config.suspect_window_s):
+                await self.send_to(peer, hb)
         finally:
             self._beating.discard(peer)
 
