@@ -113,6 +113,7 @@ from pcp_p2p.diloco.election import (
     Lease,
     LookupLease,
     PublishLease,
+    Role,
     SendHeartbeat,
     StepDown,
 )
@@ -421,7 +422,15 @@ class RunMachine:
                 self._round(SHEPHERD, self.shepherd.tick(now), now)
             if self.worker is not None:
                 self._round(WORKER, self.worker.tick(now), now)
-            self._election(self.election.tick(now), now)
+            e = self.election
+            followed = e.lease if e.role is Role.FOLLOWER else None
+            self._election(e.tick(now), now)
+            if followed is not None and e.history and e.history[-1].term == followed.term \
+                    and e.history[-1].ended == "failover":
+                heard = e.last_heard if e.last_heard is not None else followed.issued
+                log.info("run %s: term %d's holder %s is %s (last heard %.1f s ago)", self.run_id[:16],
+                         followed.term, followed.holder[-12:],
+                         "suspected" if followed.holder in e.suspected else "gone: its lease lapsed", now - heard)
         return self._run(now, go)
 
     @property

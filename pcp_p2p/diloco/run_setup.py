@@ -98,6 +98,10 @@ class TermSetUp:
             self.standby = await self.build_artifacts(self.wanted_targets())
             if self.evaluate is None:
                 self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+                # jax.jit compiles on the first call: seconds, which a takeover would spend on
+                # the first submission it scores (with every worker's submission waiting behind it)
+                theta = await trio.to_thread.run_sync(engine.initial_theta, rt.spec, rt.dataset.vocab_size)
+                await trio.to_thread.run_sync(self.evaluate.score, theta)
             self.ready = True
             log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
         except PcpError as exc:
