@@ -38,9 +38,11 @@ here, and the event loop stays free for the network meanwhile. Heartbeats go
 from a task of their own (``_heartbeats``) whenever the machine's own have
 not gone out for a beat: a busy shepherd keeps beating, a dead or hung process
 does not, and a machine that stopped making progress stops renewing its lease,
-which bounds how long it can hold a term anyway. What other tasks read or
-change of the machine takes ``_machine_lock``; status never waits for it (it
-shows the last status computed while the machine was idle).
+which bounds how long it can hold a term anyway. Other tasks that change the
+machine or vouch for a commit take ``_machine_lock`` (a commit's vouching in a
+thread, in the machine's turn); status never waits for it (it shows the last
+status computed while the machine was idle), nor do the DHT's record checks
+(``check_record``): nothing on the event loop waits for a machine step.
 """
 
 from __future__ import annotations
@@ -198,10 +200,16 @@ class RunRuntime:
         return self._status
 
     def check_record(self, payload: Message, now: float) -> None:
-        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``)."""
+        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``).
+
+        Without ``_machine_lock``: the DHT validates on the event loop, every lease renewal
+        at every node, and waiting here for a machine step would stall the loop (heartbeats
+        included) for as long as the step takes. The check only reads the election, which
+        may be mid-input in the machine's thread; it decides what this node's DHT stores or
+        selects, never what the node acts on (the election checks every lease and commit
+        itself, whole, before anything follows from it)."""
         if self.started:
-            with self._machine_lock:
-                self.machine.check_record(payload, now)
+            self.machine.check_record(payload, now)
 
     # -- inputs from the network ----------------------------------------------------------
 
@@ -229,8 +237,8 @@ class RunRuntime:
             try:  # the authority chain first: nothing a commit names is fetched before it
                 if not self.started:
                     raise HeldBack("this node's election has not started")
-                with self._machine_lock:
-                    self.machine.vouch_commit(msg)  # refused outright (not acked) if it can never hold
+                # refused outright (not acked) if it can never hold; in the machine's turn, off the loop
+                await trio.to_thread.run_sync(self._vouch, msg, limiter=self._machine_thread)
             except HeldBack as exc:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
                 self.post(MessageIn(sender, msg))
@@ -243,6 +251,10 @@ class RunRuntime:
                 raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
                                 f"from {sender}; not accepted")
         self.post(MessageIn(sender, msg))
+
+    def _vouch(self, msg: CommitRecord) -> None:
+        with self._machine_lock:
+            self.machine.vouch_commit(msg)
 
     def stop(self, order: StopOrder, now: float) -> None:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
