@@ -10,6 +10,14 @@ bound: failover waited for the lease to lapse; now followers fail over after
 missing the shepherd's direct heartbeats, see docs/election.md). Target: the
 issue's goal, 3 s.
 
+Before each kill the bench waits until every live node but the shepherd reports a
+hot standby (``run.standby`` in its status: artifacts cached and the evaluator
+built and compiled), since that is the state a takeover is designed for; the
+waits are printed (``standby_wait_s``). The stopwatch stops at the earliest time
+a live node accepted the new term's first commit (``run.history[].at``, the
+nodes' own wall clocks on this machine): the status poll notices it up to a
+sweep later (``polled_s``, printed beside it).
+
 Baseline measured in the same run: the median time between two consecutive
 commits with no kill, so the figure can be read as "how much longer than a
 normal round a failover costs".
