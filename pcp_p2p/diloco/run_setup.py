@@ -80,6 +80,22 @@ class TermSetUp:
         finally:
             cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
 
+    async def build_evaluator(self) -> None:
+        """The shepherd's evaluator, built and compiled (once). ``jax.jit`` compiles on the first
+        call: seconds on a loaded machine, which the machine would otherwise spend inside the
+        first submission it scores, renewing no lease meanwhile (a first shepherd lost its
+        term that way) and with every other submission waiting behind it."""
+        rt = self.rt
+        from pcp_p2p.diloco import engine
+
+        if self.evaluate is not None:
+            return
+        assert rt.dataset is not None
+        evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+        theta = await trio.to_thread.run_sync(engine.initial_theta, rt.spec, rt.dataset.vocab_size)
+        await trio.to_thread.run_sync(evaluate.score, theta)
+        self.evaluate = evaluate
+
     def cancel(self, why: str) -> None:
         rt = self.rt
         scope = self.scope
@@ -91,17 +107,10 @@ class TermSetUp:
         """Hot standby: build the artifacts into the cache and the evaluator now, off the
         critical path, so that taking over a term (failover, rotation) costs a cache hit."""
         rt = self.rt
-        from pcp_p2p.diloco import engine
-
         assert rt.dataset is not None
         try:
             self.standby = await self.build_artifacts(self.wanted_targets())
-            if self.evaluate is None:
-                self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
-                # jax.jit compiles on the first call: seconds, which a takeover would spend on
-                # the first submission it scores (with every worker's submission waiting behind it)
-                theta = await trio.to_thread.run_sync(engine.initial_theta, rt.spec, rt.dataset.vocab_size)
-                await trio.to_thread.run_sync(self.evaluate.score, theta)
+            await self.build_evaluator()
             self.ready = True
             log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
         except PcpError as exc:
@@ -169,8 +178,7 @@ class TermSetUp:
                                  "size": len(art.vmfb), "cache_hit": art.cached})
             await rt.io.keep(art.vmfb, for_run=True)
             artifacts[art.manifest.target] = await rt.io.keep(encode(art.manifest), for_run=True)
-        if self.evaluate is None:
-            self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+        await self.build_evaluator()
         state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         if eff.checkpoint_cid:
             state = await self._starting_state(eff)

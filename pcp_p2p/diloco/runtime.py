@@ -158,7 +158,7 @@ class RunRuntime:
         self._prewarmed = False
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
         # The machine takes its inputs in a worker thread (see the module's essay); what
-        # other tasks read or change of it waits for the input in progress.
+        # other tasks change of it waits for the input in progress (``_machine_lock``).
         self._machine_lock = threading.Lock()
         self._machine_thread = trio.CapacityLimiter(1)
         self._status: dict[str, Any] | None = None  # the last status computed (shown while the machine is busy)
