@@ -282,12 +282,12 @@ class Shepherd:
         that ``ann`` was signed by the holder of its term. ``gone``: assigned
         workers that will not report (the dead shepherd's own worker): decided at
         once, so the attempt closes as soon as the others have reported. It closes
-        at the latest ``time_budget_s`` from now (or at its announcement's deadline
-        if that is sooner, but not within a second: the workers need a moment to
-        learn of this term and send their submissions again). A worker that got the
-        announcement has trained for most of its budget by now; one that is still
-        missing then never got it (the shepherd died while announcing) and must not
-        hold the round up to the announcement's full deadline.
+        at its announcement's deadline, but no sooner than one ``time_budget_s``
+        from now (the workers must first see this term's lease, which each takes
+        only once its own silence agrees, and send their submissions again) and no
+        later than two: a worker that got the announcement has trained by then,
+        and one still missing never got it (the shepherd died while announcing) and
+        must not hold the round up to the announcement's full deadline.
         """
         if (self.phase is not Phase.WAITING or self.handed_over or self.commits or ann.run_id != self.run_id
                 or ann.term >= self.term or ann.round != self.state.round or ann.theta_cid != self.theta_cid):
@@ -295,7 +295,8 @@ class Shepherd:
         self.attempt = ann.attempt
         self.announced_at = now
         self.adopted = ann
-        self.close_at = min(max(ann.deadline, now + 1.0), now + self.spec.round.time_budget_s)
+        budget = self.spec.round.time_budget_s
+        self.close_at = min(max(ann.deadline, now + budget), now + 2 * budget)
         agg = self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
         self.pending.clear()
         self._set_phase(Phase.COLLECTING)
