@@ -158,6 +158,7 @@ def becoming_runtime() -> RunRuntime:
     rt.machine.becoming, rt.machine.becoming_term = True, 4  # as after BecomeShepherd(term=4)
     rt.setup = TermSetUp(rt)
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
+    rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
     return rt
 
 
@@ -190,6 +191,6 @@ async def test_losing_the_election_cancels_the_compile_at_once(lost: str, monkey
             rt._carry_out(m._run(1000.0, lambda: m._election(effects, 1000.0)))  # the election's effects
             ended = await rt._inbox.receive()
             assert ended == SetUpEnded(4)  # the set-up task ended
-            rt._dispatch(ended)
+            await rt._dispatch(ended)
     assert await trio.to_thread.run_sync(stopped.wait, 10)  # and the build thread was told to stop
     assert rt.setup.scope is None and not rt.machine.becoming

@@ -493,3 +493,86 @@ def test_identical_delta_blobs_from_two_workers_are_both_counted(monkeypatch):
     (rec,) = [e.record for e in effects if isinstance(e, Committed)]
     assert len(rec.participants) == 2
     assert r.shepherd.round_agg.accepted == {}  # nothing leaked into the next round
+
+
+# --- a failover's successor takes the attempt in flight over ----------------------------
+
+
+def successor(term: int = 1) -> Shepherd:
+    """The next term's shepherd, on another node, starting from the same committed θ."""
+    return Shepherd(spec=SPEC, run_id=RUN_ID, identity=ident(2), term=term, state=OuterState.initial(THETA0))
+
+
+def test_successor_commits_the_dead_terms_attempt_without_announcing_again():
+    r = Round()
+    dead_worker = r.ids[0]  # (the dead shepherd's own worker: it will never report)
+    new = successor()
+    assert new.adopt(r.ann, now=5.0, gone={dead_worker.peer_id}) == []
+    # closes at the announcement's deadline, but within one to two time budgets of the takeover
+    assert new.adopted == r.ann
+    assert new.deadline == min(max(r.ann.deadline, 5.0 + SPEC.round.time_budget_s), 5.0 + 2 * SPEC.round.time_budget_s)
+    effects = []
+    for who in r.ids[1:]:  # the submissions they signed for term 0, sent again
+        effects += new.on_submission(r.submission(who), now=6.0)
+    assert sent(effects, RoundAnnouncement) == []  # round 1 waits for joins: nobody joined this term yet
+    (rec,) = [e.record for e in effects if isinstance(e, Committed)]
+    assert (rec.term, rec.round, rec.attempt, rec.shepherd) == (1, 0, r.ann.attempt, ident(2).peer_id)
+    assert rec.participants == tuple(sorted(w.peer_id for w in r.ids[1:]))
+    # the same θ the dead shepherd would have committed from the same two submissions
+    for who in r.ids[1:]:
+        r.shepherd.on_submission(r.submission(who), now=6.0)
+    (old,) = [e.record for e in r.shepherd.tick(now=100.0) if isinstance(e, Committed)]
+    assert old.theta_cid == rec.theta_cid
+
+
+def test_successor_checks_every_adopted_submission_as_its_own():
+    r = Round()
+    new = successor()
+    new.adopt(r.ann, now=5.0)
+    forged = dataclasses.replace(r.submission(r.ids[1]), steps=11)  # signature no longer matches
+    assert isinstance(rejections(new.on_submission(forged, now=6.0))[0], BadSignature)
+    greedy = r.submission(r.ids[2], steps=10_000)
+    assert isinstance(rejections(new.on_submission(greedy, now=6.0))[0], RejectedUpdate)
+
+
+@pytest.mark.parametrize("change", ["round", "theta", "same term"])
+def test_only_the_attempt_from_the_terms_own_start_is_adopted(change):
+    r = Round()
+    new = successor()
+    ann = {"round": dataclasses.replace(r.ann, round=1),
+           "theta": dataclasses.replace(r.ann, theta_cid=params_cid({"w": THETA0["w"] + 1})),
+           "same term": dataclasses.replace(r.ann, term=1)}[change]
+    assert new.adopt(sign(ann, OWNER), now=5.0) == [] and new.adopted is None and new.deadline is None
+    # an old term's submission offered to a shepherd that took nothing over: ignored, no fault
+    assert new.on_submission(r.submission(r.ids[1]), now=6.0) == []
+
+
+def test_worker_sends_its_submission_again_to_the_next_term_that_starts_from_its_theta():
+    r = Round()
+    w = make_worker(10)
+    w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+    w.on_announcement(r.ann, now=0.0)
+    effects = w.on_inner_done(InnerResult(0, 0, {k: v - 0.02 for k, v in THETA0.items()}, 10, (1.0,) * 10, None),
+                              now=10.0)
+    (sub,) = sent(effects, Submission)
+    new = ident(2).peer_id
+    effects = w.set_shepherd(1, new, now=12.0, base=(0, r.ann.theta_cid))
+    assert [e.to for e in effects if isinstance(e, Send)] == [new, new]
+    assert sent(effects, Submission) == [sub] and len(sent(effects, Join)) == 1
+    # a term that starts from another commit takes nothing over: join only
+    w2 = make_worker(10)
+    w2.theta, w2.theta_cid = dict(THETA0), r.ann.theta_cid
+    w2.on_announcement(r.ann, now=0.0)
+    w2.on_inner_done(InnerResult(0, 0, dict(THETA0), 10, (1.0,) * 10, None), now=10.0)
+    assert sent(w2.set_shepherd(1, new, now=12.0, base=(1, "other")), Submission) == []
+
+
+def test_worker_still_training_submits_to_the_next_term_that_starts_from_its_theta():
+    r = Round()
+    w = make_worker(10)
+    w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+    assert any(isinstance(e, RunInner) for e in w.on_announcement(r.ann, now=0.0))
+    new = ident(2).peer_id
+    assert sent(w.set_shepherd(1, new, now=5.0, base=(0, r.ann.theta_cid)), Submission) == []
+    effects = w.on_inner_done(InnerResult(0, 0, dict(THETA0), 10, (1.0,) * 10, None), now=10.0)
+    assert [(e.to, type(e.message)) for e in effects if isinstance(e, Send)] == [(new, Submission)]

@@ -91,6 +91,24 @@ def test_a_silent_holder_is_suspected_and_replaced_long_before_its_lease_lapses(
     assert any(isinstance(x, FollowShepherd) and x.peer == b.peer_id and x.term == 1 for x in out)
 
 
+def test_one_nodes_silence_cannot_depose_a_holder_the_others_still_hear() -> None:
+    # B ranks first for term 1 even with the live holder counted: its rank alone would
+    # entitle its claim. C still hears the holder, so the claim waits until C's own
+    # silence agrees (and the holder, busy but alive, keeps its term meanwhile).
+    es = swarm(run_where(0, [1, 0]))
+    holder, b, c = es
+    out = b.tick(2.6) + b.on_lookups_done(2.6)  # B's own loop stalled: it heard nothing since 1.0
+    (claim,) = [x.lease for x in out if isinstance(x, PublishLease) and not x.renewal]
+    beat = sign(Heartbeat(run_id=holder.run_id, term=0, holder=holder.peer_id, sent_at=2.5), holder.identity)
+    c.on_heartbeat(beat, 2.5)
+    assert [type(x) for x in c.on_lease(claim, 2.7)] == [Rejected]
+    assert c.role is Role.FOLLOWER and c.holder == holder.peer_id and c.current_term == 0
+    assert c.tick(3.9) == [] and c.current_term == 0  # still heard 1.4 s ago: the claim stays held
+    # The holder really is gone: once C's silence reaches suspect_s, B's claim is taken.
+    out = c.tick(4.05)
+    assert any(isinstance(x, FollowShepherd) and x.peer == b.peer_id and x.term == 1 for x in out)
+
+
 def test_a_heartbeat_from_anyone_but_the_holder_does_not_keep_it_alive() -> None:
     es = swarm(run_where(0, [1]))
     holder, b, _ = es

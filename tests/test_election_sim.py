@@ -105,7 +105,9 @@ async def test_shepherd_killed(autojump_clock, point):
 
 @pytest.mark.parametrize("point", ["collect", "aggregate"])
 async def test_deposed_shepherd_returns_and_is_fenced(autojump_clock, point):
-    r = await simulate_election(dataclasses.replace(BASE, faults=(ShepherdFault(2, point, "hang", 40.0),)))
+    # It must wake while the run still goes on (after 40 s the successor, which takes the
+    # attempt in flight over, had finished the run before the zombie's stale commit went out).
+    r = await simulate_election(dataclasses.replace(BASE, faults=(ShepherdFault(2, point, "hang", 30.0),)))
     check(r, fenced_ok=True)
     zombie = r.history[0]["holder"]
     assert zombie in r.alive  # it came back, follows the new term and holds the final θ

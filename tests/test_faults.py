@@ -14,6 +14,7 @@ import importlib
 import logging
 import pkgutil
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -336,9 +337,11 @@ async def test_a_bug_in_a_run_stops_that_run_and_a_bug_in_one_input_drops_only_t
         handled.append(ev)
         return []
 
-    rt = SimpleNamespace(machine=SimpleNamespace(handle=handle), clock=lambda: 0.0, node=node,
-                         _carry_out=lambda effects: None)
-    RunRuntime._dispatch(rt, MessageIn("12D3KooWbuggy", StatusRequest()))  # type: ignore[arg-type]
-    RunRuntime._dispatch(rt, MessageIn("12D3KooWfine", StatusRequest()))  # type: ignore[arg-type]
+    rt = SimpleNamespace(machine=SimpleNamespace(handle=handle), clock=lambda: 0.0, node=node, run_id="run",
+                         _carry_out=lambda effects: None, _beats_in=[], _machine_lock=threading.Lock(),
+                         _machine_thread=trio.CapacityLimiter(1))
+    rt._feed = lambda step, what: RunRuntime._feed(rt, step, what)  # type: ignore[arg-type]  # the real step
+    await RunRuntime._dispatch(rt, MessageIn("12D3KooWbuggy", StatusRequest()))  # type: ignore[arg-type]
+    await RunRuntime._dispatch(rt, MessageIn("12D3KooWfine", StatusRequest()))  # type: ignore[arg-type]
     assert [e.sender for e in handled] == ["12D3KooWfine"]  # type: ignore[attr-defined]
     assert boundary.faults.counts["round:AssertionError"] == 1 and not boundary.rejected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -88,6 +89,7 @@ def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRu
     rt.run_id, rt.io, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
     rt.started = election is not None
     rt.machine = SimpleNamespace(vouch_commit=election.check_commit if election else None)  # type: ignore[assignment]
+    rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
     return rt, inbox
 
 

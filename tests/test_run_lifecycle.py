@@ -4,6 +4,7 @@ and what ``pcp run status`` makes of what it finds. The same over real libp2p: t
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,6 +186,7 @@ def stopped_runtime(work_dir: Path) -> RunRuntime:
     rt.finished = trio.Event()
     rt._nursery = None
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
+    rt._machine_lock, rt._beats_in = threading.Lock(), []
     return rt
 
 

@@ -91,11 +91,17 @@ class AuditDesk:
 
     def on_commit(
         self, announcement: RoundAnnouncement, accepted: Mapping[str, Submission], beacon: str,
-        targets: Mapping[str, str],
+        targets: Mapping[str, str], draw: bool = True,
     ) -> list[Effect]:
-        """The round committed with ``accepted``: extend the chains and send the drawn audits."""
+        """The round committed with ``accepted``: extend the chains and send the drawn audits.
+
+        ``draw=False``: the chains only (an attempt taken over from the term before,
+        ``Shepherd.adopt``: its submissions name a term this shepherd did not hold,
+        so no auditor would take a request for them from it)."""
         self.chain.committed(accepted.values())
         effects: list[Effect] = []
+        if not draw:
+            return effects
         for planned in plan_audits(run_id=self.run_id, rate=self.rate, identity=self.identity,
                                    announcement=announcement, accepted=accepted, beacon=beacon,
                                    targets=targets):

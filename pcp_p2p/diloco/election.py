@@ -445,6 +445,16 @@ class Election:
             return self.vacant_since + (n + 1) * c.claim_timeout_s
         return None
 
+    def heartbeat(self, now: float) -> Heartbeat | None:
+        """The signed heartbeat this node would send at ``now``: ``None`` unless heartbeats are on
+        and it holds a term whose lease has not lapsed. Changes nothing, so a runtime may send
+        it from a task of its own while the machine is busy with an input (``tick`` sends it
+        too, every ``heartbeat_s``)."""
+        lease = self.lease
+        if not self.config.heartbeats or self.role is not Role.HOLDER or lease is None or now >= lease.expiry:
+            return None
+        return sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now), self.identity)
+
     def status(self, now: float) -> dict[str, Any]:
         """``term``, ``lease_expires_s``, ``shepherd_history``, for ``pcp status --json``."""
         lease = self.lease
@@ -732,6 +742,12 @@ class Election:
         live = self.role is not Role.VACANT and not self.ended_by_rotation and now < cur.expiry + c.grace_s
         if live and self._fresh(lease, now):
             if lease.term == cur.term + 1:
+                if lease.holder != cur.holder and self._hears_holder(now):
+                    # One node's silence must not depose a holder the others still hear (it
+                    # lost only its own link, or its own loop stalled): held back until this
+                    # node's silence agrees, or the lease lapses.
+                    raise HeldBack(f"term {cur.term}'s holder is still heard here; "
+                                   f"term {lease.term} is held back")
                 return  # the next term, claimed just now: others saw this one lapse
             raise HeldBack(f"term {cur.term} is live for {cur.expiry - now:.1f} s more; "
                            f"term {lease.term} is held back")
@@ -741,6 +757,13 @@ class Election:
             limit = self._claim_base(now) + self._skipped(now)
         if lease.term > limit:
             raise HeldBack(f"term {lease.term} leaps ahead of the chain this node holds (at most {limit})")
+
+    def _hears_holder(self, now: float) -> bool:
+        """Whether this node, a follower, heard the current holder within the suspicion window."""
+        c = self.config
+        return (c.heartbeats and self.role is Role.FOLLOWER and self.lease is not None
+                and self.lease.holder not in self.suspected
+                and self.last_heard is not None and now < self.last_heard + c.suspect_window_s)
 
     def _claim_base(self, now: float) -> int:
         """The lowest term up for claim: one past the current term, or past a held-back
@@ -914,10 +937,9 @@ class Election:
                 )
                 self.lease = renewed
                 return [PublishLease(renewed, renewal=True)]
-            if c.heartbeats and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
+            beat = self.heartbeat(now)
+            if beat is not None and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
                 self.last_beat = now
-                beat = sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now),
-                            self.identity)
                 return [SendHeartbeat(beat)]
             return []
         if self.role is Role.FOLLOWER and lease is not None:

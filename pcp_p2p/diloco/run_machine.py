@@ -28,6 +28,11 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
   a lease or a term any input would still publish or set up is dropped here
   (``PublishLease``/``BecomeShepherd``: a holder does not renew a finished run).
+- **A failover keeps the round in flight**: the successor's new shepherd takes over
+  the attempt its own worker holds (``Shepherd.adopt``) when its election accepted
+  that attempt's shepherd for its term and the attempt starts where the new term
+  does; the dead shepherd's worker is not waited for (workers send their
+  submissions again on following the new term: ``Worker.set_shepherd``).
 - **The election's settling waits for its own lookups only**: a claim waits until
   every lease and commit lookup it asked for answered (``on_lookups_done``).
 - **Catch-up after a restart**: the run's last commit, which no live lease vouches
@@ -61,7 +66,8 @@ input                      effect
 ``on_inner_done`` / failed to the worker
 ``on_*_lookup``            to the election / worker; the election's wait ends when all answered
 ``on_replicated``          the held commit and everything after it go out
-``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ
+``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ;
+                           after a failover it takes over the attempt in flight (``adopt``)
 ``setup_ended``            compiling over: the kept joins are replayed
 ``tick``                   every machine's deadlines
 ``stop``                   the owner's order: ``Stopped``, ``RunEnded``
@@ -109,6 +115,7 @@ from pcp_p2p.diloco.election import (
     Lease,
     LookupLease,
     PublishLease,
+    Role,
     SendHeartbeat,
     StepDown,
 )
@@ -371,7 +378,20 @@ class RunMachine:
             self.shepherd = shepherd
             # The term's starting θ must be fetchable by the workers.
             self._round(SHEPHERD, [StoreBlob(shepherd.theta_cid, shepherd.theta_bytes)], now)
+            self._take_over_attempt(shepherd, now)
         return self._run(now, go)
+
+    def _take_over_attempt(self, shepherd: Shepherd, now: float) -> None:
+        """A failover's successor takes over the attempt in flight (``Shepherd.adopt``): the one its
+        own worker holds, signed by the holder of its term as this node's election knows it. The
+        dead term's shepherd is not waited for; every other worker sends its submission again."""
+        ann = self.worker.current if self.worker is not None else None
+        if ann is None or not self.holds_term(ann.term, ann.shepherd):
+            return
+        self._round(SHEPHERD, shepherd.adopt(ann, now, gone={ann.shepherd} - {self.peer_id}), now)
+        if shepherd.adopted is not None:
+            log.info("run %s: term %d takes over round %d attempt %d of term %d", self.run_id[:16],
+                     shepherd.term, ann.round + 1, ann.attempt, ann.term)
 
     def setup_failed(self, error: str | None) -> None:
         """A set-up attempt failed (``None``: the latest succeeded): shown as the run's phase
@@ -402,7 +422,15 @@ class RunMachine:
                 self._round(SHEPHERD, self.shepherd.tick(now), now)
             if self.worker is not None:
                 self._round(WORKER, self.worker.tick(now), now)
-            self._election(self.election.tick(now), now)
+            e = self.election
+            followed = e.lease if e.role is Role.FOLLOWER else None
+            self._election(e.tick(now), now)
+            if followed is not None and e.history and e.history[-1].term == followed.term \
+                    and e.history[-1].ended == "failover":
+                heard = e.last_heard if e.last_heard is not None else followed.issued
+                log.info("run %s: term %d's holder %s is %s (last heard %.1f s ago)", self.run_id[:16],
+                         followed.term, followed.holder[-12:],
+                         "suspected" if followed.holder in e.suspected else "gone: its lease lapsed", now - heard)
         return self._run(now, go)
 
     @property
@@ -593,6 +621,7 @@ class RunMachine:
             "round": rec.round + 1, "theta": rec.theta_cid, "loss": rec.mean_loss,  # 1-based
             "val_loss": rec.val_loss, "participants": len(rec.participants), "tokens": rec.tokens,
             "term": rec.term, "shepherd": rec.shepherd,
+            "at": round(now, 3),  # when this node accepted it (its clock): bench/failover.py times takeovers by it
         })
         log.info("run %s: round %d committed, loss %.4f, val %.4s, %d workers",
                  self.run_id[:16], rec.round + 1, rec.mean_loss,
@@ -842,15 +871,11 @@ def max_claim_age(spec: RunSpec) -> float:
     return e.rotate_every * (r.deadline_s + 10.0) * 3 + e.claim_timeout_s + 2 * e.lease_s
 
 
-HEARTBEAT_FAILOVER = False
-"""Whether runs use the election's heartbeat failover (``ElectionConfig.heartbeat_s``). Off: in
-``bench/failover.py`` on a loaded 2-core machine it measured worse than lease expiry (11–99 s
-against 10–11 s: spurious suspicions of a busy shepherd, term changes during a successor's
-compile); the mechanism is tested on MockClock and kept for when that is understood."""
-HEARTBEATS_PER_RENEWAL = 4  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.5 s)
-SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (3 s)
-# (3 missed beats, 1.5 s, deposed busy shepherds on a loaded 2-core machine: a commit
-# can keep a shepherd's event loop from sending for over a second.)
+HEARTBEATS_PER_RENEWAL = 8  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.25 s)
+SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (1.5 s)
+# (Before the runtime fed the machine off its event loop, a commit kept a shepherd from
+# sending for over a second on a loaded 2-core machine, and even 3 s of silence deposed
+# busy shepherds now and then: see the essay in runtime.py.)
 
 
 def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig:
@@ -865,6 +890,6 @@ def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig
         min_uptime_s=e.min_uptime_s, rotate_every=e.rotate_every, claim_timeout_s=e.claim_timeout_s,
         settle_s=settle_s, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(spec),
         rounds=spec.round.rounds,
-        heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL if HEARTBEAT_FAILOVER else 0.0,
+        heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL,
         suspect_s=SUSPECT_AFTER_BEATS * e.renew_every_s / HEARTBEATS_PER_RENEWAL,
     ).validate()

@@ -45,6 +45,7 @@ class TermSetUp:
         self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
         self.evaluate: Evaluator | None = None
         self.standby: list[Artifact] = []  # artifacts built and signed ahead of a takeover
+        self.ready = False  # the standby is hot: artifacts and evaluator built (status shows it)
 
     def wanted_targets(self) -> list[str]:
         """The best allowed CPU target of each member taking part in the run."""
@@ -83,6 +84,23 @@ class TermSetUp:
         finally:
             cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
 
+    async def build_evaluator(self) -> Evaluator:
+        """The shepherd's evaluator, built and compiled (once). ``jax.jit`` compiles on the first
+        call: seconds on a loaded machine, which the machine would otherwise spend inside the
+        first submission it scores, renewing no lease meanwhile (a first shepherd lost its
+        term that way) and with every other submission waiting behind it."""
+        rt = self.rt
+        from pcp_p2p.diloco import engine
+
+        if self.evaluate is not None:
+            return self.evaluate
+        assert rt.dataset is not None
+        evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+        theta = await trio.to_thread.run_sync(engine.initial_theta, rt.spec, rt.dataset.vocab_size)
+        await trio.to_thread.run_sync(evaluate.score, theta)
+        self.evaluate = evaluate
+        return evaluate
+
     def cancel(self, why: str) -> None:
         rt = self.rt
         scope = self.scope
@@ -94,13 +112,11 @@ class TermSetUp:
         """Hot standby: build the artifacts into the cache and the evaluator now, off the
         critical path, so that taking over a term (failover, rotation) costs a cache hit."""
         rt = self.rt
-        from pcp_p2p.diloco import engine
-
         assert rt.dataset is not None
         try:
             self.standby = await self.build_artifacts(self.wanted_targets())
-            if self.evaluate is None:
-                self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+            await self.build_evaluator()
+            self.ready = True
             log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
         except PcpError as exc:
             rt.node.log_once("self", exc, "standby build failed")
@@ -167,17 +183,17 @@ class TermSetUp:
                                  "size": len(art.vmfb), "cache_hit": art.cached})
             await rt.io.keep(art.vmfb, for_run=True)
             artifacts[art.manifest.target] = await rt.io.keep(encode(art.manifest), for_run=True)
-        if self.evaluate is None:
-            self.evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+        evaluate = await self.build_evaluator()
         state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         if eff.checkpoint_cid:
             state = await self._starting_state(eff, eff.checkpoint_cid)
+        self.ready = True  # the artifacts are in the cache and the evaluator is built
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
         return Shepherd(
             spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
-            state=state, artifacts=artifacts, evaluate=self.evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round, admit=m.admission.why_not, score=self.evaluate.score,
+            state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
+            end_round=eff.end_round, admit=m.admission.why_not, score=evaluate.score,
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
 

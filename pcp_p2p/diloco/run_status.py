@@ -83,6 +83,7 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "shepherd": m.shepherd_peer,
         **election,
         "is_shepherd": m.shepherd is not None,
+        "standby": rt.setup.ready,  # artifacts and evaluator built ahead of a takeover (hot standby)
         "theta": w.theta_cid if w is not None else None,
         "participants": len(rec.participants) if rec is not None else 0,
         "deadline_s": round(max(0.0, ann.deadline - now), 1) if ann is not None else None,

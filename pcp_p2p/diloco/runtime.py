@@ -25,10 +25,29 @@ SaveLease, Stopped     files in the run's folder (a restart's anchor, the owner'
 
 Time is the injected ``clock`` (the wall clock on a node: round deadlines are
 compared across nodes). Status: :mod:`pcp_p2p.diloco.run_status`.
+
+**The machine runs off the event loop.** A shepherd's inputs carry the heavy work
+(decoding Δs, scoring them and evaluating θ with JAX, the robust rule, hashing
+and serialising the checkpoint): up to a second or more per input on a loaded
+machine, during which an event loop that ran them would send nothing, no
+heartbeat and no ack, and its followers would depose a shepherd that is only
+busy. So each input (and each tick) is fed to the machine in a worker thread
+(``trio.to_thread.run_sync``, one at a time: the pump waits for it, so the
+machine still takes one input at a time), its effects are carried out back
+here, and the event loop stays free for the network meanwhile. Heartbeats go
+from a task of their own (``_heartbeats``) whenever the machine's own have
+not gone out for a beat: a busy shepherd keeps beating, a dead or hung process
+does not, and a machine that stopped making progress stops renewing its lease,
+which bounds how long it can hold a term anyway. Other tasks that change the
+machine or vouch for a commit take ``_machine_lock`` (a commit's vouching in a
+thread, in the machine's turn); status never waits for it (it shows the last
+status computed while the machine was idle), nor do the DHT's record checks
+(``check_record``): nothing on the event loop waits for a machine step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -42,7 +61,7 @@ from pcp_p2p.diloco.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.departures import make_leave
 from pcp_p2p.diloco.effects import CancelInner, Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.election import Election, Lease, PublishLease
+from pcp_p2p.diloco.election import Election, Heartbeat, Lease, PublishLease
 from pcp_p2p.diloco.lifecycle import STOP_FILE, STOP_KIND, STOPPED, StopOrder
 from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, verify
 from pcp_p2p.diloco.reputation import ReputationLedger
@@ -107,6 +126,8 @@ MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 OWNER_RECORDS: dict[str, type[Message]] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
 
 
+SLOW_INPUT_S = 0.5  # a machine step longer than this is logged (the event loop goes on meanwhile)
+MAX_BEATS_QUEUED = 64  # heartbeats kept between two machine steps (more are dropped: liveness hints only)
 TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often
 
 
@@ -140,6 +161,14 @@ class RunRuntime:
         self.setup = TermSetUp(self)  # compiling, when this node wins a term
         self._prewarmed = False
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        # The machine takes its inputs in a worker thread (see the module's essay); what
+        # other tasks change of it waits for the input in progress (``_machine_lock``).
+        self._machine_lock = threading.Lock()
+        self._machine_thread = trio.CapacityLimiter(1)
+        self._status: dict[str, Any] | None = None  # the last status computed (shown while the machine is busy)
+        self._beat_at = float("-inf")  # when this node last sent its heartbeat (its clock)
+        self._beating: set[str] = set()  # peers a heartbeat is on its way to (one at a time each)
+        self._beats_in: list[tuple[str, Heartbeat]] = []  # heartbeats received, for the next step
 
     # -- what others read -----------------------------------------------------------------
 
@@ -164,10 +193,25 @@ class RunRuntime:
         return self.machine.shepherd
 
     def status(self) -> dict[str, Any]:
-        return run_status(self)
+        """The run's status; while the machine is busy with an input, the last one computed
+        (a status request must not stall the event loop behind a commit)."""
+        if self._machine_lock.acquire(blocking=self._status is None):
+            try:
+                self._status = run_status(self)
+            finally:
+                self._machine_lock.release()
+        assert self._status is not None
+        return self._status
 
     def check_record(self, payload: Message, now: float) -> None:
-        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``)."""
+        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``).
+
+        Without ``_machine_lock``: the DHT validates on the event loop, every lease renewal
+        at every node, and waiting here for a machine step would stall the loop (heartbeats
+        included) for as long as the step takes. The check only reads the election, which
+        may be mid-input in the machine's thread; it decides what this node's DHT stores or
+        selects, never what the node acts on (the election checks every lease and commit
+        itself, whole, before anything follows from it)."""
         if self.started:
             self.machine.check_record(payload, now)
 
@@ -183,6 +227,12 @@ class RunRuntime:
         """
         if getattr(msg, "run_id", None) != self.run_id:
             return
+        if isinstance(msg, Heartbeat):
+            # Not behind the inbox: fed to the machine ahead of its next step (``_feed``), so a
+            # follower whose inbox is busy never suspects a holder whose beats are waiting there.
+            if len(self._beats_in) < MAX_BEATS_QUEUED:
+                self._beats_in.append((sender, msg))
+            return
         if isinstance(msg, StopOrder):
             self.stop(msg, self.clock())  # refused (the messenger says why) unless the owner signed it
             return
@@ -191,7 +241,8 @@ class RunRuntime:
             try:  # the authority chain first: nothing a commit names is fetched before it
                 if not self.started:
                     raise HeldBack("this node's election has not started")
-                self.machine.vouch_commit(msg)  # refused outright (not acked) if it can never hold
+                # refused outright (not acked) if it can never hold; in the machine's turn, off the loop
+                await trio.to_thread.run_sync(self._vouch, msg, limiter=self._machine_thread)
             except HeldBack as exc:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
                 self.post(MessageIn(sender, msg))
@@ -205,17 +256,24 @@ class RunRuntime:
                                 f"from {sender}; not accepted")
         self.post(MessageIn(sender, msg))
 
+    def _vouch(self, msg: CommitRecord) -> None:
+        with self._machine_lock:
+            self.machine.vouch_commit(msg)
+
     def stop(self, order: StopOrder, now: float) -> None:
         """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
-        self._carry_out(self.machine.stop(order, now))
+        with self._machine_lock:
+            effects = self.machine.stop(order, now)
+        self._carry_out(effects)
 
     async def announce_departure(self) -> None:
         """This node leaves (a graceful stop): tell the shepherd, or, as the shepherd, the run.
         Unbounded here: the caller bounds it (:func:`pcp_p2p.shutdown.add_farewell`)."""
         if self.finished.is_set() or not self.started:
             return
-        self.machine.members = self._members()
-        targets = self.machine.departure_targets()
+        with self._machine_lock:
+            self.machine.members = self._members()
+            targets = self.machine.departure_targets()
         if not targets:
             return
         leave = make_leave(self.run_id, self.node.identity, self.clock())
@@ -239,15 +297,18 @@ class RunRuntime:
                 # A wakeup already past (a worker fetching or training) must not make this
                 # loop spin: look again in half a second.
                 wait = 3600.0 if wake is None else max(wake - now, 0.5 if wake <= now else 0.0)
+                ev: Event | None = None
                 with trio.move_on_after(wait):
-                    self._dispatch(await self._inbox.receive())
+                    ev = await self._inbox.receive()
+                if ev is not None:
+                    await self._dispatch(ev)
                     # A steady flow of messages must not starve the deadlines (a shepherd's
                     # heartbeats): tick once one is due, at most every TICK_FLOOR_S.
                     due = self.machine.next_wakeup
                     if due is None or self.clock() < due or self.clock() - last_tick < TICK_FLOOR_S:
                         continue
                 last_tick = self.clock()
-                self._carry_out(self.machine.tick(last_tick))
+                await self._feed(functools.partial(self.machine.tick, last_tick), "tick")
             # Finished: let in-flight work (the final commit's sends, announcements)
             # complete, but not forever; a stopped run has nothing more to say.
             grace = STOP_GRACE_S if self.machine.stop_latch.stopped else FINISH_GRACE_S
@@ -274,6 +335,23 @@ class RunRuntime:
         self._carry_out(self.machine.start(self.clock()))
         assert self._nursery is not None
         self._nursery.start_soon(self._members_loop)
+        self._nursery.start_soon(self._heartbeats)
+
+    async def _heartbeats(self) -> None:
+        """While this node holds the term, a heartbeat to every run member each ``heartbeat_s``,
+        busy machine or not: whenever the machine's own (from its ticks) have not gone out."""
+        beat = self.machine.election.config.heartbeat_s
+        if beat <= 0:
+            return
+        while True:
+            await trio.sleep(max(0.0, self._beat_at + beat - self.clock()))
+            now = self.clock()
+            if now < self._beat_at + beat:
+                continue  # the machine's own went out meanwhile
+            hb = self.machine.election.heartbeat(now)  # (reads two fields: no lock needed)
+            self._beat_at = now
+            if hb is not None:
+                self._carry_out([Send(peer, hb) for peer in self.machine.run_members()])
 
     async def _members_loop(self) -> None:
         """The membership view, once a second: the machine decides what follows from it."""
@@ -291,12 +369,33 @@ class RunRuntime:
         """Queue an input for the machine (from an effect's task, or the network)."""
         self._send.send_nowait(ev)
 
-    def _dispatch(self, ev: Event) -> None:
+    async def _dispatch(self, ev: Event) -> None:
         try:
-            self._carry_out(self.machine.handle(ev, self.clock()))
+            await self._feed(lambda: self.machine.handle(ev, self.clock()), type(ev).__name__)
         except Exception as exc:  # the boundary (pcp_p2p.faults): a bug drops this input (its effects
             # not yet carried out with it), not the run, which a stranger's input must never stop
             self.node._reject(ev.sender if isinstance(ev, MessageIn) else "self", exc, "round")
+
+    async def _feed(self, step: Callable[[], list[Any]], what: str) -> None:
+        """Run one machine step in a worker thread, then carry its effects out here.
+
+        Not abandoned on cancellation (a step is never half-applied), and one at a
+        time (the pump waits; ``_machine_lock`` keeps other tasks out meanwhile)."""
+        beats, self._beats_in = self._beats_in, []
+
+        def locked() -> list[Any]:
+            with self._machine_lock:
+                effects: list[Any] = []
+                for sender, hb in beats:  # they arrived before this step: the holder was alive then
+                    effects += self.machine.handle(MessageIn(sender, hb), self.clock())
+                return effects + step()
+
+        t0 = self.clock()
+        effects = await trio.to_thread.run_sync(locked, limiter=self._machine_thread)
+        took = self.clock() - t0
+        if took > SLOW_INPUT_S:
+            log.info("run %s: %s took the machine %.2f s", self.run_id[:16], what, took)
+        self._carry_out(effects)
 
     # -- effects --------------------------------------------------------------------------
 
@@ -311,6 +410,12 @@ class RunRuntime:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("effect %s", _describe(e))
             if isinstance(e, Send):
+                if isinstance(e.message, Heartbeat):
+                    self._beat_at = self.clock()
+                    if e.to not in self._beating:  # (else the one in flight will do)
+                        self._beating.add(e.to)
+                        n.start_soon(self._beat, e.to, e.message)  # type: ignore[union-attr]
+                    continue
                 if e.to == self.node.peer_id:
                     self.post(MessageIn(self.node.peer_id, e.message))
                 else:
@@ -424,6 +529,19 @@ class RunRuntime:
             self.node.log_once(peer, exc, f"sending {msg.TAG} failed")
             return False
         return True
+
+    async def _beat(self, peer: str, hb: Heartbeat) -> None:
+        """One heartbeat to ``peer``. At most one is in flight per peer: a slow peer's acks must
+        not pile streams up (the messenger allows a few per peer, and a lease or a submission
+        refused for want of one costs far more than a beat skipped)."""
+        try:
+            # Given up after a suspicion window (a beat that late is no use; the next goes on a
+            # new stream). Not sooner: on a loaded machine opening a stream can take most of a
+            # second, and a beat cut off before its frame went out is no beat at all.
+            with trio.move_on_after(self.machine.election.config.suspect_window_s):
+                await self.send_to(peer, hb)
+        finally:
+            self._beating.discard(peer)
 
     async def _replicate_commit(self, e: ReplicateCommit) -> None:
         """Make one other node hold the checkpoint: the commit message is the request (a worker

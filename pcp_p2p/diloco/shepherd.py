@@ -38,9 +38,24 @@ checkpoint (:meth:`Shepherd.from_checkpoint`), and every message carries the
 shepherd's ``term``: whoever holds the next term continues from the last commit,
 and the committed round number never goes backwards.
 
+**Taking an attempt over** (:meth:`Shepherd.adopt`). When a shepherd dies mid-round
+its workers have trained, or are training, from the very θ the next term
+starts from. Announcing that round again would throw their work away and cost
+a whole round on top of the failover; instead the successor adopts the
+attempt in flight: the dead term's signed announcement (its assignments, data
+seeds and step caps) becomes the one this shepherd collects for, the workers
+send it the submissions they signed for that attempt, and it commits them
+under its own term. Every check on a submission still applies (signature, the
+announcement's assignment and caps, the robust rule, the score and the
+val-jump guard); the only rounds adopted are those that start from the θ the
+term continues from, so nothing is combined that another θ produced. An
+adopted attempt draws no audits: the requests would name the dead term, whose
+shepherd the auditors rightly refuse to answer for (docs/election.md).
+
 Transitions (``*`` = every input not listed leaves the phase unchanged)::
 
     WAITING     --tick, quorum joined + grace-->       COLLECTING  (announce)
+    WAITING     --adopt, the predecessor's attempt-->  COLLECTING  (a failover: no announcement)
     COLLECTING  --all reported / deadline, quorum-->   COLLECTING  (commit; announce r+1)
     COLLECTING  --... last round committed-->          FINISHED    (commit)
     COLLECTING  --deadline, no quorum-->               COLLECTING  (discard; announce again)
@@ -218,6 +233,8 @@ class Shepherd:
         self.quorum_since: float | None = None
         self.end_round = end_round
         self.handed_over = end_round is not None and state.round >= end_round
+        self.adopted: RoundAnnouncement | None = None  # the predecessor's attempt, taken over (adopt)
+        self.close_at: float | None = None  # the adopted attempt's deadline (its own may have passed)
 
     @classmethod
     def from_checkpoint(
@@ -245,9 +262,16 @@ class Shepherd:
         return min(10.0, 0.1 * self.spec.round.deadline_s)
 
     @property
+    def deadline(self) -> float | None:
+        """When the attempt in flight closes (``None``: no attempt is open)."""
+        if self.phase is not Phase.COLLECTING or self.round_agg is None:
+            return None
+        return self.close_at if self.close_at is not None else self.round_agg.announcement.deadline
+
+    @property
     def next_wakeup(self) -> float | None:
         if self.phase is Phase.COLLECTING and self.round_agg is not None:
-            return self.round_agg.announcement.deadline
+            return self.deadline
         if self.phase is Phase.WAITING and self.quorum_since is not None:
             return self.quorum_since + self.join_grace_s
         return None
@@ -263,6 +287,37 @@ class Shepherd:
         if isinstance(msg, Leave):
             return self.on_leave(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
+
+    def adopt(self, ann: RoundAnnouncement, now: float, gone: Collection[str] = ()) -> list[Effect]:
+        """Take over ``ann``, the attempt in flight of the term before this one (failover).
+
+        Only right after set-up (no round announced yet) and only for the round
+        this term starts with, from the same θ; anything else is ignored (``[]``),
+        and the term announces its first round as usual. The caller has checked
+        that ``ann`` was signed by the holder of its term. ``gone``: assigned
+        workers that will not report (the dead shepherd's own worker): decided at
+        once, so the attempt closes as soon as the others have reported. It closes
+        at its announcement's deadline, but no sooner than one ``time_budget_s``
+        from now (the workers must first see this term's lease, which each takes
+        only once its own silence agrees, and send their submissions again) and no
+        later than two: a worker that got the announcement has trained by then,
+        and one still missing never got it (the shepherd died while announcing) and
+        must not hold the round up to the announcement's full deadline.
+        """
+        if (self.phase is not Phase.WAITING or self.handed_over or self.commits or ann.run_id != self.run_id
+                or ann.term >= self.term or ann.round != self.state.round or ann.theta_cid != self.theta_cid):
+            return []
+        self.attempt = ann.attempt
+        self.announced_at = now
+        self.adopted = ann
+        budget = self.spec.round.time_budget_s
+        self.close_at = min(max(ann.deadline, now + budget), now + 2 * budget)
+        agg = self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
+        self.pending.clear()
+        self._set_phase(Phase.COLLECTING)
+        for w in sorted(set(gone) & agg.assigned):
+            agg.refuse(w, PeerGone(f"{w:.16}… led the term that ended"))
+        return self._maybe_close(now) if agg.reported else []
 
     def on_audit_report(self, report: AuditReport, now: float) -> list[Effect]:
         if self.audits is None:
@@ -364,6 +419,8 @@ class Shepherd:
             if agg is not None and self._is_current(sub) and sub.worker in agg.assigned - set(agg.accepted):
                 return self._refuse(sub, refusal, now)  # decided: the round need not wait for it
             return [Rejected(sub.worker, refusal)]
+        if sub.term < self.term and not (agg is not None and self._is_current(sub)):
+            return []  # its attempt, offered again after a failover, was not taken over here: no fault
         if self.phase is not Phase.COLLECTING or agg is None:
             return [Rejected(sub.worker, StaleMessage("no round is open"))]
         try:
@@ -414,7 +471,8 @@ class Shepherd:
                     and not self.handed_over):
                 return self._announce(now)
             return []
-        if self.phase is not Phase.COLLECTING or agg is None or now < agg.announcement.deadline:
+        deadline = self.deadline
+        if agg is None or deadline is None or now < deadline:
             return []
         if len(agg.accepted) >= self.spec.round.min_quorum:
             return self._commit(now)
@@ -444,7 +502,8 @@ class Shepherd:
         except PcpError as exc:
             return self._refuse(sub, exc, now)
         agg.admit(sub, delta, score)
-        self.deadlines.observe(sub.worker, now - self.announced_at)
+        if self.adopted is None:  # (an adopted attempt's arrivals say nothing of the workers' speed)
+            self.deadlines.observe(sub.worker, now - self.announced_at)
         return self._maybe_close(now)
 
     def _score(self, sub: Submission, delta: Params) -> float | None:
@@ -551,7 +610,7 @@ class Shepherd:
             elif w in accepted:
                 self.misses[w] = 0
             else:
-                if w not in reported:  # silent until the deadline (a refused Δ did arrive)
+                if w not in reported and self.adopted is None:  # silent until the deadline (a refused Δ did arrive)
                     self.deadlines.missed(w, agg.announcement.deadline - self.announced_at)
                 self.misses[w] = self.misses.get(w, 0) + 1
                 if self.misses[w] >= EVICT_AFTER_MISSES:
@@ -570,6 +629,7 @@ class Shepherd:
         self._count_misses(set(agg.accepted))
         self.attempt += 1
         self.round_agg = None
+        self.adopted = self.close_at = None
         if len(self.roster) >= self.spec.round.min_quorum:
             return effects + self._announce(now)
         self._set_phase(Phase.WAITING)
@@ -683,6 +743,7 @@ class Shepherd:
         self.theta_cid = theta_cid
         self.attempt = 0
         self.round_agg = None
+        adopted, self.adopted, self.close_at = self.adopted, None, None
         self.commits.append(record)
         recipients = sorted(set(self.roster) | set(participants))
         effects: list[Effect] = [
@@ -695,7 +756,7 @@ class Shepherd:
         if self.audits is not None:  # drawn with the new θ's CID, which no worker knew when it submitted
             effects += self.audits.on_commit(
                 agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
-                {w: j.target for w, j in self.roster.items()},
+                {w: j.target for w, j in self.roster.items()}, draw=adopted is None,
             )
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)

@@ -45,6 +45,13 @@ Transitions::
     TRAINING   --inner failed-->                IDLE
     any        --newer announcement-->          FETCHING/TRAINING (CancelInner first)
     any        --commit-->                      IDLE (prefetch new θ)
+    SUBMITTED  --a new term from the same θ-->  SUBMITTED (Join; the submission sent again)
+
+A failover does not throw the round in flight away: when the next term starts
+from the θ the worker is training from (the lease's base), the worker joins the
+new shepherd and sends it the submission it signed for the attempt in flight
+(or, still training, sends it there when done), which the new shepherd may take
+over (:meth:`~pcp_p2p.diloco.shepherd.Shepherd.adopt`).
 """
 
 from __future__ import annotations
@@ -193,7 +200,19 @@ class Worker:
         if now is not None:
             self.last_heard = now
         self.joined_for = None
-        return self._join()
+        effects = self._join()
+        ann = self.current
+        if ann is not None and self.phase is WorkerPhase.SUBMITTED and self._carries_over(ann):
+            sub = next((s for s in reversed(self.submitted)
+                        if (s.term, s.round, s.attempt) == (ann.term, ann.round, ann.attempt)), None)
+            if sub is not None:
+                effects.append(Send(peer_id, sub))
+        return effects
+
+    def _carries_over(self, ann: RoundAnnouncement) -> bool:
+        """Whether ``ann``, of an older term, is the attempt the current term may take over: the
+        term starts from the round ``ann`` trains and the θ it trains from."""
+        return ann.term < self.term and self.term_base.get(self.term) == (ann.round, ann.theta_cid)
 
     # --- inputs --------------------------------------------------------------
 
@@ -368,7 +387,9 @@ class Worker:
         self.submitted.append(sub)
         del self.submitted[:-KEEP_SUBMITTED]  # an audit asks about a recent round only
         self.phase = WorkerPhase.SUBMITTED
-        return [*effects, Send(ann.shepherd, sub)]
+        # (a failover while training: the new term's shepherd may take the attempt over)
+        to = self.shepherd if self._carries_over(ann) and self.shepherd is not None else ann.shepherd
+        return [*effects, Send(to, sub)]
 
     def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Effect]:
         ann = self.current

@@ -1,0 +1,94 @@
+"""A busy shepherd keeps beating: the runtime feeds its machine off the event loop.
+
+The election's suspicion rule is tested on pure machines (tests/test_election_heartbeat.py).
+What makes it honest on a real node is that a shepherd busy with a heavy input (a
+commit: Δ decoding, JAX evaluation, the robust rule, the checkpoint) still sends its
+heartbeats. Here the machine's step is a stand-in that blocks its thread until the
+test has seen the heartbeats that went out meanwhile: had the step run on the event
+loop, none would have (the step gives up after 10 s and the test fails).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, Heartbeat, PublishLease, Role, ranked
+from pcp_p2p.diloco.run_effects import Wake
+from pcp_p2p.diloco.runtime import RunRuntime
+from pcp_p2p.node.identity import Identity
+
+CONFIG = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
+                        claim_timeout_s=10.0, settle_s=0.0, heartbeat_s=0.25, suspect_s=1.5)
+BUSY_S = 2.0  # how long the stand-in step holds the machine, at least (a commit on a loaded machine)
+
+
+def two_elections(now: float) -> tuple[Election, Election]:
+    """(holder, follower) of term 0 of a run, the lease accepted at ``now``."""
+    ids = [Identity.generate(), Identity.generate()]
+    first = ranked("run", 0, [i.peer_id for i in ids])[0]
+    ids.sort(key=lambda i: i.peer_id != first)
+    holder, follower = (Election("run", i, CONFIG) for i in ids)
+    view = [Candidate(i.peer_id, 100.0) for i in ids]
+    for e in (holder, follower):
+        e.start(now)
+        e.on_lookups_done(now)
+    (claim,) = [x.lease for x in holder.on_members(view, now) if isinstance(x, PublishLease)]
+    follower.on_members(view, now)
+    follower.on_lease(claim, now)
+    assert holder.role is Role.HOLDER and follower.role is Role.FOLLOWER
+    return holder, follower
+
+
+async def test_a_shepherd_busy_with_a_long_input_keeps_beating_and_is_not_deposed() -> None:
+    start = time.time()
+    holder, follower = two_elections(start)
+    silent = two_elections(start)[1]  # the follower of a holder that sends nothing
+    released = threading.Event()
+    beats: list[Heartbeat] = []
+    enough = trio.Event()
+
+    def busy_step(ev: Any, now: float) -> list[Any]:
+        released.wait(10.0)  # a heavy input: the thread is busy, the event loop is not
+        return []
+
+    class Messenger:
+        async def send(self, peer: str, msg: Any) -> None:
+            assert peer == follower.peer_id and isinstance(msg, Heartbeat)
+            beats.append(msg)
+            if msg.sent_at - beats[0].sent_at >= BUSY_S:
+                enough.set()
+
+    rt = RunRuntime.__new__(RunRuntime)
+    rt.run_id, rt.clock = "run", time.time
+    rt.node = SimpleNamespace(peer_id=holder.peer_id, messenger=Messenger())  # type: ignore[assignment]
+    rt.machine = SimpleNamespace(  # type: ignore[assignment]
+        election=holder, handle=busy_step, run_members=lambda: [follower.peer_id])
+    rt._machine_lock, rt._machine_thread = threading.Lock(), trio.CapacityLimiter(1)
+    rt._beat_at, rt._beating, rt._beats_in = float("-inf"), set(), []
+    async with trio.open_nursery() as nursery:
+        rt._nursery = nursery
+        nursery.start_soon(rt._heartbeats)
+        nursery.start_soon(rt._dispatch, Wake())
+        with trio.fail_after(20):
+            await enough.wait()
+        assert not released.is_set()  # all of them went out while the step was still running
+        released.set()
+        nursery.cancel_scope.cancel()
+    assert all(b.term == 0 and b.holder == holder.peer_id for b in beats)
+    gaps = [b.sent_at - a.sent_at for a, b in itertools.pairwise(beats)]
+    assert max(gaps) < CONFIG.suspect_window_s  # never silent for a suspicion window
+
+    end = beats[-1].sent_at
+    for b in beats:
+        follower.on_heartbeat(b, b.sent_at)
+    follower.tick(end)
+    assert follower.role is Role.FOLLOWER  # busy, and alive: not deposed
+    silent.tick(end)  # heard nothing for BUSY_S > suspect_s: suspected, the term ends ...
+    assert silent.history[0].ended == "failover"
+    assert silent.current_term == 1 and silent.holder == silent.peer_id  # ... and the next is claimed
