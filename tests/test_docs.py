@@ -12,22 +12,19 @@ def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
     import pcp_p2p.blob.service
     import pcp_p2p.compile.manifest
     import pcp_p2p.diloco.runtime  # noqa: F401
-    from pcp_p2p.dht.kinds import register_all
-    from pcp_p2p.dht.records import KIND_RULES
+    from pcp_p2p.dht.kinds import RECORD_KINDS
     from pcp_p2p.node.doctor import SPEED_PROTOCOL
     from pcp_p2p.node.membership import SWIM_PROTOCOL
     from pcp_p2p.node.messaging import MSG_PROTOCOL
     from pcp_p2p.node.status import STATUS_PROTOCOL
     from pcp_p2p.wire import registered_types
 
-    register_all()
     text = (DOCS / "protocol.md").read_text()
     for tag in registered_types():
         if not tag.startswith("test."):
             assert f"`{tag}`" in text, f"docs/protocol.md does not mention message {tag}"
-    for kind in KIND_RULES:
-        if kind != "bench":
-            assert f"/pcp/{kind}/" in text, f"docs/protocol.md does not mention record kind {kind}"
+    for kind in RECORD_KINDS:
+        assert f"/pcp/{kind}/" in text, f"docs/protocol.md does not mention record kind {kind}"
     for pid in (MSG_PROTOCOL, STATUS_PROTOCOL, blob_protocol.PROTOCOL_ID, SWIM_PROTOCOL, SPEED_PROTOCOL):
         assert pid in text, f"docs/protocol.md does not mention {pid}"
 
