@@ -32,3 +32,15 @@ def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
 def test_readme_has_the_two_commands() -> None:
     readme = (DOCS.parent / "README.md").read_text()
     assert "make demo" in readme and "make test" in readme
+
+
+def test_docs_name_only_source_files_that_exist() -> None:
+    """A path ``pcp_p2p/.../x.py`` in the docs, the README or the examples names a file that is there."""
+    import re
+
+    root = DOCS.parent
+    texts = [*DOCS.glob("*.md"), root / "README.md", *(root / "examples").glob("*.toml")]
+    missing = sorted({f"{t.relative_to(root)}: {m}" for t in texts
+                      for m in re.findall(r"(?<![\w/.])pcp_p2p(?:/\w+)+\.py\b", t.read_text())
+                      if not (root / m).is_file()})
+    assert not missing, "\n".join(missing)
