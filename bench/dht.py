@@ -43,7 +43,8 @@ GO_STORE_MS, GO_GET_MS = 14.0, 10.0  # the issue's goals: medians at most these
 
 async def child(data_dir: Path, bootstrap: str) -> None:
     from pcp_p2p import logs
-    from pcp_p2p.dht.records import record_key, register_kind, sign_record
+    from pcp_p2p.dht.kinds import RECORD_KINDS
+    from pcp_p2p.dht.records import KindRule, record_key, sign_record
     from pcp_p2p.errors import BadSignature
     from pcp_p2p.node.node import NodeConfig, open_node, parse_peer_addr
     from pcp_p2p.node.status import MAX_REPLY, STATUS_PROTOCOL, StatusRequest
@@ -60,8 +61,8 @@ async def child(data_dir: Path, bootstrap: str) -> None:
         if not name.startswith(signer + "-"):
             raise BadSignature("bench keys are <signer>-<n>")
 
-    register_kind("bench", BenchValue, own_prefix)
-    config = NodeConfig(data_dir, listen=("/ip4/127.0.0.1/tcp/0",), bootstrap=(bootstrap,), benchmark_s=0.05)
+    config = NodeConfig(data_dir, listen=("/ip4/127.0.0.1/tcp/0",), bootstrap=(bootstrap,), benchmark_s=0.05,
+                        record_kinds={**RECORD_KINDS, "bench": KindRule(BenchValue, own_prefix)})
     async with open_node(config) as node:
         await node.bootstrapped.wait()
         print(json.dumps({"addr": node.addrs()[0]}), flush=True)

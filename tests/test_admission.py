@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pcp_p2p.cid import cid_of
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_RECORD_SIZE, record_key, sign_record, verify_record
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.diloco.admission import (
@@ -210,7 +211,7 @@ def test_update_bounds_are_enforced_on_both_ends():
     full = sign_update(OWNER, RUN_ID, 1, add=peers[:150], remove=peers[150:], now=NOW)
     rec = encode(update_record(full, OWNER, now=NOW))
     assert len(rec) <= MAX_RECORD_SIZE
-    assert verify_record(rec, now=NOW).payload == full
+    assert verify_record(rec, now=NOW, kinds=RECORD_KINDS).payload == full
 
 
 # --- the DHT record kind ----------------------------------------------------------------------
@@ -220,11 +221,11 @@ def test_the_owners_record_verifies_under_its_key():
     up = update(1, add=[W[3]])
     rec = update_record(up, OWNER, now=NOW)
     assert rec.key == record_key(ALLOWLIST_KIND, f"{RUN_ID}.{OWNER.peer_id}") and rec.seq == 1
-    assert verify_record(encode(rec), key=rec.key, now=NOW).payload == up
+    assert verify_record(encode(rec), key=rec.key, now=NOW, kinds=RECORD_KINDS).payload == up
 
 
 def test_a_strangers_record_under_the_owners_key_is_refused():
-    v = PcpRecordValidator(now=lambda: NOW)
+    v = PcpRecordValidator(RECORD_KINDS, now=lambda: NOW)
     key = record_key(ALLOWLIST_KIND, allowlist_name(RUN_ID, OWNER.peer_id))
     genuine = update(1, add=[W[3]])
     # The owner's genuine update, re-signed into a record by a stranger (a higher seq, to shadow).
@@ -252,7 +253,7 @@ def test_a_strangers_record_under_the_owners_key_is_refused():
 
 
 def test_the_highest_seq_wins_whatever_the_clocks_say():
-    v = PcpRecordValidator(now=lambda: NOW)
+    v = PcpRecordValidator(RECORD_KINDS, now=lambda: NOW)
     key = record_key(ALLOWLIST_KIND, allowlist_name(RUN_ID, OWNER.peer_id))
     newer_seq = encode(update_record(update(2, remove=[W[1]]), OWNER, now=NOW - 50))
     older_seq = encode(update_record(update(1, add=[W[3]]), OWNER, now=NOW))

@@ -15,9 +15,10 @@ from conftest_compile import artifact, artifact_file, shepherd
 
 from pcp_p2p.cid import cid_of
 from pcp_p2p.diloco import audit
+from pcp_p2p.diloco.audit import CHUNK_STEPS
 from pcp_p2p.diloco.data import CharDataset
 from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, program_options
+from pcp_p2p.diloco.engine import InnerEngine, initial_theta, program_options
 from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, Submission, sign
 from pcp_p2p.diloco.spec import InnerOptimizer, RunSpec
 from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid

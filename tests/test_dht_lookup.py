@@ -9,6 +9,7 @@ import trio
 
 from pcp_p2p.dht import records as records_mod
 from pcp_p2p.dht import rpc
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.lookup import ClosestWalk, StoreFanout, ValueLookup
 from pcp_p2p.dht.records import sign_record, verify_record
 from pcp_p2p.errors import ExpiredRecord, PeerGone, VerificationError
@@ -151,11 +152,9 @@ def test_walk_reports_peers_that_enter_the_k_closest_and_stops_without_progress(
 
 
 def _member(identity: Identity, ttl_s: float = 60.0, now: float = 1000.0) -> bytes:
-    from pcp_p2p.dht.kinds import register_all
     from pcp_p2p.node.membership import MemberRecord
     from tests.conftest import TEST_CAPS
 
-    register_all()
     rec = MemberRecord(identity.peer_id, ("/ip4/127.0.0.1/tcp/1",), "worker", 0.0, TEST_CAPS)
     return encode(sign_record(identity, "member", identity.peer_id, rec, ttl_s=ttl_s, now=now))
 
@@ -167,13 +166,13 @@ def test_a_record_is_signature_checked_once_but_its_window_and_key_every_time(mo
     calls = []
     real = records_mod.verify_signature
     monkeypatch.setattr(records_mod, "verify_signature", lambda *a: (calls.append(1), real(*a))[1])
-    assert verify_record(data, key=key, now=1001.0).name == ident.peer_id
-    assert verify_record(data, key=key, now=1002.0).name == ident.peer_id
+    assert verify_record(data, key=key, now=1001.0, kinds=RECORD_KINDS).name == ident.peer_id
+    assert verify_record(data, key=key, now=1002.0, kinds=RECORD_KINDS).name == ident.peer_id
     assert len(calls) == 1
     with pytest.raises(ExpiredRecord):
-        verify_record(data, key=key, now=1061.0)  # expired: the cache does not hide it
+        verify_record(data, key=key, now=1061.0, kinds=RECORD_KINDS)  # expired: the cache does not hide it
     with pytest.raises(VerificationError):
-        verify_record(data, key="/pcp/member/someone-else", now=1001.0)
+        verify_record(data, key="/pcp/member/someone-else", now=1001.0, kinds=RECORD_KINDS)
 
 
 def test_a_forged_copy_of_a_cached_record_is_still_refused() -> None:
@@ -183,10 +182,10 @@ def test_a_forged_copy_of_a_cached_record_is_still_refused() -> None:
 
     ident = Identity.generate()
     data = _member(ident)
-    verify_record(data, now=1001.0)
+    verify_record(data, now=1001.0, kinds=RECORD_KINDS)
     forged = encode(dataclasses.replace(decode(data, SignedRecord), expires_at=1050.0))
     with pytest.raises(BadSignature):
-        verify_record(forged, now=1001.0)
+        verify_record(forged, now=1001.0, kinds=RECORD_KINDS)
 
 
 # -- rpc: one round trip against py-libp2p's own KAD server ---------------------------

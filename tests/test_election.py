@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import record_key, sign_record, verify_record
 from pcp_p2p.diloco.effects import FetchBlob, LookupCommit, Rejected
 from pcp_p2p.diloco.election import (
@@ -192,13 +193,13 @@ def test_lease_record_kind_in_the_dht():
     first = order(0)[0]
     lease = make_lease(first, 4, 100.0)
     rec = sign_record(first, LEASE_KIND, RUN, lease, ttl_s=10.0, seq=lease.term, now=100.0)
-    got = verify_record(encode(rec), key=record_key(LEASE_KIND, RUN), now=101.0)
+    got = verify_record(encode(rec), key=record_key(LEASE_KIND, RUN), now=101.0, kinds=RECORD_KINDS)
     assert got.payload == lease and got.record.seq == 4
     # stored by someone other than the holder: refused
     other = order(0)[1]
     rec2 = sign_record(other, LEASE_KIND, RUN, lease, ttl_s=10.0, seq=4, now=100.0)
     with pytest.raises(BadSignature):
-        verify_record(encode(rec2), now=101.0)
+        verify_record(encode(rec2), now=101.0, kinds=RECORD_KINDS)
 
 
 # --- failover, skipping, rotation ------------------------------------------------------------

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from pcp_p2p.dht.kinds import register_all
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import sign_record
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.diloco.election import (
@@ -40,7 +40,6 @@ from pcp_p2p.errors import (
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import encode
 
-register_all()  # the validator refuses record kinds it does not know
 RUN = "run-authority-test"
 CFG = ElectionConfig(lease_s=10.0, renew_every_s=3.0, grace_s=1.0, min_uptime_s=5.0, rotate_every=0,
                      claim_timeout_s=10.0, settle_s=1.0, max_skew_s=2.0, max_claim_age_s=600.0)
@@ -269,7 +268,7 @@ def test_a_holder_steps_down_before_its_claim_gets_too_old() -> None:
 
 def test_the_dht_validator_refuses_and_never_selects_what_the_election_would_not_act_on() -> None:
     e, holder = follower()
-    validator = PcpRecordValidator(now=lambda: 1.0)
+    validator = PcpRecordValidator(RECORD_KINDS, now=lambda: 1.0)
 
     def authority(rec, now):  # type: ignore[no-untyped-def]
         if isinstance(rec.payload, Lease):

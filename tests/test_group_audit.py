@@ -199,7 +199,8 @@ def _audit(auditor, who, sub_bytes, theta, state_blob, assignment):
 
 
 def test_an_honest_group_round_replays_bit_for_bit_and_a_tampered_one_is_caught(engines) -> None:
-    from pcp_p2p.diloco.engine import CHUNK_STEPS, initial_theta
+    from pcp_p2p.diloco.audit import CHUNK_STEPS
+    from pcp_p2p.diloco.engine import initial_theta
 
     assert CHUNK_STEPS == CHUNK
     rank0, rank1, auditor = engines

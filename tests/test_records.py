@@ -9,6 +9,7 @@ import pytest
 from libp2p.records.utils import InvalidRecordType
 from libp2p.records.validator import NamespacedValidator
 
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import (
@@ -37,71 +38,71 @@ def signed(ident: Identity = ALICE, **kw: object) -> SignedRecord:
 
 def test_valid_record_is_accepted() -> None:
     rec = signed()
-    out = verify_record(encode(rec), key=rec.key)
+    out = verify_record(encode(rec), key=rec.key, kinds=RECORD_KINDS)
     assert out.payload == member(ALICE)
 
 
 def test_unsigned_record_is_refused() -> None:
     rec = dataclasses.replace(signed(), signature=b"")
     with pytest.raises(BadSignature):
-        verify_record(encode(rec))
+        verify_record(encode(rec), kinds=RECORD_KINDS)
 
 
 def test_wrongly_signed_record_is_refused() -> None:
     rec = signed()
     forged = dataclasses.replace(rec, signature=BOB.sign(signing_bytes(rec)))
     with pytest.raises(BadSignature):
-        verify_record(encode(forged))
+        verify_record(encode(forged), kinds=RECORD_KINDS)
 
 
 def test_tampered_payload_is_refused() -> None:
     rec = signed()
     tampered = dataclasses.replace(rec, payload=encode(dataclasses.replace(member(ALICE), role="bootstrap")))
     with pytest.raises(BadSignature):
-        verify_record(encode(tampered))
+        verify_record(encode(tampered), kinds=RECORD_KINDS)
 
 
 def test_expired_and_future_records_are_refused() -> None:
     old = signed(now=time.time() - 3600)
     with pytest.raises(ExpiredRecord):
-        verify_record(encode(old))
+        verify_record(encode(old), kinds=RECORD_KINDS)
     future = signed(now=time.time() + 3600)
     with pytest.raises(ExpiredRecord):
-        verify_record(encode(future))
+        verify_record(encode(future), kinds=RECORD_KINDS)
 
 
 def test_record_claiming_another_peers_identity_is_refused() -> None:
     # Bob signs a record under Alice's key name.
     rec = sign_record(BOB, "member", ALICE.peer_id, member(ALICE), ttl_s=60)
     with pytest.raises(BadSignature):
-        verify_record(encode(rec))
+        verify_record(encode(rec), kinds=RECORD_KINDS)
     # Bob signs a record under his own key whose payload claims to be Alice.
     rec = sign_record(BOB, "member", BOB.peer_id, member(BOB, ALICE.peer_id), ttl_s=60)
     with pytest.raises(BadSignature):
-        verify_record(encode(rec))
+        verify_record(encode(rec), kinds=RECORD_KINDS)
 
 
 def test_record_stored_under_another_key_is_refused() -> None:
     rec = signed()
     with pytest.raises(VerificationError):
-        verify_record(encode(rec), key=record_key("member", BOB.peer_id))
+        verify_record(encode(rec), key=record_key("member", BOB.peer_id), kinds=RECORD_KINDS)
 
 
 def test_unknown_kind_and_bad_keys_are_refused() -> None:
     with pytest.raises(MalformedMessage):
-        verify_record(encode(sign_record(ALICE, "nosuchkind", "x", member(ALICE), ttl_s=60)))
+        verify_record(encode(sign_record(ALICE, "nosuchkind", "x", member(ALICE), ttl_s=60)), kinds=RECORD_KINDS)
     rec = dataclasses.replace(signed(), key="/other/member/x")
     with pytest.raises(MalformedMessage):
-        verify_record(encode(rec))
+        verify_record(encode(rec), kinds=RECORD_KINDS)
 
 
 def test_oversized_record_is_refused() -> None:
     with pytest.raises(OversizedMessage):
-        verify_record(b"\x00" * (64 * 1024))
+        verify_record(b"\x00" * (64 * 1024), kinds=RECORD_KINDS)
 
 
 def test_validator_select_prefers_newest_and_ignores_invalid() -> None:
-    v = PcpRecordValidator()
+    v = PcpRecordValidator(RECORD_KINDS)
     t = time.time()
     older = encode(signed(now=t - 10, seq=5))
     newer = encode(signed(now=t, seq=1))
@@ -117,7 +118,7 @@ def test_validator_select_prefers_newest_and_ignores_invalid() -> None:
 
 
 def test_strict_namespace_refuses_other_namespaces() -> None:
-    ns = NamespacedValidator({"pcp": PcpRecordValidator()}, strict_validation=True)
+    ns = NamespacedValidator({"pcp": PcpRecordValidator(RECORD_KINDS)}, strict_validation=True)
     rec = signed()
     ns.validate(rec.key, encode(rec))
     with pytest.raises(InvalidRecordType):
@@ -127,12 +128,10 @@ def test_strict_namespace_refuses_other_namespaces() -> None:
 
 
 def test_kinds_ordered_by_seq_let_the_higher_term_win_whatever_the_clock() -> None:
-    from pcp_p2p.dht.kinds import register_all
     from pcp_p2p.diloco.election import Lease
     from pcp_p2p.diloco.messages import sign
 
-    register_all()
-    v = PcpRecordValidator()
+    v = PcpRecordValidator(RECORD_KINDS)
     t = time.time()
 
     def lease(ident: Identity, term: int, issued: float) -> bytes:

@@ -9,6 +9,7 @@ import pytest
 
 from pcp_p2p.diloco import robust
 from pcp_p2p.diloco.robust import (
+    AggregationPolicy,
     aggregate,
     capped_weights,
     centered_clip,
@@ -19,7 +20,6 @@ from pcp_p2p.diloco.robust import (
     trimmed_mean,
     weighted_mean,
 )
-from pcp_p2p.diloco.spec import AggregationPolicy
 from pcp_p2p.errors import ConfigError, RejectedUpdate
 
 POLICY = AggregationPolicy()

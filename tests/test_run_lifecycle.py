@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import CLOCK_SKEW_S, verify_record
 from pcp_p2p.diloco.data import check_dataset
 from pcp_p2p.diloco.lifecycle import (
@@ -90,18 +91,18 @@ def test_a_stop_order_is_bounded() -> None:
 def test_only_the_owner_can_store_a_stop_where_readers_look() -> None:
     order = sign_stop(OWNER, RUN, now=NOW)
     rec = stop_record(order, OWNER, now=NOW)
-    assert verify_record(encode(rec), key=rec.key, now=NOW).payload == order
+    assert verify_record(encode(rec), key=rec.key, now=NOW, kinds=RECORD_KINDS).payload == order
     # A stranger storing the owner's order (or its own) under the owner's key is refused.
     from pcp_p2p.dht.records import sign_record
 
     for signer, payload in ((STRANGER, order), (STRANGER, sign_stop(STRANGER, RUN, now=NOW))):
         bad = sign_record(signer, STOP_KIND, stop_name(RUN, OWNER.peer_id), payload, ttl_s=60, now=NOW)
         with pytest.raises(PcpError):
-            verify_record(encode(bad), key=bad.key, now=NOW)
+            verify_record(encode(bad), key=bad.key, now=NOW, kinds=RECORD_KINDS)
     # An order stored under another run's key is refused too.
     moved = sign_record(OWNER, STOP_KIND, stop_name(OTHER_RUN, OWNER.peer_id), order, ttl_s=60, now=NOW)
     with pytest.raises(VerificationError):
-        verify_record(encode(moved), key=moved.key, now=NOW)
+        verify_record(encode(moved), key=moved.key, now=NOW, kinds=RECORD_KINDS)
 
 
 # --- the phase -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import msgpack
 import pytest
 import trio
 
+from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.records import record_key, sign_record
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.diloco.command import HandOff, _handoff_summary
@@ -145,7 +146,7 @@ def test_the_held_untrusted_specs_are_bounded() -> None:
 
 
 def test_forged_owner_runs_records_are_refused_by_the_validator() -> None:
-    validator = PcpRecordValidator(now=lambda: NOW)
+    validator = PcpRecordValidator(RECORD_KINDS, now=lambda: NOW)
     key = record_key(OWNER_RUNS_KIND, OWNER.peer_id)
     listing = with_run([], OWNER.peer_id, "bafyrun", now=NOW)
     genuine = sign_record(OWNER, OWNER_RUNS_KIND, OWNER.peer_id, listing, ttl_s=3600, now=NOW)

@@ -429,7 +429,7 @@ class GroupEngine:
             return self._run(eff, cancelled)
 
     def _run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
-        from pcp_p2p.diloco.engine import CHUNK_STEPS
+        from pcp_p2p.diloco.audit import CHUNK_STEPS
 
         g = self.group
         t0 = g.clock()

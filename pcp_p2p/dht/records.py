@@ -12,8 +12,11 @@ needs expiry in minutes (membership, leases), a "newest wins" order that
 survives a restart (``issued_at``, then ``seq``), and per-kind rules about who
 may sign which key. Keys carry the kind: ``/pcp/<kind>/<name>``.
 
-Per-kind rules live in :data:`KIND_RULES`; later parts of PCP (run specs,
-leases, checkpoints) add their kind there.
+What each kind may hold and who may sign it is a :class:`KindRule`, declared
+next to its payload type by the module that owns the kind; every check here
+takes the table of kinds it accepts (``kinds``) as an argument. The node's table,
+every kind of the protocol, is :data:`pcp_p2p.dht.kinds.RECORD_KINDS`: one static
+table, so no kind depends on which modules happen to have been imported.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pcp_p2p.errors import (
@@ -52,43 +55,29 @@ class SignedRecord(Message):
     signature: bytes = b""
 
 
-@dataclass(frozen=True)
-class KindRule:
-    """What a record kind must satisfy beyond a valid signature and expiry."""
-
-    payload_type: type[Message]
-    # Given (name part of the key, signer, decoded payload): raise if not allowed.
-    check: Callable[[str, str, Message], None]
-    # Which of two valid records wins: "time" = newest issued (then seq);
-    # "seq" = highest seq (then newest), for kinds whose seq is a term.
-    order: str = "time"
-
-
-def _signer_is_name(name: str, signer: str, payload: Message) -> None:
+def signer_is_name(name: str, signer: str, payload: Message) -> None:
+    """The default rule: only the peer named in the key may sign it (and the payload may not name another)."""
     if name != signer:
         raise BadSignature(f"record for {name!r:.60} signed by someone else ({signer})")
     if getattr(payload, "peer_id", signer) != signer:
         raise BadSignature("record payload claims another peer's identity")
 
 
-KIND_RULES: dict[str, KindRule] = {}
+@dataclass(frozen=True)
+class KindRule:
+    """What a record kind must satisfy beyond a valid signature and expiry."""
 
+    payload_type: type[Message]
+    # Given (name part of the key, signer, decoded payload): raise if not allowed.
+    check: Callable[[str, str, Message], None] = signer_is_name
+    # Which of two valid records wins: "time" = newest issued (then seq);
+    # "seq" = highest seq (then newest), for kinds whose seq is a term (a deposed
+    # shepherd that keeps renewing must not shadow a newer term, whatever the clocks say).
+    order: str = "time"
 
-def register_kind(
-    kind: str,
-    payload_type: type[Message],
-    check: Callable[[str, str, Message], None] = _signer_is_name,
-    *,
-    order: str = "time",
-) -> None:
-    """Declare a record kind; by default only the peer named in the key may sign it.
-
-    ``order="seq"`` makes the highest ``seq`` win (a term number: a deposed
-    shepherd that keeps renewing must not shadow a newer term, whatever the clocks say).
-    """
-    if order not in ("time", "seq"):
-        raise ValueError("order is 'time' or 'seq'")
-    KIND_RULES[kind] = KindRule(payload_type, check, order)
+    def __post_init__(self) -> None:
+        if self.order not in ("time", "seq"):
+            raise ValueError("order is 'time' or 'seq'")
 
 
 def record_key(kind: str, name: str) -> str:
@@ -141,8 +130,10 @@ class VerifiedRecord:
 _verified: OrderedDict[bytes, tuple[VerifiedRecord, KindRule]] = OrderedDict()
 
 
-def verify_record(data: bytes, *, key: str | None = None, now: float | None = None) -> VerifiedRecord:
-    """Decode and check a record; raise a typed error on any problem.
+def verify_record(
+    data: bytes, *, kinds: Mapping[str, KindRule], key: str | None = None, now: float | None = None
+) -> VerifiedRecord:
+    """Decode and check a record of one of ``kinds``; raise a typed error on any problem.
 
     Checks, in order: size and shape, the key it is stored under, the kind's
     payload type, the signature by the claimed signer, the validity window, and
@@ -158,11 +149,11 @@ def verify_record(data: bytes, *, key: str | None = None, now: float | None = No
         raise OversizedMessage(f"record of {len(data)} bytes > {MAX_RECORD_SIZE}")
     digest = hashlib.blake2b(data, digest_size=32).digest()
     hit = _verified.get(digest)
-    if hit is not None and KIND_RULES.get(hit[0].kind) is hit[1]:
+    if hit is not None and kinds.get(hit[0].kind) is hit[1]:
         _verified.move_to_end(digest)
         verified = hit[0]
     else:
-        verified, rule = _verify_content(data)
+        verified, rule = _verify_content(data, kinds)
         _verified[digest] = (verified, rule)
         if len(_verified) > VERIFIED_CACHE_SIZE:
             _verified.popitem(last=False)
@@ -177,11 +168,11 @@ def verify_record(data: bytes, *, key: str | None = None, now: float | None = No
     return verified
 
 
-def _verify_content(data: bytes) -> tuple[VerifiedRecord, KindRule]:
+def _verify_content(data: bytes, kinds: Mapping[str, KindRule]) -> tuple[VerifiedRecord, KindRule]:
     """The checks of :func:`verify_record` that depend on the bytes alone."""
     rec = decode(data, SignedRecord)
     kind, name = split_record_key(rec.key)
-    rule = KIND_RULES.get(kind)
+    rule = kinds.get(kind)
     if rule is None:
         raise MalformedMessage(f"unknown record kind {kind!r:.40}")
     verify_signature(rec.signer, signing_bytes(rec), rec.signature)
@@ -192,11 +183,11 @@ def _verify_content(data: bytes) -> tuple[VerifiedRecord, KindRule]:
     return VerifiedRecord(rec, kind, name, payload), rule
 
 
-def newer(a: SignedRecord, b: SignedRecord) -> bool:
+def newer(a: SignedRecord, b: SignedRecord, kinds: Mapping[str, KindRule]) -> bool:
     """True if ``a`` supersedes ``b``: newest wins (issued_at, then seq), or for
     kinds ordered by seq, highest seq (then issued_at)."""
     try:
-        rule = KIND_RULES.get(split_record_key(a.key)[0])
+        rule = kinds.get(split_record_key(a.key)[0])
     except MalformedMessage:
         rule = None
     if rule is not None and rule.order == "seq":

@@ -3,7 +3,9 @@
 Registered with ``strict_validation=True`` so that a PCP node's DHT stores
 nothing outside namespaces it validates. py-libp2p calls ``validate`` on every
 put it receives and every value a get returns, and ``select`` to choose among
-competing values; both delegate to :func:`~pcp_p2p.dht.records.verify_record`.
+competing values; both delegate to :func:`~pcp_p2p.dht.records.verify_record`
+with the table of record kinds the validator was made with (a node's is
+:data:`~pcp_p2p.dht.kinds.RECORD_KINDS`, every kind of the protocol).
 
 A signature check alone would let any stranger's well-signed record for a far-
 future term shadow the honest ones (``lease`` and ``commit`` kinds order by
@@ -27,11 +29,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from libp2p.records.validator import Validator
 
-from pcp_p2p.dht.records import VerifiedRecord, newer, verify_record
+from pcp_p2p.dht.records import KindRule, VerifiedRecord, newer, verify_record
 from pcp_p2p.errors import PcpError
 from pcp_p2p.faults import InternalFault, LocalFaults
 
@@ -41,7 +43,9 @@ log = logging.getLogger(__name__)
 class PcpRecordValidator(Validator):
     """Accepts only signed, unexpired records whose signer may write the key."""
 
-    def __init__(self, now: Callable[[], float] = time.time, *, faults: LocalFaults | None = None) -> None:
+    def __init__(self, kinds: Mapping[str, KindRule], now: Callable[[], float] = time.time, *,
+                 faults: LocalFaults | None = None) -> None:
+        self.kinds = kinds
         self._now = now
         self.faults = faults if faults is not None else LocalFaults()
         self.authorities: list[Callable[[VerifiedRecord, float], None]] = []
@@ -51,7 +55,7 @@ class PcpRecordValidator(Validator):
         """The record ``value`` under ``key``, verified; a PcpError refuses it (a bug: InternalFault)."""
         try:
             now = self._now()
-            verified = verify_record(value, key=key, now=now)
+            verified = verify_record(value, kinds=self.kinds, key=key, now=now)
             for authority in self.authorities:
                 authority(verified, now)
         except PcpError:
@@ -73,7 +77,7 @@ class PcpRecordValidator(Validator):
             except PcpError as exc:
                 log.debug("select: dropping invalid value for %s: %s", key, exc)
                 continue
-            if best is None or newer(rec, best):
+            if best is None or newer(rec, best, self.kinds):
                 best_i, best = i, rec
         if best_i < 0:
             raise ValueError(f"no valid value for {key}")

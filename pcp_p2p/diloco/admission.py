@@ -54,7 +54,7 @@ import math
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, SignedRecord, register_kind, sign_record
+from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, KindRule, SignedRecord, sign_record
 from pcp_p2p.diloco.messages import sign, verify
 from pcp_p2p.diloco.spec import AdmissionPolicy, SignedRunSpec, run_id_of, verify_spec
 from pcp_p2p.errors import BadSignature, ExpiredRecord, StaleMessage, VerificationError
@@ -193,8 +193,8 @@ def owner_signed_rule(what: str, payload_type: type[OS], verify_payload: Callabl
     return check
 
 
-register_kind(ALLOWLIST_KIND, AllowlistUpdate, owner_signed_rule("allowlist update", AllowlistUpdate, verify_update),
-              order="seq")
+ALLOWLIST_RULE = KindRule(AllowlistUpdate, owner_signed_rule("allowlist update", AllowlistUpdate, verify_update),
+                          order="seq")
 
 
 def update_record(update: AllowlistUpdate, identity: Identity, *, now: float) -> SignedRecord:

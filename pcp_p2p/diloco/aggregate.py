@@ -173,7 +173,7 @@ class RoundAggregator:
                 f"at most {assignment.max_steps} in {a.time_budget_s:g} s"
             )
         if sub.group:  # a worker group's split must tile its assignment and add up (audits replay it)
-            from pcp_p2p.diloco.engine import CHUNK_STEPS
+            from pcp_p2p.diloco.audit import CHUNK_STEPS
             from pcp_p2p.diloco.group_replay import check_split
 
             check_split(sub, assignment, CHUNK_STEPS)

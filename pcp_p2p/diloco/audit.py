@@ -128,6 +128,12 @@ from pcp_p2p.node.executor_child import state_digest
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import HARD_MAX_SIZE, Message, decode, encode, wire_message
 
+CHUNK_STEPS = 5
+"""AdamW steps per executor call: small enough that a time budget is met within
+one chunk's time, large enough that the per-call overhead stays negligible.
+A protocol constant, not the engine's choice: a replay runs whole chunks, so the
+shepherd checks step counts (and a worker group's split) against it."""
+
 MATCH = "match"
 MISMATCH = "mismatch"
 UNAVAILABLE = "unavailable"

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from pcp_p2p.diloco.audit import (
+    CHUNK_STEPS,
     MISMATCH,
     AuditReport,
     AuditRequest,
@@ -55,7 +56,6 @@ from pcp_p2p.diloco.audit import (
     verify_evidence,
 )
 from pcp_p2p.diloco.effects import Banned, Effect, Send, StoreBlob
-from pcp_p2p.diloco.engine import CHUNK_STEPS
 from pcp_p2p.diloco.messages import RoundAnnouncement, Submission, sign, verify
 from pcp_p2p.errors import PcpError, StaleMessage, VerificationError
 from pcp_p2p.node.identity import Identity

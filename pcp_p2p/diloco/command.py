@@ -28,6 +28,7 @@ from pcp_p2p.shutdown import run_until_signal
 
 if TYPE_CHECKING:
     from pcp_p2p.diloco.admission import AllowlistUpdate
+    from pcp_p2p.diloco.owner_runs import OwnerRuns
     from pcp_p2p.diloco.spec import SignedRunSpec
     from pcp_p2p.node.identity import Identity
     from pcp_p2p.node.membership import MemberRecord
@@ -231,9 +232,7 @@ async def _hand_out(
 
 
 async def _publish(args: argparse.Namespace, data_dir: Path, identity: Identity, signed: SignedRunSpec) -> HandOff:
-    import pcp_p2p.diloco.runs  # noqa: F401  (registers the `run` record kind)
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-    from pcp_p2p.diloco.owner_runs import publish_owned_run
     from pcp_p2p.diloco.spec import run_id_of
 
     async with _client(args, data_dir, identity) as node:
@@ -246,6 +245,53 @@ async def _publish(args: argparse.Namespace, data_dir: Path, identity: Identity,
             log.warning("could not list the run under its owner (nodes that trust you later may not find "
                         "it until you create another run): %s", exc)
         return await _hand_out(node, signed, args.wait)
+
+
+OWNED_RUNS_FILE = "owner-runs"
+
+
+def _read_owned_runs(path: Path, owner: str) -> OwnerRuns | None:
+    from pcp_p2p.diloco.owner_runs import OwnerRuns
+    from pcp_p2p.wire import decode
+
+    try:
+        kept = decode(path.read_bytes(), OwnerRuns)
+    except FileNotFoundError:
+        return None
+    except (OSError, PcpError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return None
+    return kept if kept.owner == owner else None
+
+
+async def publish_owned_run(node: Node, identity: Identity, data_dir: Path, run_id: str, *, now: float) -> OwnerRuns:
+    """Add ``run_id`` to the owner's list (kept locally and in the DHT); return the list published.
+
+    Raises PcpError if the DHT put fails (the local copy is kept either way, so
+    the next publish still lists this run).
+    """
+    from pcp_p2p.dht.records import MAX_TTL_S, sign_record
+    from pcp_p2p.diloco.owner_runs import OWNER_RUNS_KIND, OwnerRuns, with_run
+    from pcp_p2p.wire import encode
+
+    path = data_dir / "owned-runs" / OWNED_RUNS_FILE
+    found = [x for x in (_read_owned_runs(path, identity.peer_id),) if x is not None]
+    try:
+        in_dht = await node.get_record(OWNER_RUNS_KIND, identity.peer_id)
+        if isinstance(in_dht, OwnerRuns):
+            found.append(in_dht)
+    except PcpError as exc:
+        log.debug("owner-runs lookup failed (the local list is used): %s", exc)
+    lst = with_run(found, identity.peer_id, run_id, now=now)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(encode(lst))
+        tmp.replace(path)
+    except OSError as exc:
+        log.warning("cannot keep the owner-runs list in %s: %s", path, exc)
+    await node.put_record(sign_record(identity, OWNER_RUNS_KIND, identity.peer_id, lst, ttl_s=MAX_TTL_S, now=now))
+    return lst
 
 
 # --- pcp run admit ---------------------------------------------------------------

@@ -8,7 +8,7 @@ fork choice as the election's: a higher term beats a longer chain of an older on
 
 from __future__ import annotations
 
-from pcp_p2p.dht.records import register_kind
+from pcp_p2p.dht.records import KindRule
 from pcp_p2p.diloco.messages import CommitRecord, verify
 from pcp_p2p.errors import BadSignature, VerificationError
 from pcp_p2p.wire import Message
@@ -23,7 +23,8 @@ def _commit_rule(name: str, signer: str, payload: Message) -> None:
     verify(payload, signer)
 
 
-register_kind("commit", CommitRecord, _commit_rule, order="seq")
+COMMIT_KIND = "commit"
+COMMIT_RULE = KindRule(CommitRecord, _commit_rule, order="seq")
 
 
 def commit_seq(rec: CommitRecord) -> int:

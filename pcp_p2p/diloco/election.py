@@ -75,7 +75,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pcp_p2p.dht.records import register_kind
+from pcp_p2p.dht.records import KindRule
 from pcp_p2p.diloco.effects import LookupCommit, Rejected
 from pcp_p2p.diloco.messages import CommitRecord, sign, verify
 from pcp_p2p.errors import (
@@ -142,7 +142,7 @@ def _lease_rule(name: str, signer: str, payload: Message) -> None:
     verify(payload, signer)
 
 
-register_kind(LEASE_KIND, Lease, _lease_rule, order="seq")
+LEASE_RULE = KindRule(Lease, _lease_rule, order="seq")
 """DHT record ``/pcp/lease/<run id>``: publish with ``sign_record(..., seq=lease.term)``.
 
 ``dht.records.newer`` orders by ``(issued_at, seq)``; a lease of a higher term is

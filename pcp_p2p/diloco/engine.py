@@ -5,7 +5,7 @@ only *ask* for work. This module does it:
 
 - :func:`build_train_artifacts` (shepherd): the run's ``train`` program lowered
   from JAX and compiled by IREE for each target the workers need, with signed
-  manifests. A compiled call does :data:`CHUNK_STEPS` AdamW steps; a round is as
+  manifests. A compiled call does :data:`~pcp_p2p.diloco.audit.CHUNK_STEPS` AdamW steps; a round is as
   many calls as the worker's time budget allows, so one artifact serves fast and
   slow hardware alike.
 - :class:`InnerEngine` (worker): runs a ``RunInner`` on the IREE executor. θ is
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcp_p2p.diloco.audit import InnerState, encode_inner_state
+from pcp_p2p.diloco.audit import CHUNK_STEPS, InnerState, encode_inner_state
 from pcp_p2p.diloco.data import CharDataset, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.effects import RunInner
 from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment
@@ -53,9 +53,6 @@ if TYPE_CHECKING:
     from pcp_p2p.node.executor import Executor
     from pcp_p2p.node.identity import Identity
 
-CHUNK_STEPS = 5
-"""AdamW steps per executor call: small enough that a time budget is met within
-one chunk's time, large enough that the per-call overhead stays negligible."""
 
 KEEP_STATES = 4
 """Inner states an engine keeps on the device (LRU): the one the worker will

@@ -94,7 +94,7 @@ def check_split(sub: Submission, assignment: DataAssignment, chunk_steps: int) -
 
 
 def part_assignments(sub: Submission, assignment: DataAssignment) -> list[DataAssignment]:
-    """Each part's sub-shard, exactly as the group's rank 0 cut it (:func:`~pcp_p2p.cluster.split.sub_assignments`)."""
+    """Each part's sub-shard, exactly as the group's rank 0 cut it (:func:`sub_assignments`)."""
     return sub_assignments(assignment, [p.max_steps for p in sub.group])
 
 

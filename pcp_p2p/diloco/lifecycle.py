@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, SignedRecord, register_kind, sign_record
+from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_TTL_S, KindRule, SignedRecord, sign_record
 from pcp_p2p.diloco.admission import owner_record_name, owner_signed_rule
 from pcp_p2p.diloco.messages import sign, verify
 from pcp_p2p.errors import BadSignature, ExpiredRecord, StaleMessage, VerificationError
@@ -137,7 +137,7 @@ class StopLatch:
 stop_name = owner_record_name
 
 
-register_kind(STOP_KIND, StopOrder, owner_signed_rule("stop order", StopOrder, verify_stop))
+STOP_RULE = KindRule(StopOrder, owner_signed_rule("stop order", StopOrder, verify_stop))
 
 
 def stop_record(stop: StopOrder, identity: Identity, *, now: float) -> SignedRecord:

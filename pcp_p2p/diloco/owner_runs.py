@@ -19,31 +19,23 @@ the spec is checked against the node's trust like any other. An owner listing
 a stranger's run gains nothing; the stranger's run is still refused.
 
 The owner keeps its latest list in ``<data dir>/owned-runs/owner-runs`` too,
-so a DHT miss at publishing time never drops older runs from it.
+so a DHT miss at publishing time never drops older runs from it. This module is
+the record (its type, its rule, how lists merge); publishing it is the owner's
+command's I/O (:func:`pcp_p2p.diloco.command.publish_owned_run`).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from pcp_p2p.dht.records import MAX_TTL_S, register_kind, sign_record
-from pcp_p2p.errors import BadSignature, PcpError
-from pcp_p2p.wire import Message, decode, encode, wire_message, wire_struct
-
-if TYPE_CHECKING:
-    from pcp_p2p.node.identity import Identity
-    from pcp_p2p.node.node import Node
-
-log = logging.getLogger("pcp.runs")
+from pcp_p2p.dht.records import MAX_TTL_S, KindRule
+from pcp_p2p.errors import BadSignature
+from pcp_p2p.wire import Message, wire_message, wire_struct
 
 OWNER_RUNS_KIND = "owner-runs"
 MAX_OWNED_RUNS = 64
 """Runs one record lists (the newest by expiry): 64 entries of ~80 bytes fit a 16 KiB record."""
 MAX_RUN_ID_CHARS = 128
-LOCAL_FILE = "owner-runs"
 
 
 @wire_struct
@@ -81,7 +73,7 @@ def _owner_signs_its_list(name: str, signer: str, payload: Message) -> None:
         raise BadSignature("an owner-runs record must be signed by the owner it is stored under")
 
 
-register_kind(OWNER_RUNS_KIND, OwnerRuns, _owner_signs_its_list)
+OWNER_RUNS_RULE = KindRule(OwnerRuns, _owner_signs_its_list)
 
 
 def with_run(lists: list[OwnerRuns], owner: str, run_id: str, *, now: float, ttl_s: float = MAX_TTL_S) -> OwnerRuns:
@@ -97,40 +89,3 @@ def with_run(lists: list[OwnerRuns], owner: str, run_id: str, *, now: float, ttl
     expiry[run_id] = now + ttl_s
     newest = sorted(expiry.items(), key=lambda kv: kv[1])[-MAX_OWNED_RUNS:]
     return OwnerRuns(owner=owner, runs=tuple(OwnedRun(rid, exp) for rid, exp in newest))
-
-
-def _read_local(path: Path, owner: str) -> OwnerRuns | None:
-    try:
-        kept = decode(path.read_bytes(), OwnerRuns)
-    except FileNotFoundError:
-        return None
-    except (OSError, PcpError) as exc:
-        log.warning("ignoring %s: %s", path, exc)
-        return None
-    return kept if kept.owner == owner else None
-
-
-async def publish_owned_run(node: Node, identity: Identity, data_dir: Path, run_id: str, *, now: float) -> OwnerRuns:
-    """Add ``run_id`` to the owner's list (kept locally and in the DHT); return the list published.
-
-    Raises PcpError if the DHT put fails (the local copy is kept either way, so
-    the next publish still lists this run).
-    """
-    path = data_dir / "owned-runs" / LOCAL_FILE
-    found = [x for x in (_read_local(path, identity.peer_id),) if x is not None]
-    try:
-        in_dht = await node.get_record(OWNER_RUNS_KIND, identity.peer_id)
-        if isinstance(in_dht, OwnerRuns):
-            found.append(in_dht)
-    except PcpError as exc:
-        log.debug("owner-runs lookup failed (the local list is used): %s", exc)
-    lst = with_run(found, identity.peer_id, run_id, now=now)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(encode(lst))
-        tmp.replace(path)
-    except OSError as exc:
-        log.warning("cannot keep the owner-runs list in %s: %s", path, exc)
-    await node.put_record(sign_record(identity, OWNER_RUNS_KIND, identity.peer_id, lst, ttl_s=MAX_TTL_S, now=now))
-    return lst

@@ -5,7 +5,8 @@ mean: one worker that claims a huge throughput and sends a random Δ just under
 the absolute norm bound takes most of the weight and wrecks θ in a few rounds
 (issue #12: val loss 2.66 → 3,000 in three rounds). This module holds the three
 defences that act *on the numbers* of one round; which to use and how hard is
-the run spec's ``[aggregation]`` table (:class:`~pcp_p2p.diloco.spec.AggregationPolicy`):
+the run spec's ``[aggregation]`` table (:class:`AggregationPolicy`, declared here
+beside the rules it tunes, so the algorithm needs nothing from the protocol):
 
 1. **Weight capping** (:func:`capped_weights`, ``max_share``). Token weights are
    water-filled so that no worker carries more than ``max_share`` of the total:
@@ -67,9 +68,36 @@ from typing import Concatenate, ParamSpec
 
 import numpy as np
 
-from pcp_p2p.diloco.spec import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.diloco.tensors import Params, global_norm
 from pcp_p2p.errors import ConfigError, RejectedUpdate
+from pcp_p2p.wire import Message, wire_struct
+
+AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
+
+
+@wire_struct
+class AggregationPolicy(Message):
+    """How the shepherd bounds, combines, scores and audits the workers' pseudo-gradients.
+
+    Every worker is a stranger: no single submission may dominate a round
+    (``max_share``), a norm is judged against the round's median submission
+    rather than a bound that grows with θ (``norm_vs_median``), the combining
+    rule is robust by default, each submission is scored on held-out data
+    (``score_tolerance``), a commit whose validation loss jumps is retried
+    without its suspects (``val_jump``), and a fraction of accepted submissions
+    is re-executed by another worker (``audit_rate``). See ``docs/security.md``.
+    """
+
+    rule: str = "trimmed_mean"  # "mean" | "trimmed_mean" | "centered_clip"
+    trim_fraction: float = 0.25  # trimmed_mean: share cut from each end, per coordinate
+    clip_iters: int = 3  # centered_clip: refinement passes
+    norm_vs_median: float = 3.0  # refuse ‖Δ‖ above this times the round's median norm; 0 = off
+    max_share: float = 0.5  # the most token weight one worker may carry in a round
+    # refuse a Δ scoring worse than θ (or the round median, if higher) by more (nats); <0 = off
+    score_tolerance: float = 0.05
+    val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
+    audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
+
 
 P = ParamSpec("P")
 

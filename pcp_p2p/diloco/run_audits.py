@@ -100,7 +100,7 @@ class AuditClerk:
 
     async def _audit(self, req: AuditRequest) -> None:
         """The auditor: gather the inputs, replay the round exactly, report to the shepherd."""
-        from pcp_p2p.diloco.engine import CHUNK_STEPS
+        from pcp_p2p.diloco.audit import CHUNK_STEPS
 
         rt = self.rt
         job = AuditJob(req, rt.node.identity, chunk_steps=CHUNK_STEPS)

@@ -644,8 +644,7 @@ class RunMachine:
 
     def _on_evidence(self, sender: str, ev: Evidence, now: float) -> None:
         """A ban another node's shepherd recorded: checked here in full before it counts."""
-        from pcp_p2p.diloco.audit import verify_evidence
-        from pcp_p2p.diloco.engine import CHUNK_STEPS
+        from pcp_p2p.diloco.audit import CHUNK_STEPS, verify_evidence
 
         try:
             offender = verify_evidence(ev, rate=self.spec.aggregation.audit_rate, is_shepherd=self.holds_term,

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pcp_p2p.dht.records import register_kind
+from pcp_p2p.dht.records import KindRule
 from pcp_p2p.diloco.spec import RunSpec, SignedRunSpec, run_id_of, verify_spec
 from pcp_p2p.errors import BadSignature, PcpError, RemoteError, VerificationError
 from pcp_p2p.wire import Message, encode
@@ -49,7 +49,8 @@ def _owner_signs_its_run(name: str, signer: str, payload: Message) -> None:
     verify_spec(payload)
 
 
-register_kind("run", SignedRunSpec, _owner_signs_its_run)
+RUN_KIND = "run"
+RUN_RULE = KindRule(SignedRunSpec, _owner_signs_its_run)
 
 
 MAX_HELD_UNTRUSTED = 64

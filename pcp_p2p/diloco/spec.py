@@ -79,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from pcp_p2p.cid import cid_of
+from pcp_p2p.diloco.robust import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.errors import ConfigError, MalformedMessage
 from pcp_p2p.node.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
@@ -89,7 +90,6 @@ DELTA_CODECS = ("int8", "fp32", "topk2")
 top-k 1.6 %, 2-bit values, error feedback: ~0.23 bit/parameter; pcp_p2p.diloco.sparse)."""
 FEEDBACK_CODECS = ("topk2",)
 """Codecs whose workers keep an error-feedback residual (pcp_p2p.diloco.sparse): not auditable yet."""
-AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
 ADMISSION_MODES = ("open", "allowlist")
 
 
@@ -143,30 +143,6 @@ class ElectionPolicy(Message):
     rotate_every: int = 10  # rounds per term before a planned hand-over; 0 = never
     claim_timeout_s: float = 10.0
     max_skew_s: float = 2.0  # how far a lease's times may lie ahead of a verifier's clock
-
-
-@wire_struct
-class AggregationPolicy(Message):
-    """How the shepherd bounds, combines, scores and audits the workers' pseudo-gradients.
-
-    Every worker is a stranger: no single submission may dominate a round
-    (``max_share``), a norm is judged against the round's median submission
-    rather than a bound that grows with θ (``norm_vs_median``), the combining
-    rule is robust by default, each submission is scored on held-out data
-    (``score_tolerance``), a commit whose validation loss jumps is retried
-    without its suspects (``val_jump``), and a fraction of accepted submissions
-    is re-executed by another worker (``audit_rate``). See ``docs/security.md``.
-    """
-
-    rule: str = "trimmed_mean"  # "mean" | "trimmed_mean" | "centered_clip"
-    trim_fraction: float = 0.25  # trimmed_mean: share cut from each end, per coordinate
-    clip_iters: int = 3  # centered_clip: refinement passes
-    norm_vs_median: float = 3.0  # refuse ‖Δ‖ above this times the round's median norm; 0 = off
-    max_share: float = 0.5  # the most token weight one worker may carry in a round
-    # refuse a Δ scoring worse than θ (or the round median, if higher) by more (nats); <0 = off
-    score_tolerance: float = 0.05
-    val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
-    audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
 
 
 @wire_struct

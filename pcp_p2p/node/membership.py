@@ -84,7 +84,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pcp_p2p.dht.records import SignedRecord, VerifiedRecord, register_kind, verify_record
+from pcp_p2p.dht.records import KindRule, SignedRecord, VerifiedRecord, verify_record
 from pcp_p2p.errors import BadSignature, MalformedMessage, PcpError, VerificationError
 from pcp_p2p.node.capabilities import Capabilities
 from pcp_p2p.wire import Message, wire_message
@@ -112,7 +112,16 @@ class MemberRecord(Message):
     reachability: str = "unknown"  # its own verdict (pcp_p2p.node.reachability): public, hole-punchable, relay-only
 
 
-register_kind("member", MemberRecord)
+MEMBER_KIND = "member"
+MEMBER_RULE = KindRule(MemberRecord)
+"""A member record may be signed only by the peer it is stored under (and names)."""
+MEMBER_KINDS = {MEMBER_KIND: MEMBER_RULE}
+"""The one kind a SWIM packet may carry."""
+
+
+def verify_member_record(data: bytes, now: float | None = None) -> VerifiedRecord:
+    """:func:`~pcp_p2p.dht.records.verify_record` for member records (any other kind is refused)."""
+    return verify_record(data, kinds=MEMBER_KINDS, now=now)
 
 
 
@@ -282,10 +291,10 @@ class Membership:
         config: SwimConfig | None = None,
         rng: random.Random | None = None,
         announce: bool = True,
-        verify: Callable[[bytes], VerifiedRecord] = verify_record,
+        verify: Callable[[bytes], VerifiedRecord] = verify_member_record,
     ) -> None:
         self.self_peer_id = self_peer_id
-        # verify_record by default; a simulator of 10,000 nodes passes a cached one
+        # verify_member_record by default; a simulator of 10,000 nodes passes a cached one
         # (the same checks, done once per distinct record rather than once per copy).
         self._verify = verify
         self.config = config or SwimConfig()
@@ -331,7 +340,7 @@ class Membership:
         Ten thousand nodes re-signing every five minutes would otherwise put 33 records
         a second into every node's piggyback queue, more than it can carry.
         """
-        verified = verify_record(signed_bytes, now=wall_now)
+        verified = verify_member_record(signed_bytes, now=wall_now)
         record = verified.payload
         if verified.kind != "member" or verified.name != self.self_peer_id or not isinstance(record, MemberRecord):
             raise VerificationError("set_self: not this node's member record")

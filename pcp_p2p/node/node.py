@@ -35,7 +35,7 @@ import random
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +59,8 @@ from pcp_p2p import __version__
 from pcp_p2p.blob.routing import DhtRouting
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.dht.kinds import register_all as register_all_kinds
-from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
+from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
@@ -154,6 +154,8 @@ class NodeConfig:
     relay: bool | None = None
     relay_budget: RelayBudget = field(default_factory=RelayBudget)
     extra_status: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # The record kinds its DHT stores and serves: every kind of the protocol (a benchmark adds its own).
+    record_kinds: Mapping[str, KindRule] = field(default_factory=lambda: RECORD_KINDS)
     # This node is rank 0 of an MPI worker group (pcp_p2p.cluster.group.WorkerGroup): its
     # runs' inner loops spread over the group's ranks. None: a node on its own.
     worker_group: Any = None
@@ -288,7 +290,7 @@ class Node:
         self.leads: set[str] = set()  # runs this node is the shepherd of (advertised likewise)
         self.state = "idle"
         self.messenger = Messenger(self)
-        self.record_validator = PcpRecordValidator()  # replaced by open_node with the DHT's own
+        self.record_validator = PcpRecordValidator(config.record_kinds)  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
         # The error boundary (pcp_p2p.faults): rejected inputs by reason ("swim:BadSignature", ...),
@@ -443,7 +445,7 @@ class Node:
             raise PeerTimeout(f"DHT get of {key} timed out")
         if value is None:
             return None
-        return verify_record(value, key=key).payload
+        return verify_record(value, kinds=self.config.record_kinds, key=key).payload
 
     # -- SWIM ------------------------------------------------------------------------
 
@@ -752,7 +754,6 @@ def _local_ipv4s() -> list[str]:
 @asynccontextmanager
 async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> AsyncIterator[Node]:
     """Start a node; it runs until the ``async with`` block ends."""
-    register_all_kinds()
     yamux_credit.install()  # go-yamux's window-update rule: a third of the frames per small RPC
     identity = identity or load_or_create_identity(config.data_dir)
     listen = [_parse_listen(a) for a in config.listen]
@@ -773,7 +774,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections,
                     addrs_factory=lambda addrs: expand_unspecified(addrs, local_ips))
     faults = LocalFaults()  # the node's own bugs, whichever boundary met them (Node.boundary, blobs, DHT)
-    record_validator = PcpRecordValidator(faults=faults)
+    record_validator = PcpRecordValidator(config.record_kinds, faults=faults)
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
     dht = PcpKadDHT(
         host,

@@ -148,7 +148,7 @@ def _round(theta: dict[str, np.ndarray], r: int, steps: int, state: str | None =
 def _split(engine: GroupEngine, eff: RunInner) -> list[DataAssignment]:
     """The sub-assignments the group used (same function, same weights)."""
     from pcp_p2p.cluster.split import rank_steps, sub_assignments
-    from pcp_p2p.diloco.engine import CHUNK_STEPS
+    from pcp_p2p.diloco.audit import CHUNK_STEPS
 
     g = engine.group
     members = list(g.last_round["ranks"])
@@ -189,7 +189,7 @@ def _audit_round(engine: GroupEngine, auditor: InnerEngine, theta: dict[str, np.
     """Sign the group's round as its worker would, serve its state bundle over MPI, replay it as an auditor."""
     from pcp_p2p.cid import cid_of
     from pcp_p2p.diloco import audit
-    from pcp_p2p.diloco.engine import CHUNK_STEPS
+    from pcp_p2p.diloco.audit import CHUNK_STEPS
     from pcp_p2p.diloco.group_replay import check_split, decode_group_state, stateful_ranks
     from pcp_p2p.diloco.messages import Submission, sign
     from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid

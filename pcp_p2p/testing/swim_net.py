@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from pcp_p2p.dht.records import VerifiedRecord, sign_record, verify_record
+from pcp_p2p.dht.records import VerifiedRecord, sign_record
 from pcp_p2p.node.capabilities import Capabilities
 from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.membership import (
@@ -36,6 +36,7 @@ from pcp_p2p.node.membership import (
     SwimConfig,
     SwimPacket,
     boot_ms,
+    verify_member_record,
 )
 from pcp_p2p.wire import encode
 
@@ -44,8 +45,8 @@ CAPS = Capabilities(("local-task",), "cpu", "x86_64", (), 2, 1 << 30, (), 10.0, 
 
 @lru_cache(maxsize=1 << 17)
 def cached_verify(data: bytes) -> VerifiedRecord:
-    """verify_record once per distinct record (a record's bytes fully determine the result)."""
-    return verify_record(data)
+    """verify_member_record once per distinct record (a record's bytes fully determine the result)."""
+    return verify_member_record(data)
 
 
 @dataclass
@@ -97,7 +98,7 @@ class SwimNet:
     def add(self, ident: Identity, *, started_at: float | None = None) -> SimNode:
         machine = Membership(
             ident.peer_id, config=self.config, rng=random.Random(self.rng.random()),
-            verify=cached_verify if self.cached else verify_record,
+            verify=cached_verify if self.cached else verify_member_record,
         )
         node = SimNode(ident, machine, started_at if started_at is not None else 1_000_000.0 + self.now)
         self.nodes[ident.peer_id] = node
