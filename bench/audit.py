@@ -6,7 +6,7 @@ here (and, with ``--cross``, for ``cpu-x86_64-generic`` too), then:
 1. **Baseline and the audited path, interleaved.** Rounds of ``--steps`` inner
    steps (chunks of ``CHUNK_STEPS``, the run spec's default batch shape) run
    both as the executor ran them before audits (upload θ, train, read θ back)
-   and through :class:`~pcp_p2p.diloco.engine.InnerEngine`, which also names
+   and through :class:`~pcp_p2p.diloco.run.engine.InnerEngine`, which also names
    the inner state by a digest computed in the executor child and keeps a
    snapshot of it. Their ratio is the normal path's slowdown; the engine's
    ``state_s`` per round is what auditability costs every round.
@@ -47,18 +47,18 @@ from bench.step import _proc_cpu_s
 from pcp_p2p.compile.cache import ArtifactCache
 from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact
 from pcp_p2p.compile.targets import get_target
-from pcp_p2p.diloco import audit
-from pcp_p2p.diloco.data import CharDataset, batches_for_assignment
-from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.engine import CHUNK_STEPS, InnerEngine, initial_theta, model_config, program_options
-from pcp_p2p.diloco.messages import DataAssignment
-from pcp_p2p.diloco.spec import RunSpec
-from pcp_p2p.diloco.tensors import codec_of, num_params, params_cid
-from pcp_p2p.diloco.worker import pseudo_gradient
-from pcp_p2p.errors import ConfigError
-from pcp_p2p.node.cpu import best_cpu_target
-from pcp_p2p.node.executor import Executor
-from pcp_p2p.node.identity import Identity, default_data_dir
+from pcp_p2p.core.errors import ConfigError
+from pcp_p2p.core.identity import Identity, default_data_dir
+from pcp_p2p.diloco.algorithm.data import CharDataset, batches_for_assignment
+from pcp_p2p.diloco.algorithm.params import codec_of, num_params, params_cid
+from pcp_p2p.diloco.protocol import audit
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.messages import DataAssignment
+from pcp_p2p.diloco.protocol.spec import RunSpec
+from pcp_p2p.diloco.protocol.worker import pseudo_gradient
+from pcp_p2p.diloco.run.engine import CHUNK_STEPS, InnerEngine, initial_theta, model_config, program_options
+from pcp_p2p.executor.cpu import best_cpu_target
+from pcp_p2p.executor.executor import Executor
 
 NEVER = threading.Event()
 

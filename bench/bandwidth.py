@@ -11,7 +11,7 @@ Nesterov, θ hash-checked by every worker), pumped in one process:
 
 - ``topk2`` (``PCP_BENCH_CODEC``): chunked top-k Δ (64 of every 4096 values,
   2-bit values, 12-bit indices) with error feedback on each worker
-  (:mod:`pcp_p2p.diloco.sparse`), audits off (not auditable yet), and
+  (:mod:`pcp_p2p.diloco.algorithm.sparse`), audits off (not auditable yet), and
   SparseLoCo's outer step, plain SGD without momentum, here at lr 2.5
   (``PCP_BENCH_SPARSE_OUTER_LR``, ``PCP_BENCH_SPARSE_MOMENTUM``): error
   feedback already delays and carries updates like a momentum. Measured
@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/diloco.py's ma
 
 import diloco as base
 
-from pcp_p2p.diloco.spec import FEEDBACK_CODECS, OuterOptimizer, RunSpec, parse_spec
-from pcp_p2p.diloco.tensors import pack_tensors
+from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.protocol.spec import FEEDBACK_CODECS, OuterOptimizer, RunSpec, parse_spec
 from pcp_p2p.wire import encode
 
 CODEC = os.environ.get("PCP_BENCH_CODEC", "topk2")

@@ -7,7 +7,7 @@ start, the same run id and four worker identities (so the same data shards and
 seeds, also in the arms whose spec differs in its ``[aggregation]`` table),
 ``ROUNDS`` rounds of H inner AdamW steps, through the *real* round protocol
 pumped in one process (:mod:`pcp_p2p.testing.inprocess`: the
-:class:`~pcp_p2p.diloco.shepherd.Shepherd` and :class:`~pcp_p2p.diloco.worker.Worker`
+:class:`~pcp_p2p.diloco.protocol.shepherd.Shepherd` and :class:`~pcp_p2p.diloco.protocol.worker.Worker`
 machines, signed messages, int8 Δs, the aggregator with the spec's defences,
 the shepherd scoring each submission on a held-out batch and evaluating each
 commit on the validation batches). A round commits with 2 of the 4 accepted.
@@ -42,8 +42,8 @@ Also, each with its ``*_target``:
 - ``audit_overhead``: compute spent on auditability and audits over compute
   spent training, as ``bench/audit.py`` defines it (state digest per round +
   ``audit_rate`` × (state export + import + replay)), measured here on the
-  clean arm's submissions: drawn by :func:`~pcp_p2p.diloco.audit.plan_audits`,
-  replayed by the JAX inner loop, judged by :func:`~pcp_p2p.diloco.audit.judge`
+  clean arm's submissions: drawn by :func:`~pcp_p2p.diloco.protocol.audit.plan_audits`,
+  replayed by the JAX inner loop, judged by :func:`~pcp_p2p.diloco.protocol.audit.judge`
   (``audit_verdicts``: all ``match`` when replays are bit-exact), in CPU
   seconds. Each attacked arm also audits every attacker submission the
   aggregator accepted (``attacker_audit_verdicts``). Target ≤ 0.05;
@@ -78,7 +78,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from pcp_p2p.diloco.audit import (
+from pcp_p2p.core.errors import LocalError
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import Params
+from pcp_p2p.diloco.protocol.audit import (
     PlannedAudit,
     check_submission,
     decode_inner_state,
@@ -87,15 +91,11 @@ from pcp_p2p.diloco.audit import (
     judge,
     plan_audits,
 )
-from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.messages import FRESH_STATE
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import Params
-from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.errors import LocalError
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE
+from pcp_p2p.diloco.protocol.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.testing.byzantine import KINDS, ByzantineWorker, RandomDelta
 from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, as_inner_state, pump_run
 
@@ -262,7 +262,7 @@ def run_audits(arm: Arm, trainer: JaxTrainer, planned: list[PlannedAudit]) -> tu
 
     The audited worker exports its start state as a blob, the auditor imports
     it (checking the digest the worker signed), replays the round from the
-    announced θ and assignment, and :func:`~pcp_p2p.diloco.audit.judge`\ s it.
+    announced θ and assignment, and :func:`~pcp_p2p.diloco.protocol.audit.judge`\ s it.
     """
     auditor = Identity(np.random.default_rng(99).bytes(32))
     verdicts: Counter[str] = Counter()
@@ -297,9 +297,9 @@ def run_audits(arm: Arm, trainer: JaxTrainer, planned: list[PlannedAudit]) -> tu
 
 
 def audit_figure(arm: Arm, trainer: JaxTrainer, rate: float) -> dict:
-    """Audits of the clean arm through :mod:`pcp_p2p.diloco.audit`, and their cost.
+    """Audits of the clean arm through :mod:`pcp_p2p.diloco.protocol.audit`, and their cost.
 
-    The draw is the protocol's (:func:`~pcp_p2p.diloco.audit.plan_audits`, beacon =
+    The draw is the protocol's (:func:`~pcp_p2p.diloco.protocol.audit.plan_audits`, beacon =
     the commit's θ CID) at the spec's ``audit_rate``; if it picks fewer than
     ``AUDIT_SAMPLES`` submissions, more are audited (requests drawn at rate 1,
     latest rounds first, so state export and import are timed too). Cost, as

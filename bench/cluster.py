@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    from pcp_p2p.cluster.launch import without_launch
+    from pcp_p2p.core.launch import without_launch
     from pcp_p2p.testing.mpi_group import prepare
 
     out = Path(tempfile.mkdtemp(prefix="pcp-bench-cluster-"))

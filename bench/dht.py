@@ -42,11 +42,11 @@ GO_STORE_MS, GO_GET_MS = 14.0, 10.0  # the issue's goals: medians at most these
 
 
 async def child(data_dir: Path, bootstrap: str) -> None:
-    from pcp_p2p import logs
-    from pcp_p2p.dht.kinds import RECORD_KINDS
+    from pcp_p2p.core import logs
+    from pcp_p2p.core.errors import BadSignature
     from pcp_p2p.dht.records import KindRule, record_key, sign_record
-    from pcp_p2p.errors import BadSignature
     from pcp_p2p.node.node import NodeConfig, open_node, parse_peer_addr
+    from pcp_p2p.node.record_kinds import RECORD_KINDS
     from pcp_p2p.node.status import MAX_REPLY, STATUS_PROTOCOL, StatusRequest
     from pcp_p2p.wire import Message, encode, wire_message
     from pcp_p2p.wire.framing import read_frame, write_frame

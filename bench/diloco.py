@@ -5,8 +5,8 @@ Run: ``.venv/bin/python bench/diloco.py`` (a few minutes on 2 CPU cores).
 (a) Convergence. Four DiLoCo workers with H = 50 inner AdamW steps per round
     train the ``tiny`` GPT on Shakespeare (the default corpus, 90/10 split) for
     ``ROUNDS`` rounds. The rounds go through the *real* sans-IO protocol — the
-    :class:`~pcp_p2p.diloco.shepherd.Shepherd` and four
-    :class:`~pcp_p2p.diloco.worker.Worker` machines, signed messages, int8
+    :class:`~pcp_p2p.diloco.protocol.shepherd.Shepherd` and four
+    :class:`~pcp_p2p.diloco.protocol.worker.Worker` machines, signed messages, int8
     pseudo-gradients, the aggregator's admission checks (norm bound included),
     outer Nesterov (0.7, 0.9), θ hash-checked by every worker — pumped
     synchronously in one process, with the inner loop in JAX (the compile
@@ -55,12 +55,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from pcp_p2p.diloco.data import CharDataset
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.worker import Worker
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.data import CharDataset
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.protocol.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import Worker
 from pcp_p2p.testing.inprocess import JaxTrainer, RunLog, pump_run
 
 WORKERS = 4

@@ -50,7 +50,7 @@ def keep_logs(root: Path, keep: Path) -> None:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    from pcp_p2p.errors import PcpError
+    from pcp_p2p.core.errors import PcpError
     from pcp_p2p.node.local_swarm import local_swarm, pcp_command
     from pcp_p2p.node.status import to_json
 

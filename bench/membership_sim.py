@@ -1,6 +1,6 @@
 """Membership at planetary scale: 10,000 real SWIM machines in virtual time, 1% message loss.
 
-The machines are :class:`pcp_p2p.node.membership.Membership`, the class every
+The machines are :class:`pcp_p2p.net.membership.Membership`, the class every
 node runs, carried by :class:`pcp_p2p.testing.swim_net.SwimNet` (an in-memory
 network that drops each packet with probability ``--loss``). Views start as a
 random sample of ``--view`` members each (a swarm that has been running a while;
@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-from pcp_p2p.node.membership import MemberLeft, SwimConfig
+from pcp_p2p.net.membership import MemberLeft, SwimConfig
 from pcp_p2p.testing.swim_net import SwimNet
 
 TARGET_DETECTION_S = 10.0

@@ -1,7 +1,7 @@
 """PCP at planetary scale: N real run machines on home links with 30% churn, in virtual time.
 
 Each size runs :func:`pcp_p2p.testing.planet.simulate` (the real
-:class:`~pcp_p2p.diloco.run_machine.RunMachine` on every node; what is modelled
+:class:`~pcp_p2p.diloco.run.run_machine.RunMachine` on every node; what is modelled
 and how is listed in that module's docstring and in ``docs/sim.md``) in a child
 process of its own, one after another, so each size's memory per node is its own.
 

@@ -49,11 +49,11 @@ from pcp_p2p.compile.model import init_params, param_names, preset
 from pcp_p2p.compile.pipeline import compile_lowered, lower_program, write_artifact
 from pcp_p2p.compile.programs import ProgramOptions
 from pcp_p2p.compile.targets import compile_flags, get_target
-from pcp_p2p.diloco.engine import CHUNK_STEPS
-from pcp_p2p.diloco.spec import InnerOptimizer
-from pcp_p2p.node.cpu import best_cpu_target
-from pcp_p2p.node.executor import Executor
-from pcp_p2p.node.identity import Identity, default_data_dir
+from pcp_p2p.core.identity import Identity, default_data_dir
+from pcp_p2p.diloco.protocol.spec import InnerOptimizer
+from pcp_p2p.diloco.run.engine import CHUNK_STEPS
+from pcp_p2p.executor.cpu import best_cpu_target
+from pcp_p2p.executor.executor import Executor
 
 LR = 3e-4
 _RT = InnerOptimizer()  # the run spec's defaults: what a worker runs unless a spec says otherwise

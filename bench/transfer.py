@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from pcp_p2p.blob.routing import MemoryRouting  # noqa: E402
 from pcp_p2p.blob.service import BlobService  # noqa: E402
 from pcp_p2p.blob.store import BlobStore  # noqa: E402
-from pcp_p2p.node.identity import Identity  # noqa: E402
+from pcp_p2p.core.identity import Identity  # noqa: E402
 
 MiB = 1024 * 1024
 _TICK = os.sysconf("SC_CLK_TCK")

@@ -76,8 +76,8 @@ def p95(xs: list[float]) -> float:
 
 
 async def fetch_times(n: int) -> list[float]:
-    from pcp_p2p import logs
-    from pcp_p2p.node.capabilities import Capabilities
+    from pcp_p2p.core import logs
+    from pcp_p2p.net.capabilities import Capabilities
     from pcp_p2p.node.node import NodeConfig, open_node
     from pcp_p2p.node.status import fetch_status
 
@@ -103,7 +103,7 @@ def main() -> None:
 
     from prometheus_client import generate_latest
 
-    from pcp_p2p.node.commands import render_text
+    from pcp_p2p.commands.node_commands import render_text
     from pcp_p2p.node.metrics import build_registry, serve_metrics
     from pcp_p2p.tui.fmt import UNICODE, Style
     from pcp_p2p.tui.view import StatusView

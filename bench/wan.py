@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trio
 
-from pcp_p2p.errors import PcpError
+from pcp_p2p.core.errors import PcpError
 from pcp_p2p.node.local_swarm import local_swarm, pcp_command
 from pcp_p2p.node.status import to_json
 from pcp_p2p.testing.netlab import LinkSpec, Nat, netlab, unavailable

@@ -32,7 +32,7 @@ import sys
 import traceback
 
 from pcp_p2p import __version__
-from pcp_p2p.errors import PcpError
+from pcp_p2p.core.errors import PcpError
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -41,13 +41,13 @@ EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 # Modules that each define ``register(subparsers) -> None``; each parser sets
 # ``func`` to a callable taking the parsed args and returning an exit code.
 COMMAND_MODULES = (
-    "pcp_p2p.node.commands",
-    "pcp_p2p.node.swarm_command",
+    "pcp_p2p.commands.node_commands",
+    "pcp_p2p.commands.swarm_command",
     "pcp_p2p.node.doctor",
-    "pcp_p2p.compile.command",
-    "pcp_p2p.diloco.command",
-    "pcp_p2p.diloco.generate",
-    "pcp_p2p.export.command",
+    "pcp_p2p.compile.compile_command",
+    "pcp_p2p.diloco.run.owner_commands",
+    "pcp_p2p.export.generate",
+    "pcp_p2p.export.export_command",
     "pcp_p2p.testing.sim_command",
 )
 

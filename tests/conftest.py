@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pcp_p2p import logs
-from pcp_p2p.node.capabilities import Capabilities
+from pcp_p2p.core import logs
+from pcp_p2p.net.capabilities import Capabilities
 
 logs.configure("INFO")
 

@@ -21,7 +21,7 @@ from pcp_p2p.compile.model import PRESETS, GPTConfig
 from pcp_p2p.compile.pipeline import Artifact, Lowered, compile_lowered, lower_program, write_artifact
 from pcp_p2p.compile.programs import ProgramOptions
 from pcp_p2p.compile.targets import get_target
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
 
 TINY: GPTConfig = PRESETS["tiny"]
 # Small shapes keep the tests fast; H=10 is the round chunk the numerics test checks.

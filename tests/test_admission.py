@@ -12,11 +12,21 @@ import msgpack
 import numpy as np
 import pytest
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import (
+    BadSignature,
+    ExpiredRecord,
+    MalformedMessage,
+    RejectedUpdate,
+    StaleMessage,
+    VerificationError,
+)
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import CLOCK_SKEW_S, MAX_RECORD_SIZE, record_key, sign_record, verify_record
 from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.diloco.admission import (
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.protocol.admission import (
     ALLOWLIST_KIND,
     MAX_AMENDED,
     Admission,
@@ -26,22 +36,12 @@ from pcp_p2p.diloco.admission import (
     sign_update,
     update_record,
 )
-from pcp_p2p.diloco.effects import Committed, Rejected, Send
-from pcp_p2p.diloco.messages import Join, RoundAnnouncement, Submission, sign
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.reputation import LEDGER_FILE, MAX_EVIDENCE_BYTES, ReputationLedger
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import pack_tensors
-from pcp_p2p.errors import (
-    BadSignature,
-    ExpiredRecord,
-    MalformedMessage,
-    RejectedUpdate,
-    StaleMessage,
-    VerificationError,
-)
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.effects import Committed, Rejected, Send
+from pcp_p2p.diloco.protocol.messages import Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.run.reputation import LEDGER_FILE, MAX_EVIDENCE_BYTES, ReputationLedger
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import decode, encode, signing_bytes
 
 

@@ -13,19 +13,19 @@ pytest.importorskip("iree.compiler")
 
 from conftest_compile import artifact, artifact_file, shepherd
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco import audit
-from pcp_p2p.diloco.audit import CHUNK_STEPS
-from pcp_p2p.diloco.data import CharDataset
-from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.engine import InnerEngine, initial_theta, program_options
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, Submission, sign
-from pcp_p2p.diloco.spec import InnerOptimizer, RunSpec
-from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
-from pcp_p2p.diloco.worker import pseudo_gradient
-from pcp_p2p.node.cpu import best_cpu_target, local_cpu
-from pcp_p2p.node.executor import Executor
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.data import CharDataset
+from pcp_p2p.diloco.algorithm.params import codec_of, pack_tensors, params_cid
+from pcp_p2p.diloco.protocol import audit
+from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, DataAssignment, Submission, sign
+from pcp_p2p.diloco.protocol.spec import InnerOptimizer, RunSpec
+from pcp_p2p.diloco.protocol.worker import pseudo_gradient
+from pcp_p2p.diloco.run.engine import InnerEngine, initial_theta, program_options
+from pcp_p2p.executor.cpu import best_cpu_target, local_cpu
+from pcp_p2p.executor.executor import Executor
 from pcp_p2p.wire import encode
 
 if local_cpu().arch != "x86_64":

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from pcp_p2p.blob.chunks import hash_bytes, manifest_cid, parse_manifest
 from pcp_p2p.blob.transfer import FetchPlan
-from pcp_p2p.cid import cid_of
-from pcp_p2p.errors import HashMismatch, MalformedMessage, OversizedMessage, PcpError
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import HashMismatch, MalformedMessage, OversizedMessage, PcpError
 from pcp_p2p.wire import encode
 
 CS = 64 * 1024

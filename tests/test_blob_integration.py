@@ -22,8 +22,8 @@ from pcp_p2p.blob.peerproc import blob_bytes
 from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.identity import Identity
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = 50 * 1024 * 1024

@@ -26,8 +26,8 @@ from pcp_p2p.blob.routing import DhtRouting, MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, send_record
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
-from pcp_p2p.errors import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import (
     BlobNotFound,
     HashMismatch,
     LocalError,
@@ -37,7 +37,7 @@ from pcp_p2p.errors import (
     PeerError,
     ProtocolError,
 )
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
 
 CS = 64 * 1024
 LOCAL = [Multiaddr("/ip4/127.0.0.1/tcp/0")]

@@ -23,8 +23,8 @@ from pcp_p2p.blob.sidechannel import (
     transcript,
 )
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
-from pcp_p2p.errors import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import (
     HashMismatch,
     LocalError,
     MalformedMessage,

@@ -12,8 +12,8 @@ import pytest
 
 from pcp_p2p.blob.chunks import hash_bytes
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_from_digest, cid_of
-from pcp_p2p.errors import BlobNotFound, HashMismatch, StoreFull
+from pcp_p2p.core.cid import cid_from_digest, cid_of
+from pcp_p2p.core.errors import BlobNotFound, HashMismatch, StoreFull
 
 CS = 64 * 1024  # small chunks keep the tests fast
 

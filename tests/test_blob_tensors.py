@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pcp_p2p.blob.tensors import MAGIC, MAX_TENSORS, decode_tensors, encode_tensors
-from pcp_p2p.errors import InvalidInput, MalformedMessage, OversizedMessage, PcpError
+from pcp_p2p.blob.tensor_codec import MAGIC, MAX_TENSORS, decode_tensors, encode_tensors
+from pcp_p2p.core.errors import InvalidInput, MalformedMessage, OversizedMessage, PcpError
 
 LIMIT = 1 << 24
 

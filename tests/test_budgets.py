@@ -41,9 +41,10 @@ from pcp_p2p.blob.sidechannel import (
     transcript,
 )
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of
-from pcp_p2p.errors import ConfigError, OverBudget, PeerTimeout
-from pcp_p2p.node.budget import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import ConfigError, OverBudget, PeerTimeout
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.net.budget import (
     BYTES_PER_PEER,
     BYTES_TOTAL,
     RATE_PER_PEER,
@@ -57,7 +58,6 @@ from pcp_p2p.node.budget import (
     RateLimits,
     Usage,
 )
-from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.messaging import MSG_PROTOCOL
 from pcp_p2p.node.node import Node, NodeConfig, open_node
 from pcp_p2p.testing import flood_node, flood_streams

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcp_p2p.diloco.aggregate import delta_norm_bound
-from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.messages import Submission, verify
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import Params, codec_of, global_norm
-from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import Params, codec_of, global_norm
+from pcp_p2p.diloco.protocol.aggregate import delta_norm_bound
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.messages import Submission, verify
+from pcp_p2p.diloco.protocol.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.testing.byzantine import (
     KINDS,
     UNDER_BOUND,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from pcp_p2p.node.capabilities import measure_gflops, probe, usable_cores
+from pcp_p2p.net.capabilities import measure_gflops, probe, usable_cores
 
 # Keeps every core busy with numpy's multi-threaded BLAS, as a neighbour training would.
 BUSY = ("import numpy as np, time\na = np.ones((600, 600), np.float32)\nend = time.time() + 20\n"

@@ -11,7 +11,7 @@ import pytest
 from blake3 import blake3
 
 from pcp_p2p.blob.chunks import ChunkManifest, hash_bytes, parse_manifest
-from pcp_p2p.cid import (
+from pcp_p2p.core.cid import (
     CHUNK_SIZE,
     check_cid,
     chunk_list_digest,
@@ -20,7 +20,7 @@ from pcp_p2p.cid import (
     cid_of_file,
     parse_cid,
 )
-from pcp_p2p.errors import HashMismatch, MalformedMessage
+from pcp_p2p.core.errors import HashMismatch, MalformedMessage
 
 CS = 64 * 1024
 

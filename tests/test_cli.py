@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pcp_p2p.cli import build_parser, main
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
 
 PCP = [sys.executable, "-m", "pcp_p2p.cli"]
 
@@ -62,7 +62,7 @@ def test_join_with_a_bad_bootstrap_address_is_a_clean_error(tmp_path: Path) -> N
 
 
 def test_swarm_key_file(tmp_path: Path) -> None:
-    from pcp_p2p.node.swarm_key import read_swarm_key
+    from pcp_p2p.net.swarm_key import read_swarm_key
 
     assert run("swarm-key", str(tmp_path / "k")).returncode == 0
     assert len(read_swarm_key(tmp_path / "k")) == 64
@@ -71,8 +71,8 @@ def test_swarm_key_file(tmp_path: Path) -> None:
 
 
 def test_bad_swarm_key_is_a_config_error(tmp_path: Path) -> None:
-    from pcp_p2p.errors import ConfigError
-    from pcp_p2p.node.swarm_key import read_swarm_key
+    from pcp_p2p.core.errors import ConfigError
+    from pcp_p2p.net.swarm_key import read_swarm_key
 
     (tmp_path / "k").write_text("nothex\n")
     with pytest.raises(ConfigError):
@@ -108,7 +108,7 @@ def test_pcp_id_prints_the_peer_id_of_the_data_dirs_key(tmp_path: Path) -> None:
     first = run("id", "--data-dir", str(tmp_path))
     assert first.returncode == 0 and first.stderr == ""
     peer_id = first.stdout.strip()
-    from pcp_p2p.node.identity import load_or_create_identity
+    from pcp_p2p.core.identity import load_or_create_identity
 
     assert peer_id == load_or_create_identity(tmp_path).peer_id  # the key a node there would use
     assert run("id", "--data-dir", str(tmp_path)).stdout.strip() == peer_id  # created once, then read

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from pcp_p2p.cli import describe, exit_code, leaves, main
-from pcp_p2p.errors import ConfigError, PeerGone
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.shutdown import Interrupted
+from pcp_p2p.core.errors import ConfigError, PeerGone
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.core.shutdown import Interrupted
 
 PCP = [sys.executable, "-m", "pcp_p2p.cli"]
 STOP_BOUND_S = 30.0  # generous: the machine is shared; a wedged node used to need SIGKILL after minutes
@@ -167,7 +167,7 @@ def test_run_create_with_an_unreachable_bootstrap_is_one_error_line(tmp_path: Pa
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
                     reason="needs root and unshare for a ro mount")
 def test_read_only_data_dir_is_one_error_line(tmp_path: Path) -> None:
-    from pcp_p2p.node.identity import load_or_create_identity
+    from pcp_p2p.core.identity import load_or_create_identity
 
     data = tmp_path / "ro"
     load_or_create_identity(data)  # a node that ran before, its data dir now mounted read-only
@@ -289,7 +289,7 @@ WEDGED = textwrap.dedent("""
     import sys, time, trio
     from pcp_p2p import logs
     from pcp_p2p.cli import report
-    from pcp_p2p.shutdown import run_until_signal
+    from pcp_p2p.core.shutdown import run_until_signal
 
     logs.configure("INFO")
 

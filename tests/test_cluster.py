@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pcp_p2p.cluster.launch import detect_launch, without_launch
-from pcp_p2p.cluster.messages import Done, Train, frame, unframe
-from pcp_p2p.cluster.split import combine, group_state, mean_losses, rank_steps, sub_assignments
-from pcp_p2p.diloco.data import batches_for_assignment
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment
-from pcp_p2p.errors import ConfigError, ProtocolError
+from pcp_p2p.cluster.rank_messages import Done, Train, frame, unframe
+from pcp_p2p.core.errors import ConfigError, ProtocolError
+from pcp_p2p.core.launch import detect_launch, without_launch
+from pcp_p2p.diloco.algorithm.data import batches_for_assignment
+from pcp_p2p.diloco.protocol.group_split import combine, group_state, mean_losses, rank_steps, sub_assignments
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, DataAssignment
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
@@ -129,9 +129,9 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny train artifact for the default spec's shapes: the session's, shared with test_audit_replay."""
     from conftest_compile import artifact
 
-    from pcp_p2p.diloco.engine import program_options
-    from pcp_p2p.diloco.spec import parse_spec
-    from pcp_p2p.node.cpu import best_cpu_target
+    from pcp_p2p.diloco.protocol.spec import parse_spec
+    from pcp_p2p.diloco.run.engine import program_options
+    from pcp_p2p.executor.cpu import best_cpu_target
     from pcp_p2p.testing.mpi_group import SPEC, prepare
 
     opts = program_options(parse_spec(SPEC.format(steps=20)))
@@ -211,7 +211,7 @@ def test_a_hung_rank_costs_one_timeout(compiled: Path) -> None:
 def test_status_and_metrics_show_the_group() -> None:
     import copy
 
-    from pcp_p2p.node.commands import render_text
+    from pcp_p2p.commands.node_commands import render_text
     from pcp_p2p.node.metrics import families
 
     fixture = Path(__file__).parent / "fixtures" / "status_worker_idle.json"

@@ -18,7 +18,7 @@ import pytest
 import trio
 from test_training_swarm import create_run, wait_for
 
-from pcp_p2p.cluster.launch import without_launch
+from pcp_p2p.core.launch import without_launch
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.status import to_json
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     MalformedMessage,
     OversizedMessage,
     ProtocolError,

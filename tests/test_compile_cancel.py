@@ -16,16 +16,16 @@ from conftest_compile import TINY, TINY_OPTS, lowered
 
 from pcp_p2p.compile import iree_compile, pipeline
 from pcp_p2p.compile.cache import ArtifactCache
-from pcp_p2p.diloco import engine
-from pcp_p2p.diloco.election import FollowShepherd, StepDown
-from pcp_p2p.diloco.reputation import ReputationLedger
-from pcp_p2p.diloco.run_effects import SetUpEnded
-from pcp_p2p.diloco.run_machine import RunMachine
-from pcp_p2p.diloco.run_setup import TermSetUp
-from pcp_p2p.diloco.runtime import RunRuntime
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.errors import CompileCancelled, CompileError
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.errors import CompileCancelled, CompileError
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.election import FollowShepherd, StepDown
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.run import engine
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_effects import SetUpEnded
+from pcp_p2p.diloco.run.run_machine import RunMachine
+from pcp_p2p.diloco.run.run_setup import TermSetUp
+from pcp_p2p.diloco.run.runtime import RunRuntime
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,8 +6,8 @@ import pytest
 
 from pcp_p2p.compile.lowering import gpu_compatible
 from pcp_p2p.compile.targets import TARGETS, X86_64_V3_FLAGS, X86_64_V4_FLAGS, get_target, parse_targets
-from pcp_p2p.errors import ConfigError
-from pcp_p2p.node.cpu import (
+from pcp_p2p.core.errors import ConfigError
+from pcp_p2p.executor.cpu import (
     CpuInfo,
     best_cpu_target,
     cpu_can_run,

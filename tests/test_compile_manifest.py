@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, cache_key
 from pcp_p2p.compile.manifest import Manifest, read_manifest, sign_manifest, verify_manifest, write_manifest
 from pcp_p2p.compile.signature import TensorSpec, check_array
 from pcp_p2p.compile.targets import compile_flags, get_target
-from pcp_p2p.errors import BadSignature, ConfigError, HashMismatch, InvalidInput, MalformedMessage
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import BadSignature, ConfigError, HashMismatch, InvalidInput, MalformedMessage
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.wire import decode, encode
 
 ART = os.urandom(4096)

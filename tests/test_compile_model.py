@@ -17,7 +17,7 @@ from pcp_p2p.compile.model import (
     preset,
 )
 from pcp_p2p.compile.programs import ProgramOptions, build_program, state_specs
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 jax = pytest.importorskip("jax")
 

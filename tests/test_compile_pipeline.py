@@ -14,12 +14,12 @@ pytest.importorskip("iree.compiler")
 
 from conftest_compile import CACHE, TINY_OPTS, artifact, lowered, shepherd
 
-from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.iree_compile import compiler_version, run_compiler
 from pcp_p2p.compile.manifest import read_manifest, verify_manifest
 from pcp_p2p.compile.pipeline import compile_lowered
 from pcp_p2p.compile.targets import TARGETS, get_target
-from pcp_p2p.errors import CompileError
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import CompileError
 
 REPO = Path(__file__).resolve().parents[1]
 

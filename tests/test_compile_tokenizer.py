@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pcp_p2p.compile.tokenizer import CharTokenizer
-from pcp_p2p.errors import InvalidInput, MalformedMessage
+from pcp_p2p.core.errors import InvalidInput, MalformedMessage
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
 

@@ -22,7 +22,6 @@ pytest.importorskip("iree.compiler")
 
 from conftest_compile import CACHE, shepherd
 
-from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, cache_key
 from pcp_p2p.compile.iree_compile import compiler_version, run_compiler
 from pcp_p2p.compile.manifest import check_fields, sign_manifest, verify_manifest
@@ -36,8 +35,9 @@ from pcp_p2p.compile.targets import (
     compile_flags,
     get_target,
 )
-from pcp_p2p.errors import CompilerRejected, MalformedMessage
-from pcp_p2p.node.cpu import cpu_can_run, local_cpu
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import CompilerRejected, MalformedMessage
+from pcp_p2p.executor.cpu import cpu_can_run, local_cpu
 
 V4 = get_target("cpu-x86_64-v4")
 V3 = get_target("cpu-x86_64-v3")
@@ -129,7 +129,7 @@ def test_data_tiled_numerics_match_jax(tmp_path):
     import jax
 
     from pcp_p2p.compile.pipeline import write_artifact
-    from pcp_p2p.node.executor import Executor
+    from pcp_p2p.executor.executor import Executor
 
     art = _artifact(TILED_OPTS)
     assert "--iree-opt-data-tiling" in art.manifest.flags

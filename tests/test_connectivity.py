@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from pcp_p2p.diloco.election import Candidate, ElectionConfig, eligible
-from pcp_p2p.errors import PcpError
-from pcp_p2p.node.connectivity import (
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.diloco.protocol.election import Candidate, ElectionConfig, eligible
+from pcp_p2p.net.connectivity import (
     HOLE_PUNCHABLE,
     PUBLIC,
     RELAY_ONLY,
@@ -28,8 +28,8 @@ from pcp_p2p.node.connectivity import (
     split_addrs,
     verdict,
 )
+from pcp_p2p.net.reachability import known
 from pcp_p2p.node.node import NodeConfig, transport_addrs
-from pcp_p2p.node.reachability import known
 from pcp_p2p.testing.netlab import Host, Lab, LabProcess, LinkSpec, Nat, netlab, unavailable
 
 needs_lab = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
@@ -100,7 +100,7 @@ def test_a_stream_over_a_circuit_is_told_from_a_direct_one() -> None:
     """What the blob service refuses both ways: a stream whose connection runs through a relay."""
     from types import SimpleNamespace
 
-    from pcp_p2p.node.connectivity import is_relayed, stream_is_relayed
+    from pcp_p2p.net.connectivity import is_relayed, stream_is_relayed
 
     def conn(addr: str) -> SimpleNamespace:
         return SimpleNamespace(get_transport_addresses=lambda: [addr])

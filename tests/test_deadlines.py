@@ -1,10 +1,10 @@
-"""Round deadlines from observed arrivals (issue #14 item 4): pcp_p2p.diloco.deadlines, no network."""
+"""Round deadlines from observed arrivals (issue #14 item 4): pcp_p2p.diloco.protocol.deadlines, no network."""
 
 from __future__ import annotations
 
 import pytest
 
-from pcp_p2p.diloco.deadlines import ArrivalDeadline
+from pcp_p2p.diloco.protocol.deadlines import ArrivalDeadline
 
 
 def test_unknown_workers_get_the_specs_full_deadline() -> None:
@@ -68,7 +68,7 @@ def test_the_shepherd_shortens_its_deadline_once_it_has_seen_every_worker_arrive
     time_budget_s (10 s) + 2 s."""
     from test_diloco_protocol import Round, sent
 
-    from pcp_p2p.diloco.messages import RoundAnnouncement
+    from pcp_p2p.diloco.protocol.messages import RoundAnnouncement
 
     r = Round(n=2)
     now = r.shepherd.join_grace_s

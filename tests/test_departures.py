@@ -14,12 +14,12 @@ import trio
 from test_diloco_protocol import Round, ident, rejections, sent
 from test_election import IDS, make_lease, of, order, started
 
-from pcp_p2p import shutdown
-from pcp_p2p.diloco.departures import LEAVE_FRESH_S, Departures, make_leave
-from pcp_p2p.diloco.effects import Committed, Discarded, Rejected
-from pcp_p2p.diloco.election import CommitChecked, FollowShepherd, LookupCommit, LookupLease, Role
-from pcp_p2p.diloco.messages import Leave, RoundAnnouncement, sign
-from pcp_p2p.errors import BadSignature, NotElected, PeerGone, RejectedUpdate, StaleMessage, VerificationError
+from pcp_p2p.core import shutdown
+from pcp_p2p.core.errors import BadSignature, NotElected, PeerGone, RejectedUpdate, StaleMessage, VerificationError
+from pcp_p2p.diloco.protocol.departures import LEAVE_FRESH_S, Departures, make_leave
+from pcp_p2p.diloco.protocol.effects import Committed, Discarded, Rejected
+from pcp_p2p.diloco.protocol.election import CommitChecked, FollowShepherd, LookupCommit, LookupLease, Role
+from pcp_p2p.diloco.protocol.messages import Leave, RoundAnnouncement, sign
 
 # --- the shepherd --------------------------------------------------------------------
 
@@ -254,9 +254,9 @@ def test_what_cannot_be_adopted(case: str):
 def test_a_restarted_node_takes_up_the_runs_its_data_dir_left_unfinished(tmp_path):
     from types import SimpleNamespace
 
-    from pcp_p2p.diloco.pins import RunPins
-    from pcp_p2p.diloco.runtime import PINS_FILE
-    from pcp_p2p.diloco.service import TrainingService
+    from pcp_p2p.diloco.run.pins import RunPins
+    from pcp_p2p.diloco.run.runtime import PINS_FILE
+    from pcp_p2p.diloco.run.training_service import TrainingService
 
     for run_id, finished in (("run-a", False), ("run-b", True), ("run-c", False)):
         (tmp_path / "runs" / run_id).mkdir(parents=True)

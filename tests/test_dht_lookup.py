@@ -7,13 +7,13 @@ import dataclasses
 import pytest
 import trio
 
+from pcp_p2p.core.errors import ExpiredRecord, PeerGone, VerificationError
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht import records as records_mod
 from pcp_p2p.dht import rpc
-from pcp_p2p.dht.kinds import RECORD_KINDS
 from pcp_p2p.dht.lookup import ClosestWalk, StoreFanout, ValueLookup
 from pcp_p2p.dht.records import sign_record, verify_record
-from pcp_p2p.errors import ExpiredRecord, PeerGone, VerificationError
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode
 
 
@@ -152,7 +152,7 @@ def test_walk_reports_peers_that_enter_the_k_closest_and_stops_without_progress(
 
 
 def _member(identity: Identity, ttl_s: float = 60.0, now: float = 1000.0) -> bytes:
-    from pcp_p2p.node.membership import MemberRecord
+    from pcp_p2p.net.membership import MemberRecord
     from tests.conftest import TEST_CAPS
 
     rec = MemberRecord(identity.peer_id, ("/ip4/127.0.0.1/tcp/1",), "worker", 0.0, TEST_CAPS)
@@ -176,8 +176,8 @@ def test_a_record_is_signature_checked_once_but_its_window_and_key_every_time(mo
 
 
 def test_a_forged_copy_of_a_cached_record_is_still_refused() -> None:
+    from pcp_p2p.core.errors import BadSignature
     from pcp_p2p.dht.records import SignedRecord
-    from pcp_p2p.errors import BadSignature
     from pcp_p2p.wire import decode
 
     ident = Identity.generate()

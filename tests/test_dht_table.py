@@ -13,8 +13,8 @@ from libp2p import new_host
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.table import ServersOnlyRoutingTable, dialable, expand_unspecified, is_unspecified
-from pcp_p2p.node.identity import Identity
 from pcp_p2p.node.node import NodeConfig, open_node
 
 pytestmark = pytest.mark.timeout(120)

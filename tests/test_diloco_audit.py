@@ -8,9 +8,20 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco import audit
-from pcp_p2p.diloco.audit import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import (
+    BadSignature,
+    HashMismatch,
+    MalformedMessage,
+    NotElected,
+    RejectedUpdate,
+    StaleMessage,
+    VerificationError,
+)
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.params import codec_of, pack_tensors, params_cid
+from pcp_p2p.diloco.protocol import audit
+from pcp_p2p.diloco.protocol.audit import (
     MATCH,
     MISMATCH,
     UNAVAILABLE,
@@ -25,9 +36,9 @@ from pcp_p2p.diloco.audit import (
     should_audit,
     verify_evidence,
 )
-from pcp_p2p.diloco.audit_desk import AuditDesk
-from pcp_p2p.diloco.effects import Banned, Send, StoreBlob
-from pcp_p2p.diloco.messages import (
+from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
+from pcp_p2p.diloco.protocol.effects import Banned, Send, StoreBlob
+from pcp_p2p.diloco.protocol.messages import (
     FRESH_STATE,
     CommitRecord,
     DataAssignment,
@@ -35,19 +46,8 @@ from pcp_p2p.diloco.messages import (
     Submission,
     sign,
 )
-from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
-from pcp_p2p.diloco.worker import InnerResult, Worker, pseudo_gradient
-from pcp_p2p.errors import (
-    BadSignature,
-    HashMismatch,
-    MalformedMessage,
-    NotElected,
-    RejectedUpdate,
-    StaleMessage,
-    VerificationError,
-)
-from pcp_p2p.node.executor_child import state_digest
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker, pseudo_gradient
+from pcp_p2p.executor.executor_child import state_digest
 from pcp_p2p.wire import decode, encode
 
 RUN = "bafkrei-run"
@@ -219,7 +219,7 @@ def test_state_chain_allows_fresh_or_a_committed_end_state():
 
 
 def test_worker_moves_to_a_new_inner_state_only_once_a_commit_takes_it():
-    from pcp_p2p.diloco.spec import RunSpec
+    from pcp_p2p.diloco.protocol.spec import RunSpec
 
     w = Worker(spec=RunSpec(), run_id=RUN, identity=W, shepherds={2: SHEP.peer_id}, target="cpu-x",
                tokens_per_s=1.0)
@@ -389,7 +389,7 @@ def test_an_impossible_step_claim_is_evidence_without_a_replay():
 
 
 def test_mutated_evidence_bytes_raise_only_pcp_errors():
-    from pcp_p2p.errors import PcpError
+    from pcp_p2p.core.errors import PcpError
 
     ev, _ = evidence_for_tampered()
     data = encode_evidence(ev)
@@ -425,7 +425,7 @@ def test_the_hooks_on_a_real_shepherd_round():
     """What the lead wires: chain check on submission, chain + plan_audits at the commit."""
     from test_diloco_protocol import OWNER, RUN_ID, Round
 
-    from pcp_p2p.diloco.effects import Committed
+    from pcp_p2p.diloco.protocol.effects import Committed
 
     r = Round()
     chain = StateChain(strict=True)

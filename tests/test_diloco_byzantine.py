@@ -4,7 +4,7 @@ Two levels. The shepherd alone, fed hand-made submissions: held-out scoring
 refuses a harmful Δ at admission (and the round still closes early), the
 val-jump guard drops the most suspect submission and recommits or discards,
 and a new term's shepherd knows the last val loss. Then the in-memory swarm
-with one Byzantine worker of each kind (:data:`~pcp_p2p.diloco.sim.ATTACKS`)
+with one Byzantine worker of each kind (:data:`~pcp_p2p.testing.diloco_sim.ATTACKS`)
 against the same swarm clean: the run's final val loss stays within 2 % of the
 clean run's with the default (robust) aggregation, while the plain mean is
 wrecked by the same attackers.
@@ -22,17 +22,17 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pcp_p2p.diloco import shepherd as shepherd_mod
-from pcp_p2p.diloco.checkpoint import decode_checkpoint
-from pcp_p2p.diloco.effects import Committed, Discarded, Rejected, Send, StoreBlob
-from pcp_p2p.diloco.messages import Join, RoundAnnouncement, Submission, sign
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.sim import SimConfig, SimResult, WorkerPlan, simulate_sync
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import pack_tensors
-from pcp_p2p.errors import QuorumError, RejectedUpdate, StaleMessage
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.errors import QuorumError, RejectedUpdate, StaleMessage
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.protocol import shepherd as shepherd_mod
+from pcp_p2p.diloco.protocol.effects import Committed, Discarded, Rejected, Send, StoreBlob
+from pcp_p2p.diloco.protocol.messages import Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.testing.diloco_sim import SimConfig, SimResult, WorkerPlan, simulate_sync
 
 # --- the shepherd alone ------------------------------------------------------------
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcp_p2p.diloco.data import (
+from pcp_p2p.core.errors import ConfigError
+from pcp_p2p.diloco.algorithm.data import (
     CharDataset,
     assignment_seed,
     batches_for,
@@ -15,7 +16,6 @@ from pcp_p2p.diloco.data import (
     shard_bounds,
     validation_batches,
 )
-from pcp_p2p.errors import ConfigError
 
 TEXT = "".join(chr(97 + (i * 7) % 26) for i in range(5000))
 
@@ -95,7 +95,7 @@ def test_default_corpus_is_shakespeare():
 
 
 def test_batches_for_an_announced_assignment():
-    from pcp_p2p.diloco.messages import DataAssignment
+    from pcp_p2p.diloco.protocol.messages import DataAssignment
 
     ds = CharDataset.from_text(TEXT)
     a = DataAssignment(worker="w", shard=1, num_shards=3, seed=42, max_steps=6)
@@ -110,8 +110,8 @@ def test_dataset_blob_round_trip_and_refusals() -> None:
 
     import pytest
 
-    from pcp_p2p.diloco.data import CharDataset, decode_dataset, encode_dataset
-    from pcp_p2p.errors import MalformedMessage, OversizedMessage, ProtocolError
+    from pcp_p2p.core.errors import MalformedMessage, OversizedMessage, ProtocolError
+    from pcp_p2p.diloco.algorithm.data import CharDataset, decode_dataset, encode_dataset
 
     ds = CharDataset.from_text("to be or not to be, that is the question " * 50)
     blob = encode_dataset(ds)

@@ -11,13 +11,13 @@ import numpy as np
 import trio
 from trio.testing import MockClock
 
-from pcp_p2p.diloco.effects import Rejected
-from pcp_p2p.diloco.election import ElectionConfig
-from pcp_p2p.diloco.messages import CommitRecord
-from pcp_p2p.diloco.run_effects import ShepherdBuilt
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.diloco.tensors import params_cid
-from pcp_p2p.errors import StaleMessage
+from pcp_p2p.core.errors import StaleMessage
+from pcp_p2p.diloco.algorithm.params import params_cid
+from pcp_p2p.diloco.protocol.effects import Rejected
+from pcp_p2p.diloco.protocol.election import ElectionConfig
+from pcp_p2p.diloco.protocol.messages import CommitRecord
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.run.run_effects import ShepherdBuilt
 from pcp_p2p.testing.run_harness import MemNode, RunSwarm, SwarmConfig
 from pcp_p2p.wire import decode, encode
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco.aggregate import adam_step_bound, delta_norm_bound
-from pcp_p2p.diloco.checkpoint import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import ConfigError, MalformedMessage, ProtocolError
+from pcp_p2p.diloco.algorithm.checkpoint import (
     Checkpoint,
     checkpoint_theta_bytes,
     decode_checkpoint,
     encode_checkpoint,
 )
-from pcp_p2p.diloco.outer import OuterState, nesterov_step
-from pcp_p2p.diloco.spec import RunSpec
-from pcp_p2p.diloco.tensors import codec_of, global_norm, pack_tensors, params_cid, unpack_tensors
-from pcp_p2p.errors import ConfigError, MalformedMessage, ProtocolError
+from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
+from pcp_p2p.diloco.algorithm.params import codec_of, global_norm, pack_tensors, params_cid, unpack_tensors
+from pcp_p2p.diloco.protocol.aggregate import adam_step_bound, delta_norm_bound
+from pcp_p2p.diloco.protocol.spec import RunSpec
 
 RNG = np.random.default_rng(0)
 THETA = {"a": RNG.normal(size=(5, 7)).astype(np.float32), "b": RNG.normal(size=(300,)).astype(np.float32)}

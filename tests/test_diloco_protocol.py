@@ -9,9 +9,20 @@ import struct
 import numpy as np
 import pytest
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco.checkpoint import decode_checkpoint
-from pcp_p2p.diloco.effects import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import (
+    BadSignature,
+    ConfigError,
+    HashMismatch,
+    QuorumError,
+    RejectedUpdate,
+    StaleMessage,
+)
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import pack_tensors, params_cid
+from pcp_p2p.diloco.protocol.effects import (
     CancelInner,
     Committed,
     Discarded,
@@ -22,21 +33,10 @@ from pcp_p2p.diloco.effects import (
     Send,
     StoreBlob,
 )
-from pcp_p2p.diloco.messages import CommitRecord, Join, RoundAnnouncement, Submission, sign
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import pack_tensors, params_cid
-from pcp_p2p.diloco.worker import InnerResult, Worker, WorkerPhase
-from pcp_p2p.errors import (
-    BadSignature,
-    ConfigError,
-    HashMismatch,
-    QuorumError,
-    RejectedUpdate,
-    StaleMessage,
-)
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.messages import CommitRecord, Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker, WorkerPhase
 
 SPEC = parse_spec(
     """
@@ -401,7 +401,7 @@ def test_term_change_makes_old_shepherd_stale():
 
 
 def test_large_delta_travels_as_a_hash_checked_blob(monkeypatch):
-    import pcp_p2p.diloco.worker as worker_mod
+    import pcp_p2p.diloco.protocol.worker as worker_mod
 
     monkeypatch.setattr(worker_mod, "INLINE_DELTA_LIMIT", 16)
     r = Round()
@@ -474,7 +474,7 @@ def test_artifacts_must_be_for_allowed_targets():
 
 
 def test_identical_delta_blobs_from_two_workers_are_both_counted(monkeypatch):
-    import pcp_p2p.diloco.worker as worker_mod
+    import pcp_p2p.diloco.protocol.worker as worker_mod
 
     monkeypatch.setattr(worker_mod, "INLINE_DELTA_LIMIT", 16)
     r = Round(n=2)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from pcp_p2p.diloco.sim import KILL_PHASES, Faults, SimConfig, SimResult, WorkerPlan, simulate
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.errors import StaleMessage
+from pcp_p2p.core.errors import StaleMessage
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.testing.diloco_sim import KILL_PHASES, Faults, SimConfig, SimResult, WorkerPlan, simulate
 
 
 def spec(rounds: int = 6, quorum: int = 2):

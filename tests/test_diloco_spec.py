@@ -6,7 +6,9 @@ import dataclasses
 
 import pytest
 
-from pcp_p2p.diloco.spec import (
+from pcp_p2p.core.errors import BadSignature, ConfigError, MalformedMessage
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.spec import (
     RunSpec,
     SignedRunSpec,
     load_spec,
@@ -15,8 +17,6 @@ from pcp_p2p.diloco.spec import (
     sign_spec,
     verify_spec,
 )
-from pcp_p2p.errors import BadSignature, ConfigError, MalformedMessage
-from pcp_p2p.node.identity import Identity
 from pcp_p2p.wire import decode, encode
 
 FULL = """

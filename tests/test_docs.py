@@ -11,11 +11,11 @@ def test_protocol_doc_lists_every_message_kind_and_protocol() -> None:
     import pcp_p2p.blob.protocol as blob_protocol
     import pcp_p2p.blob.service
     import pcp_p2p.compile.manifest
-    import pcp_p2p.diloco.runtime  # noqa: F401
-    from pcp_p2p.dht.kinds import RECORD_KINDS
+    import pcp_p2p.diloco.run.runtime  # noqa: F401
+    from pcp_p2p.net.membership import SWIM_PROTOCOL
     from pcp_p2p.node.doctor import SPEED_PROTOCOL
-    from pcp_p2p.node.membership import SWIM_PROTOCOL
     from pcp_p2p.node.messaging import MSG_PROTOCOL
+    from pcp_p2p.node.record_kinds import RECORD_KINDS
     from pcp_p2p.node.status import STATUS_PROTOCOL
     from pcp_p2p.wire import registered_types
 

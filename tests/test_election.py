@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.errors import (
+    BadSignature,
+    ConfigError,
+    ExpiredRecord,
+    MalformedMessage,
+    NotElected,
+    StaleMessage,
+    VerificationError,
+)
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import record_key, sign_record, verify_record
-from pcp_p2p.diloco.effects import FetchBlob, LookupCommit, Rejected
-from pcp_p2p.diloco.election import (
+from pcp_p2p.diloco.protocol.effects import FetchBlob, LookupCommit, Rejected
+from pcp_p2p.diloco.protocol.election import (
     LEASE_KIND,
     BecomeShepherd,
     Candidate,
@@ -28,17 +37,8 @@ from pcp_p2p.diloco.election import (
     ranked,
     term_rank,
 )
-from pcp_p2p.diloco.messages import CommitRecord, sign
-from pcp_p2p.errors import (
-    BadSignature,
-    ConfigError,
-    ExpiredRecord,
-    MalformedMessage,
-    NotElected,
-    StaleMessage,
-    VerificationError,
-)
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode
 
 RUN = "run-election-test"
@@ -352,8 +352,8 @@ def test_status_is_json_ready_before_any_lease():
 
 
 def _worker(shepherds: dict[int, str]):
-    from pcp_p2p.diloco.spec import parse_spec
-    from pcp_p2p.diloco.worker import Worker
+    from pcp_p2p.diloco.protocol.spec import parse_spec
+    from pcp_p2p.diloco.protocol.worker import Worker
 
     spec = parse_spec("[round]\nrounds = 4\nmin_quorum = 1\n")
     return Worker(spec=spec, run_id=RUN, identity=IDS[4], shepherds=shepherds, target="cpu", tokens_per_s=1.0)

@@ -12,10 +12,18 @@ import dataclasses
 
 import pytest
 
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.errors import (
+    BadSignature,
+    ExpiredRecord,
+    HeldBack,
+    NotElected,
+    StaleMessage,
+    VerificationError,
+)
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import sign_record
 from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.diloco.election import (
+from pcp_p2p.diloco.protocol.election import (
     LEASE_KIND,
     Candidate,
     CommitChecked,
@@ -28,16 +36,8 @@ from pcp_p2p.diloco.election import (
     StepDown,
     ranked,
 )
-from pcp_p2p.diloco.messages import CommitRecord, sign
-from pcp_p2p.errors import (
-    BadSignature,
-    ExpiredRecord,
-    HeldBack,
-    NotElected,
-    StaleMessage,
-    VerificationError,
-)
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode
 
 RUN = "run-authority-test"
@@ -71,7 +71,7 @@ def commit(shepherd: Identity, term: int, round_: int, theta: str = "theta") -> 
 
 
 def errors(effects: list) -> list:
-    from pcp_p2p.diloco.effects import Rejected
+    from pcp_p2p.diloco.protocol.effects import Rejected
 
     return [e.error for e in effects if isinstance(e, Rejected)]
 

@@ -11,8 +11,9 @@ import dataclasses
 import trio
 from trio.testing import MockClock
 
-from pcp_p2p.diloco.effects import Rejected
-from pcp_p2p.diloco.election import (
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.effects import Rejected
+from pcp_p2p.diloco.protocol.election import (
     Candidate,
     Election,
     ElectionConfig,
@@ -23,8 +24,7 @@ from pcp_p2p.diloco.election import (
     SendHeartbeat,
     ranked,
 )
-from pcp_p2p.diloco.messages import sign
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.messages import sign
 from pcp_p2p.testing.memnet import FaultPlan, Kill
 from pcp_p2p.testing.run_harness import RunSwarm, SwarmConfig
 

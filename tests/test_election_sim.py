@@ -12,8 +12,10 @@ import dataclasses
 
 import pytest
 
-from pcp_p2p.diloco.election import ElectionConfig
-from pcp_p2p.diloco.election_sim import (
+from pcp_p2p.core.errors import StaleMessage
+from pcp_p2p.diloco.protocol.election import ElectionConfig
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.testing.election_sim import (
     FAULT_POINTS,
     ElectionSimConfig,
     ElectionSimResult,
@@ -21,8 +23,6 @@ from pcp_p2p.diloco.election_sim import (
     ShepherdFault,
     simulate_election,
 )
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.errors import StaleMessage
 
 ROUNDS = 6
 SPEC = parse_spec(

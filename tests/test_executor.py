@@ -22,7 +22,7 @@ from conftest_compile import TINY, TINY_OPTS, artifact, artifact_file, batches, 
 from pcp_p2p.compile.manifest import sign_manifest
 from pcp_p2p.compile.model import init_params, param_names
 from pcp_p2p.compile.targets import X86_64_V3_FLAGS, get_target
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     BadSignature,
     ExecutorCrashed,
     ExecutorError,
@@ -30,9 +30,9 @@ from pcp_p2p.errors import (
     IncompatibleArtifact,
     InvalidInput,
 )
-from pcp_p2p.node.cpu import CpuInfo, best_cpu_target, local_cpu
-from pcp_p2p.node.executor import Executor
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.executor.cpu import CpuInfo, best_cpu_target, local_cpu
+from pcp_p2p.executor.executor import Executor
 
 REPO = Path(__file__).resolve().parents[1]
 BEST = best_cpu_target().name  # the variant this machine would pick (v4 on AVX-512 hosts)
@@ -258,8 +258,8 @@ def test_manifest_of_another_artifact_is_refused():
 
 def _fake_artifact(tmp_path, target: str):
     """A correctly signed manifest for some bytes built 'for' ``target`` (refused before loading)."""
-    from pcp_p2p.cid import cid_of
     from pcp_p2p.compile.targets import compile_flags
+    from pcp_p2p.core.cid import cid_of
 
     data = b"not really an artifact" * 10
     t = get_target(target)
@@ -366,7 +366,7 @@ def test_worker_side_never_imports_jax_or_the_compiler():
         import numpy as np
         from pcp_p2p.compile.manifest import read_manifest
         from pcp_p2p.compile.model import init_params, PRESETS
-        from pcp_p2p.node.executor import Executor
+        from pcp_p2p.executor.executor import Executor
 
         manifest = read_manifest({str(artifact_file("train", BEST).with_suffix(".manifest"))!r})
         ex = Executor.start({str(artifact_file("train", BEST))!r}, manifest)

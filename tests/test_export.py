@@ -22,9 +22,9 @@ import pytest
 
 from pcp_p2p.compile.model import GPTConfig, forward, init_params
 from pcp_p2p.compile.tokenizer import CharTokenizer
-from pcp_p2p.errors import CorruptModel, GuestError, InvalidInput, ModelMismatch, NoSuchTensor
+from pcp_p2p.core.errors import CorruptModel, GuestError, InvalidInput, ModelMismatch, NoSuchTensor
 from pcp_p2p.export.bundle import guest_wasm_path, load_export
-from pcp_p2p.export.engine import generate_wasm, run_guest
+from pcp_p2p.export.guest import generate_wasm, run_guest
 from pcp_p2p.export.sampling import SplitMix64, exp_det, sample_token
 
 pytestmark = pytest.mark.wasm
@@ -128,7 +128,7 @@ def test_the_sampler_is_the_documented_rule() -> None:
 
 @pytest.mark.parametrize("seed,temperature", [(7, 1.0), (0, 0.0)], ids=["sampled", "greedy"])
 def test_wasm_generation_equals_native(model, seed: int, temperature: float) -> None:  # type: ignore[no-untyped-def]
-    from pcp_p2p.diloco.generate import sample_text
+    from pcp_p2p.export.generate import sample_text
 
     cfg, theta, tokenizer, out = model
     prompt = "ROMEO: ô"
@@ -262,14 +262,14 @@ async def test_pcp_export_and_generate_engines_against_a_swarm(tmp_path: Path) -
     from conftest import TEST_CAPS
 
     from pcp_p2p.compile.model import preset
+    from pcp_p2p.core.identity import Identity
     from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-    from pcp_p2p.diloco.checkpoint import Checkpoint, encode_checkpoint
-    from pcp_p2p.diloco.commits import commit_seq
-    from pcp_p2p.diloco.messages import CommitRecord, sign
-    from pcp_p2p.diloco.outer import OuterState
-    from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-    from pcp_p2p.diloco.tensors import pack_tensors
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, encode_checkpoint
+    from pcp_p2p.diloco.algorithm.outer import OuterState
+    from pcp_p2p.diloco.algorithm.params import pack_tensors
+    from pcp_p2p.diloco.protocol.commits import commit_seq
+    from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+    from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
     from pcp_p2p.node.node import NodeConfig, open_node
 
     corpus = tmp_path / "corpus.txt"

@@ -18,10 +18,10 @@ from typing import Any
 
 import trio
 
-from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, Heartbeat, PublishLease, Role, ranked
-from pcp_p2p.diloco.run_effects import Wake
-from pcp_p2p.diloco.runtime import RunRuntime
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, Heartbeat, PublishLease, Role, ranked
+from pcp_p2p.diloco.run.run_effects import Wake
+from pcp_p2p.diloco.run.runtime import RunRuntime
 
 CONFIG = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
                         claim_timeout_s=10.0, settle_s=0.0, heartbeat_s=0.25, suspect_s=1.5)

@@ -1,4 +1,4 @@
-"""The error boundary (pcp_p2p/faults.py): a bug in a handler is our fault, never the peer's.
+"""The error boundary (pcp_p2p/core/faults.py): a bug in a handler is our fault, never the peer's.
 
 Over real py-libp2p on 127.0.0.1 where the handlers live (direct messages,
 status, the DHT validator, the blob server): a handler that raises a plain bug
@@ -21,7 +21,7 @@ import pytest
 import trio
 
 import pcp_p2p
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     BadSignature,
     ConfigError,
     LocalError,
@@ -33,7 +33,7 @@ from pcp_p2p.errors import (
     Refused,
     RemoteError,
 )
-from pcp_p2p.faults import (
+from pcp_p2p.core.faults import (
     INTERNAL_ERROR,
     LOCAL,
     PEER,
@@ -235,9 +235,9 @@ async def test_a_bug_in_the_status_endpoint_or_a_dht_check_is_a_local_fault(swar
         raise AssertionError("an authority with a bug")
 
     b.record_validator.authorities.append(buggy)
+    from pcp_p2p.core.identity import Identity
     from pcp_p2p.dht.records import sign_record
-    from pcp_p2p.node.identity import Identity
-    from pcp_p2p.node.membership import MemberRecord
+    from pcp_p2p.net.membership import MemberRecord
 
     # a well-signed record under a key nobody else publishes (a's own member record is re-put in the background)
     other = Identity.generate()
@@ -294,11 +294,11 @@ async def test_a_bug_in_a_run_stops_that_run_and_a_bug_in_one_input_drops_only_t
     group, from reaching the node's nursery; RunRuntime._dispatch drops one input whose handling hit a bug."""
     from types import SimpleNamespace
 
-    from pcp_p2p.diloco.run_effects import MessageIn
-    from pcp_p2p.diloco.runtime import RunRuntime
-    from pcp_p2p.diloco.service import TrainingService
-    from pcp_p2p.faults import Boundary
-    from pcp_p2p.logs import LogOnce
+    from pcp_p2p.core.faults import Boundary
+    from pcp_p2p.core.logs import LogOnce
+    from pcp_p2p.diloco.run.run_effects import MessageIn
+    from pcp_p2p.diloco.run.runtime import RunRuntime
+    from pcp_p2p.diloco.run.training_service import TrainingService
     from pcp_p2p.node.status import StatusRequest
 
     boundary = Boundary(LogOnce(logging.getLogger("test")))

@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.cluster.split import combine, group_state, mean_losses, sub_assignments
-from pcp_p2p.diloco import audit, group_replay
-from pcp_p2p.diloco.messages import FRESH_STATE, DataAssignment, GroupPart, Submission, sign
-from pcp_p2p.diloco.tensors import pack_tensors, params_cid
-from pcp_p2p.errors import HashMismatch, MalformedMessage, RejectedUpdate
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import HashMismatch, MalformedMessage, RejectedUpdate
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.params import pack_tensors, params_cid
+from pcp_p2p.diloco.protocol import audit, group_replay
+from pcp_p2p.diloco.protocol.group_split import combine, group_state, mean_losses, sub_assignments
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, DataAssignment, GroupPart, Submission, sign
 from pcp_p2p.wire import decode, encode
 
 W, A1, A2, SHEP = (Identity(bytes([i]) * 32) for i in (30, 31, 32, 33))
@@ -140,7 +140,7 @@ def test_a_bad_split_is_evidence_without_a_replay() -> None:
 def engines():
     pytest.importorskip("jax")
     pytest.importorskip("iree.compiler")
-    from pcp_p2p.node.cpu import local_cpu
+    from pcp_p2p.executor.cpu import local_cpu
 
     if local_cpu().arch != "x86_64":
         pytest.skip("these tests build x86-64 artifacts")
@@ -154,7 +154,7 @@ def engines():
 
 def _group_round(ranks, theta, starts, assignment, caps, round_):
     """What GroupEngine does, in one process: each rank trains its sub-shard; θ_group by split.combine."""
-    from pcp_p2p.diloco.effects import RunInner
+    from pcp_p2p.diloco.protocol.effects import RunInner
 
     results = []
     for eng, sub_a, start in zip(ranks, sub_assignments(assignment, caps), starts):
@@ -168,8 +168,8 @@ def _group_round(ranks, theta, starts, assignment, caps, round_):
 
 
 def _submit(theta, theta_local, results, parts, tps, **over):
-    from pcp_p2p.diloco.tensors import codec_of
-    from pcp_p2p.diloco.worker import pseudo_gradient
+    from pcp_p2p.diloco.algorithm.params import codec_of
+    from pcp_p2p.diloco.protocol.worker import pseudo_gradient
 
     steps = sum(r.steps for r in results)
     fields = dict(
@@ -199,8 +199,8 @@ def _audit(auditor, who, sub_bytes, theta, state_blob, assignment):
 
 
 def test_an_honest_group_round_replays_bit_for_bit_and_a_tampered_one_is_caught(engines) -> None:
-    from pcp_p2p.diloco.audit import CHUNK_STEPS
-    from pcp_p2p.diloco.engine import initial_theta
+    from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
+    from pcp_p2p.diloco.run.engine import initial_theta
 
     assert CHUNK_STEPS == CHUNK
     rank0, rank1, auditor = engines

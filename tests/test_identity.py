@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pcp_p2p.errors import BadSignature, IdentityError
-from pcp_p2p.node.identity import KEY_FILE, Identity, load_or_create_identity, verify_signature
+from pcp_p2p.core.errors import BadSignature, IdentityError
+from pcp_p2p.core.identity import KEY_FILE, Identity, load_or_create_identity, verify_signature
 
 
 def test_created_with_mode_0600_and_reused(tmp_path: Path) -> None:

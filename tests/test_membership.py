@@ -6,10 +6,10 @@ import pytest
 import trio
 import trio.testing
 
+from pcp_p2p.core.errors import BadSignature, MalformedMessage, VerificationError
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import sign_record
-from pcp_p2p.errors import BadSignature, MalformedMessage, VerificationError
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.membership import (
+from pcp_p2p.net.membership import (
     Gossip,
     MemberJoined,
     MemberRecord,

@@ -16,7 +16,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from pcp_p2p.cli import build_parser
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.metrics import phase_code, serve_metrics
 
@@ -59,7 +59,7 @@ def names(samples: Samples) -> set[str]:
 
 def test_full_status_over_http() -> None:
     obj = snapshot("run")
-    obj["network"]["local_fault_kinds"] = {"message:ZeroDivisionError": 2}  # our bugs (pcp_p2p.faults)
+    obj["network"]["local_fault_kinds"] = {"message:ZeroDivisionError": 2}  # our bugs (pcp_p2p.core.faults)
     s = scrape(lambda: obj)
     assert s[("pcp_local_faults_total", (("error", "ZeroDivisionError"), ("kind", "message")))] == 2
     assert s[("pcp_status_up", ())] == 1
@@ -207,7 +207,7 @@ def test_phase_codes(phase: Any, code: int) -> None:
 
 
 def test_every_worker_phase_has_a_code() -> None:
-    from pcp_p2p.diloco.worker import WorkerPhase
+    from pcp_p2p.diloco.protocol.worker import WorkerPhase
 
     assert all(phase_code(p.value) > 0 for p in WorkerPhase)
 
@@ -254,7 +254,7 @@ def test_healthz_over_http(health: Callable[[], Mapping[str, Any]] | None, code:
 def test_a_node_whose_bootstrap_never_answers_is_503_starting(tmp_path: Path) -> None:
     from test_cli_errors import Node
 
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.identity import Identity
 
     port = free_port()
     dead = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id}"

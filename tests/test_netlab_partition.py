@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from pcp_p2p.errors import PcpError
+from pcp_p2p.core.errors import PcpError
 from pcp_p2p.node.local_swarm import pcp_command
 from pcp_p2p.testing.netlab import Lab, LabProcess, netlab, unavailable
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pcp_p2p.node.connectivity import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY
+from pcp_p2p.net.connectivity import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY
 from pcp_p2p.node.local_swarm import pcp_command
 from pcp_p2p.testing.netlab import Lab, LabProcess, LinkSpec, Nat, netlab, unavailable
 

@@ -13,14 +13,14 @@ from libp2p import new_host
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from pcp_p2p.core.errors import PeerGone, PeerTimeout
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import sign_record
-from pcp_p2p.errors import PeerGone, PeerTimeout
-from pcp_p2p.node.budget import RATE_PER_PEER
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.membership import SWIM_PROTOCOL, Gossip, MemberRecord, SwimPacket, boot_ms
+from pcp_p2p.net.budget import RATE_PER_PEER
+from pcp_p2p.net.membership import SWIM_PROTOCOL, Gossip, MemberRecord, SwimPacket, boot_ms
+from pcp_p2p.net.swarm_key import read_swarm_key, write_swarm_key
 from pcp_p2p.node.node import NodeConfig, open_node
 from pcp_p2p.node.status import STATUS_PROTOCOL, fetch_status, to_json
-from pcp_p2p.node.swarm_key import read_swarm_key, write_swarm_key
 from pcp_p2p.wire import encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,7 +199,7 @@ async def test_restart_keeps_peer_id(tmp_path: Path, caps) -> None:
 
 
 async def test_direct_messages_are_delivered_and_bad_ones_refused(swarm3) -> None:
-    from pcp_p2p.errors import PcpError
+    from pcp_p2p.core.errors import PcpError
     from pcp_p2p.node.messaging import MSG_PROTOCOL
     from pcp_p2p.node.status import StatusRequest
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from test_cli_errors import Node
 
-from pcp_p2p import logs
 from pcp_p2p.cli import build_parser, main
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core import logs
+from pcp_p2p.core.errors import ConfigError
 from pcp_p2p.node.config_file import add_config_parser, apply_config, file_options, with_config
 
 ROOT = Path(__file__).parent.parent

@@ -10,8 +10,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from pcp_p2p.diloco import election, messages, worker
-from pcp_p2p.diloco.messages import RoundAnnouncement
+from pcp_p2p.diloco.protocol import election, messages, worker
+from pcp_p2p.diloco.protocol.messages import RoundAnnouncement
 from pcp_p2p.testing.planet import LinkModel, PlanetConfig, simulate, verification_cache
 
 ROUNDS = 4
@@ -69,8 +69,8 @@ def test_pcp_sim_prints_the_figures_of_one_run(capsys) -> None:  # type: ignore[
 
 
 def test_signing_is_shared_only_for_identical_content_and_really_verifies(tmp_path: Path) -> None:
-    from pcp_p2p.diloco.messages import Join
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.diloco.protocol.messages import Join
     from pcp_p2p.testing.planet import MemoryLedger
 
     me, other = Identity(b"\1" * 32), Identity(b"\2" * 32)

@@ -9,19 +9,19 @@ import pytest
 from libp2p.records.utils import InvalidRecordType
 from libp2p.records.validator import NamespacedValidator
 
-from pcp_p2p.dht.kinds import RECORD_KINDS
-from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
-from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     BadSignature,
     ExpiredRecord,
     MalformedMessage,
     OversizedMessage,
     VerificationError,
 )
-from pcp_p2p.node.capabilities import Capabilities
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.membership import MemberRecord
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.dht.records import SignedRecord, record_key, sign_record, verify_record
+from pcp_p2p.dht.validator import PcpRecordValidator
+from pcp_p2p.net.capabilities import Capabilities
+from pcp_p2p.net.membership import MemberRecord
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode, signing_bytes
 
 CAPS = Capabilities(("local-task",), "cpu", "x86_64", ("avx2",), 2, 1 << 30, (), 10.0, {"pcp": "0"}, False)
@@ -128,8 +128,8 @@ def test_strict_namespace_refuses_other_namespaces() -> None:
 
 
 def test_kinds_ordered_by_seq_let_the_higher_term_win_whatever_the_clock() -> None:
-    from pcp_p2p.diloco.election import Lease
-    from pcp_p2p.diloco.messages import sign
+    from pcp_p2p.diloco.protocol.election import Lease
+    from pcp_p2p.diloco.protocol.messages import sign
 
     v = PcpRecordValidator(RECORD_KINDS)
     t = time.time()

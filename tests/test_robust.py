@@ -1,4 +1,4 @@
-"""The pure combining rules of :mod:`pcp_p2p.diloco.robust`, against hand computations."""
+"""The pure combining rules of :mod:`pcp_p2p.diloco.algorithm.robust`, against hand computations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pcp_p2p.diloco import robust
-from pcp_p2p.diloco.robust import (
+from pcp_p2p.core.errors import ConfigError, RejectedUpdate
+from pcp_p2p.diloco.algorithm import robust
+from pcp_p2p.diloco.algorithm.robust import (
     AggregationPolicy,
     aggregate,
     capped_weights,
@@ -20,7 +21,6 @@ from pcp_p2p.diloco.robust import (
     trimmed_mean,
     weighted_mean,
 )
-from pcp_p2p.errors import ConfigError, RejectedUpdate
 
 POLICY = AggregationPolicy()
 

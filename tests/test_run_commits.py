@@ -9,13 +9,13 @@ import pytest
 import trio
 import trio.testing
 
-from pcp_p2p.diloco.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
-from pcp_p2p.diloco.messages import CommitRecord, sign
-from pcp_p2p.diloco.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
-from pcp_p2p.diloco.run_effects import MessageIn
-from pcp_p2p.diloco.runtime import RunRuntime
-from pcp_p2p.errors import BadSignature, NotElected, PeerTimeout
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.errors import BadSignature, NotElected, PeerTimeout
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
+from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+from pcp_p2p.diloco.run.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
+from pcp_p2p.diloco.run.run_effects import MessageIn
+from pcp_p2p.diloco.run.runtime import RunRuntime
 
 RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
 
@@ -119,7 +119,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
 
 
 async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_accepted() -> None:
-    from pcp_p2p.errors import PeerError
+    from pcp_p2p.core.errors import PeerError
 
     shepherd = FlakyDht(fails=0)
     rec = commit(shepherd)

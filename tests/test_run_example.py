@@ -7,7 +7,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from pcp_p2p.diloco.spec import _SECTIONS, RunSpec, load_spec
+from pcp_p2p.diloco.protocol.spec import _SECTIONS, RunSpec, load_spec
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "run.toml"
 

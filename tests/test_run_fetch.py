@@ -15,9 +15,9 @@ from multiaddr import Multiaddr
 from pcp_p2p.blob.routing import MemoryRouting
 from pcp_p2p.blob.service import BlobConfig, BlobService
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.diloco.pins import RunPins
-from pcp_p2p.diloco.run_blobs import RunBlobs
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.run.pins import RunPins
+from pcp_p2p.diloco.run.run_blobs import RunBlobs
 
 CS = 64 * 1024
 logging.getLogger("libp2p").setLevel(logging.CRITICAL)

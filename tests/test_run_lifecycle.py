@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.errors import BadSignature, ConfigError, ExpiredRecord, PcpError, StaleMessage, VerificationError
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import CLOCK_SKEW_S, verify_record
-from pcp_p2p.diloco.data import check_dataset
-from pcp_p2p.diloco.lifecycle import (
+from pcp_p2p.diloco.algorithm.data import check_dataset
+from pcp_p2p.diloco.protocol.lifecycle import (
     STOP_FILE,
     STOP_KIND,
     NotOwner,
@@ -28,13 +29,12 @@ from pcp_p2p.diloco.lifecycle import (
     stop_name,
     stop_record,
 )
-from pcp_p2p.diloco.reputation import ReputationLedger
-from pcp_p2p.diloco.run_blobs import RunBlobs
-from pcp_p2p.diloco.run_machine import RunMachine
-from pcp_p2p.diloco.runtime import RunRuntime
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.errors import BadSignature, ConfigError, ExpiredRecord, PcpError, StaleMessage, VerificationError
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_blobs import RunBlobs
+from pcp_p2p.diloco.run.run_machine import RunMachine
+from pcp_p2p.diloco.run.runtime import RunRuntime
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode
 
 OWNER, STRANGER = Identity.generate(), Identity.generate()
@@ -222,7 +222,7 @@ async def test_a_stopped_run_releases_its_pins_and_stays_stopped_after_a_restart
 
 
 def test_run_status_text_names_each_field_on_its_own_line() -> None:
-    from pcp_p2p.diloco.run_commands import render
+    from pcp_p2p.diloco.run.run_commands import render
 
     view = describe_run(run_id=RUN, name="n", owner=OWNER.peer_id, rounds=12, quorum=2, committed=2, val_loss=2.43125,
                         stopped=None, members=["a", "b", "c"], shepherd="12D3KooWshep", term=1,

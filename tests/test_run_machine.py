@@ -1,6 +1,6 @@
 """Five run machines over the in-memory network, through a kill at every phase of a round and an election.
 
-The machines are the real :class:`~pcp_p2p.diloco.run_machine.RunMachine` (real election,
+The machines are the real :class:`~pcp_p2p.diloco.run.run_machine.RunMachine` (real election,
 worker and shepherd, signatures, CIDs and codec); the pump is
 :mod:`pcp_p2p.testing.run_harness` on trio's ``MockClock``. Each kill strikes the first
 node to reach its phase, which restarts a few virtual seconds later from what it kept
@@ -15,12 +15,12 @@ import random
 
 import pytest
 
-from pcp_p2p.diloco.election import PublishLease
-from pcp_p2p.diloco.reputation import ReputationLedger
-from pcp_p2p.diloco.run_effects import SetUpShepherd
-from pcp_p2p.diloco.run_machine import Member, RunMachine
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.election import PublishLease
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_effects import SetUpShepherd
+from pcp_p2p.diloco.run.run_machine import Member, RunMachine
 from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill, Partition
 from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
 
@@ -130,7 +130,7 @@ def test_fork_choice_drops_the_losing_rounds_from_what_status_shows(tmp_path) ->
     term 1 continues from an earlier round (Worker.on_commit's fork choice). Status must then show
     the winning chain only, and say how many rounds it dropped (the netlab partition test drives
     this with real processes; this is the bookkeeping alone)."""
-    from pcp_p2p.diloco.messages import CommitRecord
+    from pcp_p2p.diloco.protocol.messages import CommitRecord
 
     m = lone_machine(tmp_path)
     me = m.peer_id

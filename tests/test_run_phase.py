@@ -17,11 +17,11 @@ import pytest
 import trio
 from conftest import TEST_CAPS
 
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-from pcp_p2p.diloco.runs import TrustPolicy
-from pcp_p2p.diloco.service import install_training
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.runs import TrustPolicy
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.run.training_service import install_training
 from pcp_p2p.node.node import Node, NodeConfig, open_node
 
 pytestmark = pytest.mark.timeout(180)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pcp_p2p.diloco.pins import RunPins
+from pcp_p2p.diloco.run.pins import RunPins
 
 
 def test_run_pins_keep_the_runs_blobs_and_let_old_rounds_go() -> None:

@@ -21,13 +21,13 @@ from test_cli_errors import Node as PcpProcess
 from test_cli_errors import pcp as pcp_sync
 from test_run_phase import until
 
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.core.identity import Identity, load_or_create_identity
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-from pcp_p2p.diloco.lifecycle import STOP_FILE, STOP_KIND, StopOrder, sign_stop, stop_name
-from pcp_p2p.diloco.runs import TrustPolicy
-from pcp_p2p.diloco.service import TrainingService, install_training
-from pcp_p2p.diloco.spec import SignedRunSpec, parse_spec, run_id_of, sign_spec
-from pcp_p2p.errors import PcpError
-from pcp_p2p.node.identity import Identity, load_or_create_identity
+from pcp_p2p.diloco.protocol.lifecycle import STOP_FILE, STOP_KIND, StopOrder, sign_stop, stop_name
+from pcp_p2p.diloco.protocol.runs import TrustPolicy
+from pcp_p2p.diloco.protocol.spec import SignedRunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.run.training_service import TrainingService, install_training
 from pcp_p2p.node.local_swarm import pcp_command
 from pcp_p2p.node.node import Node, NodeConfig, open_node
 

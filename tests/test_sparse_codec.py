@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pcp_p2p.diloco import spec as spec_mod
-from pcp_p2p.diloco.sim import SimConfig, WorkerPlan, World
-from pcp_p2p.diloco.sparse import _HEADER, SparseTopK, encode_with_feedback, layout_digest, local_start
-from pcp_p2p.diloco.spec import parse_spec
-from pcp_p2p.diloco.tensors import CODECS, codec_of
-from pcp_p2p.diloco.worker import pseudo_gradient
-from pcp_p2p.errors import ConfigError, InvalidInput, MalformedMessage, OversizedMessage
+from pcp_p2p.core.errors import ConfigError, InvalidInput, MalformedMessage, OversizedMessage
+from pcp_p2p.diloco.algorithm.params import CODECS, codec_of
+from pcp_p2p.diloco.algorithm.sparse import _HEADER, SparseTopK, encode_with_feedback, layout_digest, local_start
+from pcp_p2p.diloco.protocol import spec as spec_mod
+from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.protocol.worker import pseudo_gradient
+from pcp_p2p.testing.diloco_sim import SimConfig, WorkerPlan, World
 
 CODEC = SparseTopK("t", chunk=64, k=4, bits=2)
 # A run spec that takes the sparse codec, with the aggregation rule and audit rate the codec requires.
@@ -96,9 +96,9 @@ def test_local_start_ignores_a_residual_of_another_layout():
 
 
 def test_worker_takes_a_residual_only_once_a_commit_lists_it():
-    from pcp_p2p.diloco.messages import CommitRecord, sign
-    from pcp_p2p.diloco.worker import Worker
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+    from pcp_p2p.diloco.protocol.worker import Worker
 
     shepherd, me, other = Identity(b"s" * 32), Identity(b"w" * 32), Identity(b"o" * 32)
     w = Worker(spec=parse_spec(SPARSE_SPEC), run_id="run",
@@ -228,8 +228,8 @@ def test_decoding_needs_the_layout():
 
 
 def test_aggregator_refuses_a_malformed_sparse_submission_with_its_cause():
-    from pcp_p2p.diloco.aggregate import RoundAggregator
-    from pcp_p2p.errors import RejectedUpdate
+    from pcp_p2p.core.errors import RejectedUpdate
+    from pcp_p2p.diloco.protocol.aggregate import RoundAggregator
 
     spec = parse_spec(SPARSE_SPEC)
     theta = {"w": np.zeros((64, 128), np.float32)}

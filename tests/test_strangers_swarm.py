@@ -26,16 +26,16 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from test_training_swarm import committed, create_run, wait_for
 
-from pcp_p2p.cid import cid_of
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.core.identity import load_or_create_identity
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
-from pcp_p2p.diloco.audit import AUDIT_MESSAGES
-from pcp_p2p.diloco.commits import commit_seq
-from pcp_p2p.diloco.election import LEASE_KIND, Lease
-from pcp_p2p.diloco.messages import FRESH_STATE, CommitRecord, Join, RoundAnnouncement, Submission, sign
-from pcp_p2p.diloco.tensors import codec_of, unpack_tensors
-from pcp_p2p.errors import PcpError
-from pcp_p2p.node.cpu import best_cpu_target
-from pcp_p2p.node.identity import load_or_create_identity
+from pcp_p2p.diloco.algorithm.params import codec_of, unpack_tensors
+from pcp_p2p.diloco.protocol.audit import AUDIT_MESSAGES
+from pcp_p2p.diloco.protocol.commits import commit_seq
+from pcp_p2p.diloco.protocol.election import LEASE_KIND, Lease
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, CommitRecord, Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.executor.cpu import best_cpu_target
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.node import NodeConfig, open_node, transport_addrs
 

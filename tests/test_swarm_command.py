@@ -28,7 +28,7 @@ def test_pcp_swarm_with_churn_and_shepherd_kills_commits_every_round() -> None:
 
 
 def test_loss_plot_is_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from pcp_p2p.node.swarm_command import write_loss_plot
+    from pcp_p2p.commands.swarm_command import write_loss_plot
 
     rounds = [{"round": i, "loss": 2.6 - 0.05 * i, "val_loss": 2.7 - 0.04 * i, "term": i // 3} for i in range(6)]
     path = write_loss_plot(tmp_path / "loss.png", rounds, "bafkreitest")

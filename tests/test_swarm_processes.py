@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from pcp_p2p.net.membership import DEFAULT_TIMEOUT_S
 from pcp_p2p.node.local_swarm import local_swarm
-from pcp_p2p.node.membership import DEFAULT_TIMEOUT_S
 
 pytestmark = pytest.mark.timeout(240)
 

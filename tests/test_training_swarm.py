@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import trio
 
-from pcp_p2p.diloco.pins import KEEP_ROUNDS
-from pcp_p2p.errors import PcpError
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.diloco.run.pins import KEEP_ROUNDS
 from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_command
 from pcp_p2p.node.status import to_json
 
@@ -102,7 +102,7 @@ async def test_training_survives_a_kill_and_a_late_joiner(tmp_path: Path) -> Non
     fresh_status = statuses[fresh.peer_id]
     assert fresh_status["contributed_rounds"] and min(fresh_status["contributed_rounds"]) >= 4
     # Pins do not grow with the rounds: the run's dataset and artifacts, plus the θs and
-    # checkpoints of the last few commits (pcp_p2p/diloco/pins.py); older ones are cache.
+    # checkpoints of the last few commits (pcp_p2p/diloco/run/pins.py); older ones are cache.
     for w in live:
         pins = (w.data_dir / "blobs" / "pins").read_text().split()
         assert 0 < len(pins) <= 3 + 2 * (KEEP_ROUNDS + 2), pins

@@ -18,16 +18,16 @@ import msgpack
 import pytest
 import trio
 
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.errors import BadSignature, ConfigError, MalformedMessage, PeerGone, Refused
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import record_key, sign_record
 from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.diloco.command import HandOff, _handoff_summary
-from pcp_p2p.diloco.owner_runs import MAX_OWNED_RUNS, OWNER_RUNS_KIND, OwnedRun, OwnerRuns, with_run
-from pcp_p2p.diloco.runs import MAX_HELD_UNTRUSTED, RunBook, TrustPolicy, UntrustedOwner
-from pcp_p2p.diloco.spec import parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.trust_file import TrustFile, parse_trust_file
-from pcp_p2p.errors import BadSignature, ConfigError, MalformedMessage, PeerGone, Refused
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.protocol.owner_runs import MAX_OWNED_RUNS, OWNER_RUNS_KIND, OwnedRun, OwnerRuns, with_run
+from pcp_p2p.diloco.protocol.runs import MAX_HELD_UNTRUSTED, RunBook, TrustPolicy, UntrustedOwner
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.run.owner_commands import HandOff, _handoff_summary
+from pcp_p2p.diloco.run.trust_file import TrustFile, parse_trust_file
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import decode, encode
 
 
@@ -114,9 +114,9 @@ def test_a_run_refused_for_want_of_trust_is_taken_up_when_its_owner_is_trusted()
 
 def test_a_run_this_machine_cannot_run_is_refused_with_that_reason() -> None:
     from pcp_p2p.compile.targets import TARGETS
-    from pcp_p2p.diloco.runs import NoAllowedTarget
-    from pcp_p2p.diloco.service import fits_this_machine
-    from pcp_p2p.node.cpu import best_cpu_target
+    from pcp_p2p.diloco.protocol.runs import NoAllowedTarget
+    from pcp_p2p.diloco.run.training_service import fits_this_machine
+    from pcp_p2p.executor.cpu import best_cpu_target
     from pcp_p2p.node.messaging import refusal_of
 
     other = next(t for t in TARGETS if t != best_cpu_target().name)
@@ -239,7 +239,7 @@ async def wait_for_run(node, service, run_id: str, timeout: float = 45.0) -> Non
 
 
 async def test_a_late_trusting_node_finds_an_existing_run_when_its_trust_file_changes(swarm3, tmp_path: Path) -> None:
-    from pcp_p2p.diloco.service import install_training
+    from pcp_p2p.diloco.run.training_service import install_training
 
     boot, a, b = swarm3
     (tmp_path / "run.toml").write_text(spec_text())

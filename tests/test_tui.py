@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import urwid
 
-from pcp_p2p.errors import PeerGone
+from pcp_p2p.core.errors import PeerGone
 from pcp_p2p.tui import fmt, panels
 from pcp_p2p.tui.app import apply_result
 from pcp_p2p.tui.chart import bucket_means, line_chart
@@ -262,7 +262,7 @@ def test_q_quits() -> None:
 def test_the_data_dir_address_is_read_again_on_every_attempt(tmp_path: Path) -> None:
     from argparse import Namespace
 
-    from pcp_p2p.node.commands import ADDR_FILE, _addr_source
+    from pcp_p2p.commands.node_commands import ADDR_FILE, _addr_source
 
     addr_file = tmp_path / ADDR_FILE
     addr_file.write_text("/ip4/127.0.0.1/tcp/1/p2p/A\n")
@@ -466,7 +466,7 @@ def test_rejected_inputs_are_split_into_bad_input_and_stale_or_duplicate() -> No
     assert split_rejected(None) == (0, 0) and split_rejected({"a:StaleMessage": float("inf")}) == (0, 0)
     obj = snapshot("run")
     obj["network"]["rejected"] = counts
-    obj["network"]["local_faults"] = 2  # our own bugs (pcp_p2p.faults): shown apart, never as bad input
+    obj["network"]["local_faults"] = 2  # our own bugs (pcp_p2p.core.faults): shown apart, never as bad input
     content = panels.network(obj, panels.Ctx(), 25, 8)
     flat = ["".join(p if isinstance(p, str) else p[1] for p in (line if isinstance(line, list) else [line]))
             for line in content.fixed]
@@ -514,7 +514,7 @@ def test_throughput_says_when_it_was_measured() -> None:
 
 
 def test_the_plain_text_status_splits_rejected_and_counts_rounds_from_one() -> None:
-    from pcp_p2p.node.commands import render_text
+    from pcp_p2p.commands.node_commands import render_text
 
     text = render_text(live_run_snapshot(round=3, rounds=12, phase="idle"))
     assert "rejected 3 bad input, 12 stale or duplicate" in text

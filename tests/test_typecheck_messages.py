@@ -52,7 +52,7 @@ SNIPPET = textwrap.dedent(
 
 REAL_MESSAGE = textwrap.dedent(
     """
-    from pcp_p2p.diloco.election import Heartbeat
+    from pcp_p2p.diloco.protocol.election import Heartbeat
 
     ok = Heartbeat(run_id="r", term=1, holder="peer", sent_at=1.0)
     bad_name = Heartbeat(run_id="r", term=1, holder="peer", sent=1.0)  # E: call-arg

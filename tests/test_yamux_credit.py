@@ -1,4 +1,4 @@
-"""go-yamux's credit rule (pcp_p2p/node/yamux_credit.py): fewer frames, flow control intact."""
+"""go-yamux's credit rule (pcp_p2p/net/yamux_credit.py): fewer frames, flow control intact."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux import yamux
 
-from pcp_p2p.node import yamux_credit
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.net import yamux_credit
 
 PROTO = TProtocol("/pcp-test/sink/1")
 LISTEN = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]

@@ -7,7 +7,7 @@ Public names, re-exported one by one (see ``docs/blob.md``):
 - :class:`ContentRouting`, :class:`DhtRouting`, :class:`MemoryRouting` — who holds a CID.
 - :func:`encode_tensors`, :func:`decode_tensors` — named float tensors as bytes.
 
-Imports are lazy so ``import pcp_p2p.blob.tensors`` does not pull in libp2p.
+Imports are lazy so ``import pcp_p2p.blob.tensor_codec`` does not pull in libp2p.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService as BlobService
     from pcp_p2p.blob.service import FetchReport as FetchReport
     from pcp_p2p.blob.store import BlobStore as BlobStore
-    from pcp_p2p.blob.tensors import decode_tensors as decode_tensors
-    from pcp_p2p.blob.tensors import encode_tensors as encode_tensors
+    from pcp_p2p.blob.tensor_codec import decode_tensors as decode_tensors
+    from pcp_p2p.blob.tensor_codec import encode_tensors as encode_tensors
 
 _WHERE = {
     "ChunkManifest": "pcp_p2p.blob.chunks",
@@ -36,8 +36,8 @@ _WHERE = {
     "BlobService": "pcp_p2p.blob.service",
     "FetchReport": "pcp_p2p.blob.service",
     "BlobStore": "pcp_p2p.blob.store",
-    "decode_tensors": "pcp_p2p.blob.tensors",
-    "encode_tensors": "pcp_p2p.blob.tensors",
+    "decode_tensors": "pcp_p2p.blob.tensor_codec",
+    "encode_tensors": "pcp_p2p.blob.tensor_codec",
 }
 
 __all__ = sorted(_WHERE)

@@ -1,6 +1,6 @@
 """Chunk manifests: how a large blob is cut so each piece is checked on arrival.
 
-A blob's CID (see :mod:`pcp_p2p.cid`) names, for anything larger than one
+A blob's CID (see :mod:`pcp_p2p.core.cid`) names, for anything larger than one
 chunk, the list of its chunks' BLAKE3 digests. The chunk manifest *is* that
 list (plus the CID it hashes to), so a fetcher checks the manifest against the CID before
 a byte of data moves, and then each chunk against the manifest the moment it
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pcp_p2p.cid import (
+from pcp_p2p.core.cid import (
     CHUNK_SIZE,
     MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
@@ -31,7 +31,7 @@ from pcp_p2p.cid import (
     leaf_digest,
     parse_cid,
 )
-from pcp_p2p.errors import HashMismatch, MalformedMessage, OversizedMessage
+from pcp_p2p.core.errors import HashMismatch, MalformedMessage, OversizedMessage
 from pcp_p2p.wire import Message, decode, encode, wire_message
 
 __all__ = ["CHUNK_SIZE", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "ChunkManifest", "hash_bytes",

@@ -35,7 +35,7 @@ from pcp_p2p.blob.server import BlobConfig
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordCipher
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
 
 
 def blob_bytes(size: int, seed: int) -> bytes:

@@ -48,7 +48,7 @@ NOT_FOUND = "not_found"
 BAD_REQUEST = "bad_request"
 BUSY = "busy"
 MISMATCH = "mismatch"  # the client's manifest is not the server's
-INTERNAL = "internal_error"  # serving hit a bug of the server's (pcp_p2p.faults): try another provider
+INTERNAL = "internal_error"  # serving hit a bug of the server's (pcp_p2p.core.faults): try another provider
 STATUSES = (OK, NOT_FOUND, BAD_REQUEST, BUSY, MISMATCH, INTERNAL)
 
 

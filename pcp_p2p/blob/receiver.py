@@ -29,7 +29,7 @@ Buffers are allocated once and reused, because fresh memory on these VMs
 costs page faults worth ~2 GB/s, i.e. more than a BLAKE3 pass.
 
 The manifest was checked against the CID before the batch started (see
-:mod:`pcp_p2p.cid`), so the chunk hashes are the only hashing a fetch does.
+:mod:`pcp_p2p.core.cid`), so the chunk hashes are the only hashing a fetch does.
 Nothing here touches trio: the caller passes callbacks.
 """
 
@@ -49,8 +49,8 @@ from contextlib import contextmanager
 from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordReader
 from pcp_p2p.blob.store import PendingBlob, start_writeback
-from pcp_p2p.errors import HashMismatch, LocalError, PcpError
-from pcp_p2p.node.budget import Pace
+from pcp_p2p.core.errors import HashMismatch, LocalError, PcpError
+from pcp_p2p.net.budget import Pace
 
 VERIFIERS = 2
 DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length (any block size up to a page)

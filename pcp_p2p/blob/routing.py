@@ -15,7 +15,7 @@ from typing import Protocol
 from libp2p.kad_dht.kad_dht import KadDHT
 from libp2p.peer.peerinfo import PeerInfo
 
-from pcp_p2p.errors import PeerError
+from pcp_p2p.core.errors import PeerError
 
 
 class ContentRouting(Protocol):

@@ -12,7 +12,7 @@ request deadline) before being answered ``busy`` (:class:`UploadSlots`).
 A slot is never held by an idle or trickling client: the side channel's
 connect and hello share one overall deadline (``handshake_timeout``) and the
 chunks, on either path, must go at ``min_rate`` on average after a grace
-(:class:`~pcp_p2p.node.budget.Pace`); past either deadline the upload is cut
+(:class:`~pcp_p2p.net.budget.Pace`); past either deadline the upload is cut
 and its slot released.
 
 Faults are injected in tests by overriding :meth:`BlobServer._send_chunk`.
@@ -50,8 +50,8 @@ from pcp_p2p.blob.sidechannel import (
     tune,
 )
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.cid import cid_of, parse_cid
-from pcp_p2p.errors import (
+from pcp_p2p.core.cid import cid_of, parse_cid
+from pcp_p2p.core.errors import (
     BlobNotFound,
     MalformedMessage,
     PeerGone,
@@ -59,10 +59,10 @@ from pcp_p2p.errors import (
     ProtocolError,
     VerificationError,
 )
-from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
-from pcp_p2p.node.budget import Pace
-from pcp_p2p.node.connectivity import stream_is_relayed
-from pcp_p2p.node.traffic import Traffic
+from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
+from pcp_p2p.net.budget import Pace
+from pcp_p2p.net.connectivity import stream_is_relayed
+from pcp_p2p.net.traffic import Traffic
 from pcp_p2p.wire import framing
 
 log = logging.getLogger("pcp_p2p.blob.service")
@@ -224,7 +224,7 @@ class BlobServer:
                     reply = P.BlobReply(P.BAD_REQUEST, str(exc)[:200])
                     await P.write_frame(stream, reply, timeout=self.config.request_timeout)
                 return
-            except Exception as exc:  # the boundary (pcp_p2p.faults): our bug gets a neutral answer
+            except Exception as exc:  # the boundary (pcp_p2p.core.faults): our bug gets a neutral answer
                 if replied or blame_of(exc) != LOCAL:
                     raise
                 self.faults.record(exc, "blob", client)

@@ -57,8 +57,8 @@ from pcp_p2p.blob.sidechannel import (
 )
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.blob.transfer import MAX_BATCH, FetchPlan
-from pcp_p2p.cid import cid_of, parse_cid
-from pcp_p2p.errors import (
+from pcp_p2p.core.cid import cid_of, parse_cid
+from pcp_p2p.core.errors import (
     BlobNotFound,
     HashMismatch,
     LocalError,
@@ -71,10 +71,10 @@ from pcp_p2p.errors import (
     PeerTimeout,
     ProtocolError,
 )
-from pcp_p2p.faults import LocalFaults
-from pcp_p2p.node.connectivity import stream_is_relayed
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.traffic import Traffic
+from pcp_p2p.core.faults import LocalFaults
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.net.connectivity import stream_is_relayed
+from pcp_p2p.net.traffic import Traffic
 from pcp_p2p.wire import framing
 
 log = logging.getLogger(__name__)

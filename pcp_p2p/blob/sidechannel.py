@@ -27,7 +27,7 @@ streaming garbage costs one failed header or one failed tag, never memory.
 
 Time: a socket timeout alone is a stall detector that a peer resets with every
 byte. Reads therefore also take an overall deadline (the hello's handshake
-deadline, a chunk's paced deadline from :class:`pcp_p2p.node.budget.Pace`),
+deadline, a chunk's paced deadline from :class:`pcp_p2p.net.budget.Pace`),
 and a record is sent within the socket's timeout as a whole, so neither end
 can be held by a peer that trickles.
 """
@@ -45,14 +45,14 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     MalformedMessage,
     OversizedMessage,
     PeerGone,
     PeerTimeout,
     VerificationError,
 )
-from pcp_p2p.node.traffic import Traffic
+from pcp_p2p.net.traffic import Traffic
 
 HEADER = struct.Struct(">B3xI")
 TAG_LEN = 16

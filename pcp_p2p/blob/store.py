@@ -38,8 +38,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pcp_p2p.blob.chunks import CHUNK_SIZE, ChunkManifest, hash_bytes, make_manifest
-from pcp_p2p.cid import check_chunk_size, leaf_digest, parse_cid
-from pcp_p2p.errors import BlobNotFound, HashMismatch, LocalError, ProtocolError, StoreFull
+from pcp_p2p.core.cid import check_chunk_size, leaf_digest, parse_cid
+from pcp_p2p.core.errors import BlobNotFound, HashMismatch, LocalError, ProtocolError, StoreFull
 from pcp_p2p.wire import decode, encode
 
 _MF_SUFFIX = ".mf"

@@ -12,11 +12,11 @@ network once per round; between the group and the swarm it is DiLoCo as usual.
 
 Modules:
 
-- :mod:`~pcp_p2p.cluster.launch`: which launcher started us (MPICH/Hydra, Open
+- :mod:`~pcp_p2p.core.launch`: which launcher started us (MPICH/Hydra, Open
   MPI, Slurm), from the environment alone.
-- :mod:`~pcp_p2p.cluster.split`: the arithmetic (sub-shards, token-weighted
+- :mod:`~pcp_p2p.diloco.protocol.group_split`: the arithmetic (sub-shards, token-weighted
   average, the group's inner-state names), pure functions.
-- :mod:`~pcp_p2p.cluster.messages`: what ranks say to each other (wire messages).
+- :mod:`~pcp_p2p.cluster.rank_messages`: what ranks say to each other (wire messages).
 - :mod:`~pcp_p2p.cluster.comm`: MPI with deadlines: every call is a non-blocking
   request polled against a deadline, so a dead or hung rank costs a timeout,
   never a hang.

@@ -4,7 +4,7 @@ A blocking ``MPI_Recv`` from a rank that died waits forever (MPI without ULFM
 has no notion of a dead peer), and so does a collective one rank never joins.
 Here nothing blocks: sends and receives are ``Isend``/``Improbe``+``Imrecv``,
 the reduction is ``Iallreduce``, and each is polled against a deadline from an
-injected clock. A missed deadline is a :class:`~pcp_p2p.errors.PeerTimeout`
+injected clock. A missed deadline is a :class:`~pcp_p2p.core.errors.PeerTimeout`
 naming the rank(s); the request is abandoned (kept referenced with its buffer
 so MPI never writes into freed memory) and the caller stops counting on that
 rank. A communicator an abandoned collective ran on is never used again:
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pcp_p2p.errors import PeerTimeout
+from pcp_p2p.core.errors import PeerTimeout
 
 if TYPE_CHECKING:  # importing mpi4py.MPI initialises MPI: only where a communicator exists
     from mpi4py import MPI

@@ -1,7 +1,7 @@
 """A worker group under MPI: rank 0's side (:class:`WorkerGroup`, :class:`GroupEngine`) and the other ranks' loop.
 
 Rank 0 runs the node. When its runtime starts an IREE executor for a run it
-hands its :class:`~pcp_p2p.diloco.engine.InnerEngine` to :meth:`WorkerGroup.engine_for`,
+hands its :class:`~pcp_p2p.diloco.run.engine.InnerEngine` to :meth:`WorkerGroup.engine_for`,
 which sends the verified artifact, the signed spec and the dataset to every
 live rank (each verifies the manifest's signature itself and starts its own
 executor) and returns a :class:`GroupEngine`: the same interface, but its
@@ -9,7 +9,7 @@ executor) and returns a :class:`GroupEngine`: the same interface, but its
 
     rank 0                                   rank k
     ------                                   ------
-    split the assignment (split.py)
+    split the assignment (group_split.py)
     Train(θ, sub-shard k)  ─────────────▶    train for the time budget
     train sub-shard 0                        Done(steps, losses, states)
     collect Done ◀───── deadline ────────    keep t_k·Δ_k
@@ -30,15 +30,15 @@ rank 0 pings every ``heartbeat_s``; a rank that hears nothing from rank 0 for
 Dropped ranks are not taken back in: restart the job to regrow the group.
 
 States. Each rank keeps its own AdamW state (as DiLoCo wants); the group's
-state is named by the digests of its ranks' states (:func:`~pcp_p2p.cluster.split.group_state`),
+state is named by the digests of its ranks' states (:func:`~pcp_p2p.diloco.protocol.group_split.group_state`),
 and rank 0 remembers which rank state each group name stands for, so the
-worker's state chain (and the shepherd's :class:`~pcp_p2p.diloco.audit.StateChain`)
+worker's state chain (and the shepherd's :class:`~pcp_p2p.diloco.protocol.audit.StateChain`)
 works unchanged.
 
 Audits. The group signs its split with its Δ (``Submission.group``: per rank,
 the sub-shard's step cap, the steps trained, its state digests), so any worker
 of the same target can replay every part and recombine them exactly as the
-allreduce did (:mod:`pcp_p2p.diloco.group_replay`). When the group's round is
+allreduce did (:mod:`pcp_p2p.diloco.protocol.group_replay`). When the group's round is
 audited, :meth:`GroupEngine.export_state` gathers each rank's starting state
 over MPI into one bundle for the auditor.
 """
@@ -62,8 +62,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from pcp_p2p.cluster.comm import Cancelled, DeadlineComm
-from pcp_p2p.cluster.launch import Launch
-from pcp_p2p.cluster.messages import (
+from pcp_p2p.cluster.rank_messages import (
     Done,
     Export,
     Hello,
@@ -77,7 +76,12 @@ from pcp_p2p.cluster.messages import (
     frame,
     unframe,
 )
-from pcp_p2p.cluster.split import (
+from pcp_p2p.core.errors import ConfigError, ExecutorError, PcpError, PeerTimeout
+from pcp_p2p.core.launch import Launch
+from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.group_replay import encode_group_state
+from pcp_p2p.diloco.protocol.group_split import (
     GROUP_STATE_PREFIX,
     group_state,
     mean_losses,
@@ -86,19 +90,15 @@ from pcp_p2p.cluster.split import (
     theta_from_sum,
     weighted_flat,
 )
-from pcp_p2p.diloco.effects import RunInner
-from pcp_p2p.diloco.group_replay import encode_group_state
-from pcp_p2p.diloco.messages import FRESH_STATE, GroupPart
-from pcp_p2p.diloco.tensors import pack_tensors, unpack_tensors
-from pcp_p2p.diloco.worker import InnerResult
-from pcp_p2p.errors import ConfigError, ExecutorError, PcpError, PeerTimeout
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, GroupPart
+from pcp_p2p.diloco.protocol.worker import InnerResult
 from pcp_p2p.wire import Message
 
 if TYPE_CHECKING:
-    from pcp_p2p.diloco.audit import InnerState
-    from pcp_p2p.diloco.engine import InnerEngine, Replay
-    from pcp_p2p.diloco.messages import DataAssignment
-    from pcp_p2p.diloco.spec import SignedRunSpec
+    from pcp_p2p.diloco.protocol.audit import InnerState
+    from pcp_p2p.diloco.protocol.messages import DataAssignment
+    from pcp_p2p.diloco.protocol.spec import SignedRunSpec
+    from pcp_p2p.diloco.run.engine import InnerEngine, Replay
 
 R = TypeVar("R", bound=Message)
 
@@ -127,8 +127,8 @@ class RankInfo:
 
 def own_hello(rank: int) -> Hello:
     """This rank's :class:`Hello`: host, pid, best CPU target and measured matmul rate."""
-    from pcp_p2p.node.capabilities import measure_gflops
-    from pcp_p2p.node.cpu import best_cpu_target
+    from pcp_p2p.executor.cpu import best_cpu_target
+    from pcp_p2p.net.capabilities import measure_gflops
 
     return Hello(rank=rank, host=socket.gethostname(), pid=os.getpid(), target=best_cpu_target().name,
                  gflops=float(measure_gflops(0.3)))
@@ -287,8 +287,8 @@ class WorkerGroup:
     def engine_for(self, local: InnerEngine, signed_spec: SignedRunSpec, manifest: bytes, vmfb_path: Path,
                    shepherd: str) -> GroupEngine:
         """Start every live rank's executor for this run and return the engine that spreads rounds over them."""
-        from pcp_p2p.diloco.data import encode_dataset
-        from pcp_p2p.diloco.spec import run_id_of
+        from pcp_p2p.diloco.algorithm.data import encode_dataset
+        from pcp_p2p.diloco.protocol.spec import run_id_of
         from pcp_p2p.wire import encode
 
         run_id = run_id_of(signed_spec)
@@ -389,7 +389,7 @@ class GroupEngine:
     def export_state(self, digest: str) -> bytes:
         """The group state ``digest`` for an auditor: every stateful rank's blob, gathered over MPI.
 
-        The bundle is :func:`~pcp_p2p.diloco.group_replay.encode_group_state`; fresh ranks are left
+        The bundle is :func:`~pcp_p2p.diloco.protocol.group_replay.encode_group_state`; fresh ranks are left
         out (the auditor starts them fresh). A rank that died since cannot serve its part, so the
         export fails (the audit says ``unavailable``).
         """
@@ -429,7 +429,7 @@ class GroupEngine:
             return self._run(eff, cancelled)
 
     def _run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
-        from pcp_p2p.diloco.audit import CHUNK_STEPS
+        from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
 
         g = self.group
         t0 = g.clock()
@@ -677,9 +677,9 @@ class _Follower:
     def _setup(self, msg: Setup, parts: list[memoryview]) -> str:
         """Start an executor for the run; "" or why not."""
         from pcp_p2p.compile.manifest import Manifest
-        from pcp_p2p.diloco.data import decode_dataset
-        from pcp_p2p.diloco.engine import InnerEngine, start_executor
-        from pcp_p2p.diloco.spec import SignedRunSpec, run_id_of, verify_spec
+        from pcp_p2p.diloco.algorithm.data import decode_dataset
+        from pcp_p2p.diloco.protocol.spec import SignedRunSpec, run_id_of, verify_spec
+        from pcp_p2p.diloco.run.engine import InnerEngine, start_executor
         from pcp_p2p.wire import decode
 
         if msg.run_id in self.engines:

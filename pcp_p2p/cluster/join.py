@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pcp_p2p.cluster.launch import Launch
+from pcp_p2p.core.launch import Launch
 
 if TYPE_CHECKING:
     from pcp_p2p.cluster.group import WorkerGroup
@@ -27,9 +27,9 @@ log = logging.getLogger("pcp.cluster")
 def join_as_group(launch: Launch, config: NodeConfig, args: argparse.Namespace,
                   serve: Callable[[NodeConfig], int]) -> int:
     """Run this rank of ``pcp node join``; ``serve(config)`` runs the node (rank 0 only)."""
-    from pcp_p2p import logs
     from pcp_p2p.cluster.group import WorkerGroup, serve_follower
     from pcp_p2p.cluster.rankproc import is_rank_child, rank_argv, supervise
+    from pcp_p2p.core import logs
 
     if not is_rank_child():
         return supervise(rank_argv(), lead=launch.is_lead)
@@ -46,7 +46,7 @@ def join_as_group(launch: Launch, config: NodeConfig, args: argparse.Namespace,
 
 def group_config(config: NodeConfig, group: WorkerGroup, backend: str) -> NodeConfig:
     """The node's config as rank 0 of ``group``: the group in its status, capabilities and runtime."""
-    from pcp_p2p.node.capabilities import probe
+    from pcp_p2p.net.capabilities import probe
 
     caps = config.capabilities or probe(backend, benchmark_s=config.benchmark_s)
     live = [group.ranks[r] for r in group.live]

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import msgpack
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import ConfigError
 
 CACHE_DIR = "compile-cache"
 

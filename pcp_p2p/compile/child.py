@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import threading
 
-from pcp_p2p.errors import CompileCancelled, CompileError
+from pcp_p2p.core.errors import CompileCancelled, CompileError
 
 CANCEL_POLL_S = 0.2  # how often a running child's cancel flag is looked at
 COMPILE_NICENESS = 10

@@ -19,7 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pcp_p2p.compile.child import run_child
-from pcp_p2p.errors import CompileError, CompilerRejected
+from pcp_p2p.core.errors import CompileError, CompilerRejected
 
 TOOL = "iree-compile"
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 
 from pcp_p2p.compile.programs import Program
-from pcp_p2p.errors import CompileError
+from pcp_p2p.core.errors import CompileError
 
 _FUNC = re.compile(r"^\s*func\.func\b")
 _NEGATE = re.compile(r"^\s*(%[\w$.-]+) = stablehlo\.negate (%[\w$.-]+) : (.+)$")

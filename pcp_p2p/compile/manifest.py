@@ -21,11 +21,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pcp_p2p.cid import check_cid, digest_of_cid
 from pcp_p2p.compile.signature import TensorSpec
 from pcp_p2p.compile.targets import TARGETS, allowed_flag_lists
-from pcp_p2p.errors import BadSignature, ConfigError, HashMismatch, MalformedMessage
-from pcp_p2p.node.identity import Identity, verify_signature
+from pcp_p2p.core.cid import check_cid, digest_of_cid
+from pcp_p2p.core.errors import BadSignature, ConfigError, HashMismatch, MalformedMessage
+from pcp_p2p.core.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, decode, encode, signing_bytes, wire_message
 
 MAX_ARTIFACT_SIZE = 1 << 30  # 1 GiB: far above any vmfb (weights are inputs, not constants)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import jax

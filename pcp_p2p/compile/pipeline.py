@@ -33,7 +33,6 @@ from pathlib import Path
 
 import msgpack
 
-from pcp_p2p.cid import cid_of
 from pcp_p2p.compile.cache import ArtifactCache, atomic_write, cache_key
 from pcp_p2p.compile.child import run_child
 from pcp_p2p.compile.iree_compile import compiler_version, run_compiler
@@ -41,8 +40,9 @@ from pcp_p2p.compile.manifest import Manifest, sign_manifest, write_manifest
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.programs import Program, ProgramOptions, build_program
 from pcp_p2p.compile.targets import Target, compile_flag_choices
-from pcp_p2p.errors import CompileCancelled, CompileError, CompilerRejected
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import CompileCancelled, CompileError, CompilerRejected
+from pcp_p2p.core.identity import Identity
 
 
 @dataclass(frozen=True)

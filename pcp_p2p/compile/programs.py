@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from pcp_p2p.compile.model import GPTConfig, forward, is_decayed, loss_fn, param_shapes
 from pcp_p2p.compile.signature import TensorSpec
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 if TYPE_CHECKING:
     import jax

@@ -2,7 +2,7 @@
 
 A signature travels inside a signed manifest, so a worker knows what to feed
 an artifact without JAX, and checks every input against it before a call: a
-wrong shape or dtype becomes :class:`~pcp_p2p.errors.InvalidInput` in Python
+wrong shape or dtype becomes :class:`~pcp_p2p.core.errors.InvalidInput` in Python
 instead of undefined behaviour in native code.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pcp_p2p.errors import InvalidInput
+from pcp_p2p.core.errors import InvalidInput
 from pcp_p2p.wire import Message, wire_struct
 
 # Element types a program may take or return, by numpy name.

@@ -9,7 +9,7 @@ CPU target uses ``target-cpu=host``.
 CPU targets also record the architecture and the CPU flags (as
 ``/proc/cpuinfo`` names them) a machine must have to run the artifact; code
 built for a CPU level the machine lacks dies with SIGILL at run time, with no
-check at load. See :mod:`pcp_p2p.node.cpu` for the matching side.
+check at load. See :mod:`pcp_p2p.executor.cpu` for the matching side.
 
 This module imports nothing heavy: workers use it.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 _LOCAL = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu")
 _X86 = (*_LOCAL, "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu")
@@ -26,7 +26,7 @@ _X86 = (*_LOCAL, "--iree-llvmcpu-target-triple=x86_64-unknown-linux-gnu")
 # x86-64 micro-architecture levels (psABI), as /proc/cpuinfo spells the flags.
 # ``abm`` is how Linux reports LZCNT on AMD and Intel alike. (v2's cx16 and
 # lahf_lm are left out: every CPU with AVX2 has them, and member records
-# carry only the flags that tell the levels apart, see node/capabilities.py.)
+# carry only the flags that tell the levels apart, see net/capabilities.py.)
 X86_64_V2_FLAGS = ("popcnt", "sse4_1", "sse4_2", "ssse3")
 X86_64_V3_FLAGS = (*X86_64_V2_FLAGS, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm",
                    "movbe", "xsave")

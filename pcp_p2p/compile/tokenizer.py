@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from pcp_p2p.errors import InvalidInput, MalformedMessage
+from pcp_p2p.core.errors import InvalidInput, MalformedMessage
 
 MAX_VOCAB = 1 << 16  # a char vocabulary above this is almost surely a mistake (binary data)
 

@@ -15,7 +15,7 @@ may sign which key. Keys carry the kind: ``/pcp/<kind>/<name>``.
 What each kind may hold and who may sign it is a :class:`KindRule`, declared
 next to its payload type by the module that owns the kind; every check here
 takes the table of kinds it accepts (``kinds``) as an argument. The node's table,
-every kind of the protocol, is :data:`pcp_p2p.dht.kinds.RECORD_KINDS`: one static
+every kind of the protocol, is :data:`pcp_p2p.node.record_kinds.RECORD_KINDS`: one static
 table, so no kind depends on which modules happen to have been imported.
 """
 
@@ -27,14 +27,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     BadSignature,
     ExpiredRecord,
     MalformedMessage,
     OversizedMessage,
     VerificationError,
 )
-from pcp_p2p.node.identity import Identity, verify_signature
+from pcp_p2p.core.identity import Identity, verify_signature
 from pcp_p2p.wire import Message, decode, encode, signing_bytes, wire_message
 
 NAMESPACE = "pcp"

@@ -39,7 +39,7 @@ from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import encode_delim, read_delim, read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
-from pcp_p2p.errors import MalformedMessage, PeerGone
+from pcp_p2p.core.errors import MalformedMessage, PeerGone
 
 MULTISTREAM = b"/multistream/1.0.0"
 MAX_ANSWER = 4 * 1024 * 1024  # py-libp2p's MAX_DHT_MESSAGE_SIZE: a closer-peers list with records

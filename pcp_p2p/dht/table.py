@@ -44,10 +44,10 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator
 
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
 from pcp_p2p.dht import rpc
 from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
-from pcp_p2p.errors import PcpError
-from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
 
 log = logging.getLogger("pcp.dht")
 
@@ -442,7 +442,7 @@ class PcpKadDHT(KadDHT):
 
 async def _quietly(faults: LocalFaults, fn: Callable[..., Awaitable[object]], *args: object) -> None:
     """Background DHT work must never take the DHT down: drop its errors (a bug is logged and counted,
-    :mod:`pcp_p2p.faults`; a peer's bad answer or absence only at debug)."""
+    :mod:`pcp_p2p.core.faults`; a peer's bad answer or absence only at debug)."""
     try:
         await fn(*args)
     except Exception as exc:

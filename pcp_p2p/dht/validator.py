@@ -5,7 +5,7 @@ nothing outside namespaces it validates. py-libp2p calls ``validate`` on every
 put it receives and every value a get returns, and ``select`` to choose among
 competing values; both delegate to :func:`~pcp_p2p.dht.records.verify_record`
 with the table of record kinds the validator was made with (a node's is
-:data:`~pcp_p2p.dht.kinds.RECORD_KINDS`, every kind of the protocol).
+:data:`~pcp_p2p.node.record_kinds.RECORD_KINDS`, every kind of the protocol).
 
 A signature check alone would let any stranger's well-signed record for a far-
 future term shadow the honest ones (``lease`` and ``commit`` kinds order by
@@ -17,11 +17,11 @@ bootstrap server) can only check signatures; readers in the run discard what
 it returns if their election refuses it (py-libp2p validates every value a
 get collects, then selects among the survivors).
 
-The validator is an error boundary (:mod:`pcp_p2p.faults`): a record a peer
-sent or returned is refused with a :class:`~pcp_p2p.errors.PcpError`; a bug in
+The validator is an error boundary (:mod:`pcp_p2p.core.faults`): a record a peer
+sent or returned is refused with a :class:`~pcp_p2p.core.errors.PcpError`; a bug in
 a check (an authority's, say) is this node's fault, so it is logged once with
 its traceback, counted in the node's ``local_faults``, and the record refused
-with :class:`~pcp_p2p.faults.InternalFault` (an unchecked record is never
+with :class:`~pcp_p2p.core.faults.InternalFault` (an unchecked record is never
 stored), instead of vanishing into py-libp2p's catch-all as a bad put.
 """
 
@@ -33,9 +33,9 @@ from collections.abc import Callable, Mapping
 
 from libp2p.records.validator import Validator
 
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.core.faults import InternalFault, LocalFaults
 from pcp_p2p.dht.records import KindRule, VerifiedRecord, newer, verify_record
-from pcp_p2p.errors import PcpError
-from pcp_p2p.faults import InternalFault, LocalFaults
 
 log = logging.getLogger(__name__)
 

@@ -1,22 +1,20 @@
-"""DiLoCo: the training algorithm of a PCP run, as sans-IO state machines.
+"""DiLoCo: the training algorithm of a PCP run, split by concern into three layers.
 
-Modules (imported directly; this package re-exports nothing, so that importing
-one of them never drags in the others' dependencies):
+- :mod:`.algorithm` — the numbers: Δ and θ as bytes, sparse codecs, the outer
+  Nesterov step, robust combining, data assignment, checkpoints. No messages, no I/O.
+- :mod:`.protocol` — the sans-IO round machines (worker, shepherd, election), their
+  wire messages, signed records and checks (spec, admission, audits, commits).
+  May import the algorithm, never the node.
+- :mod:`.run` — one run on one node: the combining machine (``run_machine``) and the
+  runtime that pumps it over a :class:`~pcp_p2p.node.node.Node`, the engine that trains
+  on the executor, the training service and the run owner's commands.
 
-- :mod:`.spec` — the TOML run spec, signed by its owner; the run id.
-- :mod:`.data` — the character corpus, the 90/10 split, per-worker shards and batches.
-- :mod:`.messages` — Join, RoundAnnouncement, Submission, CommitRecord (wire messages).
-- :mod:`.tensors` — θ / Δ as bytes (the blob layer's codecs), θ CIDs, norms.
-- :mod:`.aggregate` — admission checks and the token-weighted mean of one round.
-- :mod:`.outer` — the outer Nesterov step and the outer state (θ, v, round).
-- :mod:`.checkpoint` — the outer state as one content-addressed blob.
-- :mod:`.effects` — what the machines ask the world to do.
-- :mod:`.shepherd`, :mod:`.worker` — the round protocol's two state machines.
-- :mod:`.audit` — audits by deterministic replay: the draw, the inner-state chain,
-  requests, reports and evidence for the ban ledger.
-- :mod:`.sim` — an in-memory swarm on trio with seeded fault injection.
-- :mod:`.lifecycle` — the owner's signed stop order, and the phase a run shows.
-- :mod:`.run_commands` — ``pcp run status | watch | stop``.
+The subpackages re-export nothing, so importing one module never drags in the
+others' dependencies.
 
-The protocol is described in ``docs/diloco.md``.
+Layers, bottom to top (``tests/test_layers.py`` holds the same table and fails on
+any import, at module level or inside a function, that runs up it): ``core`` <
+``wire`` < ``dht`` < ``net`` < ``blob`` < ``compile`` < ``executor`` <
+``diloco.algorithm`` < ``diloco.protocol`` < ``node`` < ``diloco.run`` <
+``cluster`` < ``export`` < ``tui`` < ``testing`` < ``commands`` < ``cli``.
 """

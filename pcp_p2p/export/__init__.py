@@ -4,9 +4,9 @@
 - :mod:`.bundle` reads one back and checks it;
 - :mod:`.sampling` is the sampler the native and the wasm engines share;
 - :mod:`.wasi_nn` is the wasi-nn host for the wasmtime Python engine;
-- :mod:`pcp_p2p.export.engine` runs the guest (``pcp generate --engine wasm``);
-- :mod:`pcp_p2p.export.command` is the ``pcp export`` command;
-- :mod:`pcp_p2p.diloco.generate` is ``pcp generate`` (natively, or through the guest).
+- :mod:`pcp_p2p.export.guest` runs the guest (``pcp generate --engine wasm``);
+- :mod:`pcp_p2p.export.export_command` is the ``pcp export`` command;
+- :mod:`pcp_p2p.export.generate` is ``pcp generate`` (natively, or through the guest).
 
 See docs/export.md.
 """

@@ -26,7 +26,7 @@ from typing import Any
 
 from pcp_p2p.compile.model import GPTConfig
 from pcp_p2p.compile.tokenizer import CharTokenizer
-from pcp_p2p.errors import ConfigError, CorruptModel, ExportError, ModelMismatch, PcpError
+from pcp_p2p.core.errors import ConfigError, CorruptModel, ExportError, ModelMismatch, PcpError
 
 FORMAT = "pcp-onnx-export"
 VERSION = 1

@@ -29,7 +29,7 @@ import numpy as np
 
 from pcp_p2p.compile.model import GPTConfig, forward, param_shapes
 from pcp_p2p.compile.tokenizer import CharTokenizer
-from pcp_p2p.errors import ExportError, ModelMismatch
+from pcp_p2p.core.errors import ExportError, ModelMismatch
 from pcp_p2p.export.bundle import (
     FORMAT,
     GUEST_FILE,

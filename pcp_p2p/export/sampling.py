@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pcp_p2p.errors import InvalidInput
+from pcp_p2p.core.errors import InvalidInput
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

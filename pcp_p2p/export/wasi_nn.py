@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pcp_p2p.errors import CorruptModel, GuestError, NoSuchTensor, PcpError
+from pcp_p2p.core.errors import CorruptModel, GuestError, NoSuchTensor, PcpError
 
 MODULE = "wasi_ephemeral_nn"
 ENCODING_ONNX = 1

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 GIVEN = "_given_on_command_line"
 # Options that only make sense on the command line: the file itself, help, and --debug

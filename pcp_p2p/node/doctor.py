@@ -5,7 +5,7 @@ other". ``pcp doctor --bootstrap MULTIADDR`` answers it before a node joins: a
 throwaway host (its own identity, nothing kept) dials the bootstrap server and
 up to :data:`MAX_PEERS` public members it lists, reads how each saw this
 machine (identify's observed address, as a node does:
-:func:`pcp_p2p.node.connectivity.verdict`), and measures the bandwidth to each
+:func:`pcp_p2p.net.connectivity.verdict`), and measures the bandwidth to each
 over ``/pcp/speed/1.0.0``. It prints a plain-language verdict:
 
 - ``reachable``: peers dial this machine directly (no NAT, or a forwarded port);
@@ -45,11 +45,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from pcp_p2p.blob.server import close_stream
-from pcp_p2p.errors import ConfigError, MalformedMessage, PeerGone
-from pcp_p2p.faults import LOCAL, LocalFaults, blame_of
-from pcp_p2p.node.connectivity import observations, verdict
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
+from pcp_p2p.core.errors import ConfigError, MalformedMessage, PeerGone
+from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.net.connectivity import observations, verdict
+from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
 
 log = logging.getLogger("pcp.doctor")
 
@@ -91,7 +91,7 @@ class SpeedServer:
     _busy: trio.Lock = field(default_factory=trio.Lock)
     _recent: deque[float] = field(default_factory=deque)
     refused: int = 0
-    faults: LocalFaults = field(default_factory=LocalFaults)  # the node's (pcp_p2p.faults)
+    faults: LocalFaults = field(default_factory=LocalFaults)  # the node's (pcp_p2p.core.faults)
 
     def admit(self, now: float) -> bool:
         """Whether one more test fits this minute's budget (and records it)."""
@@ -305,7 +305,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pcp_p2p.node.swarm_key import read_swarm_key
+    from pcp_p2p.net.swarm_key import read_swarm_key
 
     key = read_swarm_key(args.swarm_key) if args.swarm_key else None
     peers = max(0, min(args.peers, 8))

@@ -25,7 +25,7 @@ from typing import Any
 
 import trio
 
-from pcp_p2p.errors import PcpError, PeerTimeout
+from pcp_p2p.core.errors import PcpError, PeerTimeout
 from pcp_p2p.node.status import StatusReply, fetch_status
 
 log = logging.getLogger("pcp.swarm")

@@ -13,19 +13,19 @@ malformed, or above the largest registered type's limit, is refused (the
 stream is reset, the rejection counted and logged once) and the node goes on.
 A message that decoded but that its handler declined is answered instead of
 reset: a NAK byte and one small :class:`Refusal` frame (a reason code and a
-bounded line), which the sender raises as :class:`~pcp_p2p.errors.Refused` —
+bounded line), which the sender raises as :class:`~pcp_p2p.core.errors.Refused` —
 so ``pcp run create`` can say "not trusted" rather than "stream closed".
 Whose fault a handler's exception is decides what is counted and said
-(:mod:`pcp_p2p.faults`): a :class:`~pcp_p2p.errors.RemoteError` is the
+(:mod:`pcp_p2p.core.faults`): a :class:`~pcp_p2p.core.errors.RemoteError` is the
 sender's (its own reason code, counted as rejected); a
-:class:`~pcp_p2p.errors.PeerError` nobody's (``unavailable``); anything else
+:class:`~pcp_p2p.core.errors.PeerError` nobody's (``unavailable``); anything else
 is a bug of ours, logged with its traceback, counted in ``local_faults`` and
 answered ``internal_error`` — never the sender's rejection.
 
-Every inbound stream spends from a :class:`~pcp_p2p.node.budget.Budget`: a
+Every inbound stream spends from a :class:`~pcp_p2p.net.budget.Budget`: a
 stream slot on arrival, and the frame's declared length (read first) before
 any of its body, both per peer and in total; a stream beyond either is reset
-with :class:`~pcp_p2p.errors.OverBudget`. The whole frame must then arrive by
+with :class:`~pcp_p2p.core.errors.OverBudget`. The whole frame must then arrive by
 ``op_timeout + size / msg_min_rate`` after the stream opened (an overall
 deadline with a minimum rate, not a per-read timeout), so a peer that declares
 a large frame and trickles it holds its reservation for a bounded time.
@@ -43,9 +43,9 @@ from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from pcp_p2p.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
-from pcp_p2p.faults import INTERNAL_ERROR, LOCAL, PEER, refusal_reason
-from pcp_p2p.node.budget import Budget, Limits, Pace, Reservation
+from pcp_p2p.core.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
+from pcp_p2p.core.faults import INTERNAL_ERROR, LOCAL, PEER, refusal_reason
+from pcp_p2p.net.budget import Budget, Limits, Pace, Reservation
 from pcp_p2p.wire import Message, decode, encode, wire_message
 from pcp_p2p.wire.framing import read_body, read_exact, read_frame, read_length, reset_quietly, write_frame
 
@@ -89,7 +89,7 @@ def printable(text: str, limit: int = MAX_REFUSAL_DETAIL) -> str:
 
 def refusal_of(exc: BaseException) -> Refusal:
     """The answer for a handler's error: its ``refusal_reason`` (if well-formed) and its text;
-    for a bug of ours (:mod:`pcp_p2p.faults`), ``internal_error`` and no detail of it (the traceback is ours)."""
+    for a bug of ours (:mod:`pcp_p2p.core.faults`), ``internal_error`` and no detail of it (the traceback is ours)."""
     reason = refusal_reason(exc)
     if reason == INTERNAL_ERROR:
         detail = "internal error on the receiving node"
@@ -202,7 +202,7 @@ class Messenger:
                 handled = False  # from here on only the ack is written: a failure is the stream's
                 await stream.write(_ACK)
                 await stream.close()
-        except Exception as exc:  # the boundary (pcp_p2p.faults): whose fault decides what is counted and said
+        except Exception as exc:  # the boundary (pcp_p2p.core.faults): whose fault decides what is counted and said
             blame = self.node._reject(sender, exc, "message")
             if blame == LOCAL or (handled and (blame != PEER or isinstance(exc, PcpError))):
                 await self._refuse(stream, exc)

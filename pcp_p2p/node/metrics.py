@@ -11,7 +11,7 @@ could drift from what ``pcp status`` shows. Sections a node does not have yet
 Scrapes happen on the exporter's HTTP thread; ``status_fn`` is called there,
 so a node passes a function that hops into its trio thread
 (``trio.from_thread.run_sync`` with the run's token, see
-``pcp_p2p.node.commands._serve``). A ``status_fn`` that raises gives
+``pcp_p2p.commands.node_commands._serve``). A ``status_fn`` that raises gives
 ``pcp_status_up 0`` instead of a failed scrape.
 
 The same server answers ``GET /healthz`` (:func:`health_reply`): 200 and a
@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 log = logging.getLogger("pcp.metrics")
 
@@ -198,7 +198,7 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
             fam.add_metric(list(_split_reason(key)), v)
     yield fam
 
-    # This node's own bugs met while handling peers' input (pcp_p2p.faults), apart from the peers' faults.
+    # This node's own bugs met while handling peers' input (pcp_p2p.core.faults), apart from the peers' faults.
     faults = net.get("local_fault_kinds")
     faults = faults if isinstance(faults, Mapping) else {}
     fam = CounterMetricFamily(f"{PREFIX}_local_faults", "bugs of this node's met while handling peers' input, "
@@ -352,7 +352,7 @@ def health_reply(health_fn: HealthFn | None) -> tuple[int, dict[str, Any]]:
     ``bootstrapped: true``; 503 with ``status: "starting"`` before that, and
     with ``status: "down"`` (and the error) when it cannot answer at all (the
     node is stopping). ``health_fn`` gives the node's fields (see
-    ``pcp_p2p.node.commands.node_health``): peer id, uptime, bootstrapped,
+    ``pcp_p2p.commands.node_commands.node_health``): peer id, uptime, bootstrapped,
     connected peers, runs.
     """
     if health_fn is None:

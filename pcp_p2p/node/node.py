@@ -15,14 +15,14 @@ Tasks a node runs, each a thin pump around sans-IO logic:
   gossipsub has a mesh and not just a star around the bootstrap server;
 - *record*: keep this node's signed member record current (re-signed when it
   changes or about half its lifetime has passed, jittered per node) and published in the DHT;
-- *swim*: carry :class:`~pcp_p2p.node.membership.Membership`'s SWIM packets
+- *swim*: carry :class:`~pcp_p2p.net.membership.Membership`'s SWIM packets
   over ``/pcp/swim/1.0.0`` streams and feed it clock ticks and replies; answer
   other nodes' probes (budgeted per peer and in total);
 - *status*: answer ``/pcp/status/1.0.0``;
 - *reachability*: judge from what peers observe whether this node is public,
   hole-punchable or relay-only, and behind a NAT keep a reservation on the
   bootstrap relays and advertise the relayed address
-  (:mod:`pcp_p2p.node.connectivity`; relays and DCUtR run on every node).
+  (:mod:`pcp_p2p.net.connectivity`; relays and DCUtR run on every node).
 
 Every network operation has a deadline (``op_timeout``).
 """
@@ -59,26 +59,24 @@ from pcp_p2p import __version__
 from pcp_p2p.blob.routing import DhtRouting
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
-from pcp_p2p.dht.kinds import RECORD_KINDS
+from pcp_p2p.core.errors import ConfigError, PcpError, PeerGone, PeerTimeout
+from pcp_p2p.core.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
+from pcp_p2p.core.identity import Identity, load_or_create_identity
+from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
 from pcp_p2p.dht.validator import PcpRecordValidator
-from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout
-from pcp_p2p.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
-from pcp_p2p.logs import LogOnce
-from pcp_p2p.node import yamux_credit
-from pcp_p2p.node.budget import Budget, Limits, Rate, RateLimits
-from pcp_p2p.node.capabilities import Capabilities, probe
-from pcp_p2p.node.connectivity import (
+from pcp_p2p.net import yamux_credit
+from pcp_p2p.net.budget import Budget, Limits, Rate, RateLimits
+from pcp_p2p.net.capabilities import Capabilities, probe
+from pcp_p2p.net.connectivity import (
     Connectivity,
     RelayBudget,
     connect,
     is_circuit,
     is_public_ip,
 )
-from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
-from pcp_p2p.node.identity import Identity, load_or_create_identity
-from pcp_p2p.node.membership import (
+from pcp_p2p.net.membership import (
     DEFAULT_PERIOD_S,
     MAX_PACKET,
     SWIM_PROTOCOL,
@@ -92,8 +90,12 @@ from pcp_p2p.node.membership import (
     SwimConfig,
     SwimPacket,
 )
+from pcp_p2p.net.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known
+from pcp_p2p.net.swarm_key import read_swarm_key
+from pcp_p2p.net.traffic import Traffic, count_host_traffic
+from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
 from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
-from pcp_p2p.node.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.node.status import (
     MAX_REQUEST,
     STATUS_PROTOCOL,
@@ -102,8 +104,6 @@ from pcp_p2p.node.status import (
     StatusRequest,
     split_rejected,
 )
-from pcp_p2p.node.swarm_key import read_swarm_key
-from pcp_p2p.node.traffic import Traffic, count_host_traffic
 from pcp_p2p.wire import decode, encode
 from pcp_p2p.wire.framing import read_frame, reset_quietly, write_frame
 
@@ -138,7 +138,7 @@ class NodeConfig:
     benchmark_s: float = 0.25
     max_connections: int = 64
     max_storage_bytes: int = 10 * 1024**3  # blob store (artifacts, θ, checkpoints); pinned content is never evicted
-    # Inbound /pcp/msg budgets (pcp_p2p.node.budget, docs/security.md): concurrent
+    # Inbound /pcp/msg budgets (pcp_p2p.net.budget, docs/security.md): concurrent
     # streams and buffered bytes, one peer's share and the total for all peers. A
     # frame must arrive within op_timeout + size / msg_min_rate of its stream opening.
     msg_streams_per_peer: int = 8
@@ -293,7 +293,7 @@ class Node:
         self.record_validator = PcpRecordValidator(config.record_kinds)  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
         self.log_once = LogOnce(log)
-        # The error boundary (pcp_p2p.faults): rejected inputs by reason ("swim:BadSignature", ...),
+        # The error boundary (pcp_p2p.core.faults): rejected inputs by reason ("swim:BadSignature", ...),
         # and this node's own bugs met while handling them (local_faults), for status and metrics.
         self.boundary = Boundary(self.log_once, blobs.faults)
         self.rejected: Counter[str] = self.boundary.rejected
@@ -314,7 +314,7 @@ class Node:
 
     def _reject(self, peer: str, exc: BaseException, what: str) -> Blame:
         """Whatever a handler of ``peer``'s input raised: the peer's, the world's or our fault
-        (:mod:`pcp_p2p.faults`), counted and logged as such."""
+        (:mod:`pcp_p2p.core.faults`), counted and logged as such."""
         blame = self.boundary.judge(peer, exc, what)
         self._notify()
         return blame

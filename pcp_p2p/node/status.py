@@ -20,9 +20,9 @@ from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from pcp_p2p.errors import ConfigError, PcpError, PeerGone, PeerTimeout, ProtocolError
-from pcp_p2p.node.capabilities import Capabilities
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.errors import ConfigError, PcpError, PeerGone, PeerTimeout, ProtocolError
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.net.capabilities import Capabilities
 from pcp_p2p.wire import Message, decode, encode, wire_message, wire_struct
 from pcp_p2p.wire.framing import read_frame, write_frame
 
@@ -149,7 +149,7 @@ async def fetch_status(
         async with host.run(listen_addrs=[]):
             try:
                 if "/p2p-circuit" in addr:  # a node behind NAT: through its relay
-                    from pcp_p2p.node.connectivity import circuit_dialer, connect
+                    from pcp_p2p.net.connectivity import circuit_dialer, connect
 
                     async with circuit_dialer(host) as circuits:
                         await connect(host, info.peer_id, [addr], circuits)

@@ -1,6 +1,6 @@
 """Byzantine workers: correct protocol, dishonest numbers.
 
-Each class here is a :class:`~pcp_p2p.diloco.worker.Worker` that joins, fetches,
+Each class here is a :class:`~pcp_p2p.diloco.protocol.worker.Worker` that joins, fetches,
 signs and submits exactly as an honest one does — every message well-formed,
 on time, signed by its own key, for the current term, round and attempt — and
 lies only where the shepherd cannot check it by reading the message: the Δ it
@@ -33,13 +33,13 @@ from typing import ClassVar, TypedDict, Unpack
 
 import numpy as np
 
-from pcp_p2p.diloco.aggregate import delta_norm_bound
-from pcp_p2p.diloco.effects import Effect, RunInner, Send
-from pcp_p2p.diloco.messages import FRESH_STATE, RoundAnnouncement, Submission
-from pcp_p2p.diloco.spec import RunSpec
-from pcp_p2p.diloco.tensors import Params, global_norm
-from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.params import Params, global_norm
+from pcp_p2p.diloco.protocol.aggregate import delta_norm_bound
+from pcp_p2p.diloco.protocol.effects import Effect, RunInner, Send
+from pcp_p2p.diloco.protocol.messages import FRESH_STATE, RoundAnnouncement, Submission
+from pcp_p2p.diloco.protocol.spec import RunSpec
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 
 UNDER_BOUND = 0.99
 """How close to the aggregator's absolute norm bound a maximal attacker goes."""

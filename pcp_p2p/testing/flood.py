@@ -37,7 +37,7 @@ from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.node.messaging import MSG_PROTOCOL
 from pcp_p2p.wire import HARD_MAX_SIZE
 

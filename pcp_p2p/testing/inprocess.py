@@ -2,8 +2,8 @@
 
 Benchmarks that want the protocol's own numbers (admission checks, aggregation,
 outer Nesterov, θ hash checks, signatures, the int8 codec) without the network
-drive a :class:`~pcp_p2p.diloco.shepherd.Shepherd` and its
-:class:`~pcp_p2p.diloco.worker.Worker` machines here: every message goes through
+drive a :class:`~pcp_p2p.diloco.protocol.shepherd.Shepherd` and its
+:class:`~pcp_p2p.diloco.protocol.worker.Worker` machines here: every message goes through
 the wire codec both ways, blobs through a dict, and each ``RunInner`` through a
 caller-supplied inner loop — :class:`JaxTrainer` (the compile engineer's
 ``train`` program under ``jax.jit`` on the run's real data) for figures, or any
@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcp_p2p.diloco.audit import InnerState, inner_state_digest
-from pcp_p2p.diloco.data import CharDataset, batches_for, batches_for_assignment, validation_batches
-from pcp_p2p.diloco.effects import (
+from pcp_p2p.core.errors import LocalError
+from pcp_p2p.diloco.algorithm.data import CharDataset, batches_for, batches_for_assignment, validation_batches
+from pcp_p2p.diloco.algorithm.params import Params
+from pcp_p2p.diloco.protocol.audit import InnerState, inner_state_digest
+from pcp_p2p.diloco.protocol.effects import (
     Committed,
     Discarded,
     Effect,
@@ -37,12 +39,17 @@ from pcp_p2p.diloco.effects import (
     Send,
     StoreBlob,
 )
-from pcp_p2p.diloco.messages import FRESH_STATE, CommitRecord, DataAssignment, Join, RoundAnnouncement, Submission
-from pcp_p2p.diloco.shepherd import Phase, Shepherd
-from pcp_p2p.diloco.spec import RunSpec
-from pcp_p2p.diloco.tensors import Params
-from pcp_p2p.diloco.worker import InnerResult, Worker
-from pcp_p2p.errors import LocalError
+from pcp_p2p.diloco.protocol.messages import (
+    FRESH_STATE,
+    CommitRecord,
+    DataAssignment,
+    Join,
+    RoundAnnouncement,
+    Submission,
+)
+from pcp_p2p.diloco.protocol.shepherd import Phase, Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec
+from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.wire import decode, encode
 
 if TYPE_CHECKING:
@@ -186,7 +193,7 @@ class JaxTrainer:
     always do exactly ``steps`` steps (the program's unrolled length); an
     assignment capping a worker below that is an error here, not a silent
     shortcut. Like the executor, each run names its start and end optimiser
-    states by :func:`~pcp_p2p.diloco.audit.inner_state_digest` (``state_in`` /
+    states by :func:`~pcp_p2p.diloco.protocol.audit.inner_state_digest` (``state_in`` /
     ``state_out``), so submissions commit to them and a round can be audited.
     ``inner_cpu_s`` collects the CPU seconds (this process, all threads) of
     each inner run and ``state_cpu_s`` those of naming its end state: compute
@@ -212,7 +219,7 @@ class JaxTrainer:
             self.ds.val, n_batches=val_batches, batch_size=val_batch_size, seq_len=spec.inner.seq_len
         )
         # The shepherd's held-out score windows, as the runtime's Evaluator.score
-        # draws them (pcp_p2p.diloco.engine: 2 batches of the spec's shape, seed 1):
+        # draws them (pcp_p2p.diloco.run.engine: 2 batches of the spec's shape, seed 1):
         # the validation split, but not the windows the validation loss reports on.
         self.score_x, self.score_y = validation_batches(
             self.ds.val, n_batches=score_batches, batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len,

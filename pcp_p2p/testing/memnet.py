@@ -1,7 +1,7 @@
 """An in-memory world for run machines: a network, a DHT, per-node blob stores, and a seeded fault plan.
 
 What stands in for what (in :mod:`pcp_p2p.testing.run_harness`, the MockClock
-harness that drives real :class:`~pcp_p2p.diloco.run_machine.RunMachine`\\ s):
+harness that drives real :class:`~pcp_p2p.diloco.run.run_machine.RunMachine`\\ s):
 
 - **network** (:class:`MemNetwork`): every message is encoded and decoded by the
   wire codec on its way, and delivered after a delay drawn from the plan; the plan
@@ -26,8 +26,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcp_p2p.diloco.election import Lease, commit_key
-from pcp_p2p.diloco.messages import CommitRecord
+from pcp_p2p.diloco.protocol.election import Lease, commit_key
+from pcp_p2p.diloco.protocol.messages import CommitRecord
 from pcp_p2p.wire import Message, decode, encode
 
 KILL_PHASES = (

@@ -9,7 +9,7 @@ scenario, writing one JSON result:
 
 - ``equal``: one round of the group; then the same process trains every rank's
   sub-shard itself from the same θ (fresh moments, like the ranks) and combines
-  them with :func:`~pcp_p2p.cluster.split.combine`: the largest difference
+  them with :func:`~pcp_p2p.diloco.protocol.group_split.combine`: the largest difference
   between the two θ_local, and the steps and tokens of each rank.
 - ``kill``: one round, then a round during which rank 1 is SIGKILLed (by pid,
   from its hello) half a second in, then one more round: how long each took and
@@ -38,10 +38,10 @@ import numpy as np
 if TYPE_CHECKING:  # imported where used: the parent process needs none of these to write a config
     from pcp_p2p.cluster.group import GroupEngine, WorkerGroup
     from pcp_p2p.compile.pipeline import Artifact
-    from pcp_p2p.diloco.effects import RunInner
-    from pcp_p2p.diloco.engine import InnerEngine
-    from pcp_p2p.diloco.messages import DataAssignment
-    from pcp_p2p.diloco.worker import InnerResult
+    from pcp_p2p.diloco.protocol.effects import RunInner
+    from pcp_p2p.diloco.protocol.messages import DataAssignment
+    from pcp_p2p.diloco.protocol.worker import InnerResult
+    from pcp_p2p.diloco.run.engine import InnerEngine
 
 SPEC = """
 name = "group"
@@ -74,10 +74,10 @@ def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Artifa
     from pcp_p2p.compile.model import PRESETS
     from pcp_p2p.compile.pipeline import Lowered, compile_lowered, lower_program, write_artifact
     from pcp_p2p.compile.targets import get_target
-    from pcp_p2p.diloco.engine import program_options
-    from pcp_p2p.diloco.spec import parse_spec
-    from pcp_p2p.node.cpu import best_cpu_target
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.diloco.protocol.spec import parse_spec
+    from pcp_p2p.diloco.run.engine import program_options
+    from pcp_p2p.executor.cpu import best_cpu_target
 
     out.mkdir(parents=True, exist_ok=True)
     spec_text = SPEC.format(steps=steps)
@@ -95,10 +95,10 @@ def prepare(out: Path, *, steps: int = 20, mode: str = "equal", artifact: Artifa
 
 
 def main(config_path: str) -> int:
-    from pcp_p2p import logs
     from pcp_p2p.cluster.group import WorkerGroup, serve_follower
-    from pcp_p2p.cluster.launch import detect_launch
     from pcp_p2p.cluster.rankproc import is_rank_child, rank_argv, supervise
+    from pcp_p2p.core import logs
+    from pcp_p2p.core.launch import detect_launch
 
     logs.configure("INFO")
     cfg = json.loads(Path(config_path).read_text())
@@ -120,10 +120,10 @@ def main(config_path: str) -> int:
 
 def _setup(group: WorkerGroup, cfg: dict[str, Any]) -> tuple[GroupEngine, InnerEngine, dict[str, np.ndarray]]:
     from pcp_p2p.compile.manifest import read_manifest
-    from pcp_p2p.diloco.data import CharDataset
-    from pcp_p2p.diloco.engine import InnerEngine, initial_theta, start_executor
-    from pcp_p2p.diloco.spec import parse_spec, sign_spec
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.diloco.algorithm.data import CharDataset
+    from pcp_p2p.diloco.protocol.spec import parse_spec, sign_spec
+    from pcp_p2p.diloco.run.engine import InnerEngine, initial_theta, start_executor
     from pcp_p2p.wire import encode
 
     spec = parse_spec(cfg["spec"])
@@ -137,8 +137,8 @@ def _setup(group: WorkerGroup, cfg: dict[str, Any]) -> tuple[GroupEngine, InnerE
 
 def _round(theta: dict[str, np.ndarray], r: int, steps: int, state: str | None = None,
            budget_s: float = 60.0) -> RunInner:
-    from pcp_p2p.diloco.effects import RunInner
-    from pcp_p2p.diloco.messages import DataAssignment
+    from pcp_p2p.diloco.protocol.effects import RunInner
+    from pcp_p2p.diloco.protocol.messages import DataAssignment
 
     a = DataAssignment(worker="group", shard=0, num_shards=1, seed=1000 + r, max_steps=steps)
     return RunInner(round=r, attempt=0, theta=theta, theta_cid="", artifact_cid=None, assignment=a,
@@ -147,8 +147,8 @@ def _round(theta: dict[str, np.ndarray], r: int, steps: int, state: str | None =
 
 def _split(engine: GroupEngine, eff: RunInner) -> list[DataAssignment]:
     """The sub-assignments the group used (same function, same weights)."""
-    from pcp_p2p.cluster.split import rank_steps, sub_assignments
-    from pcp_p2p.diloco.audit import CHUNK_STEPS
+    from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
+    from pcp_p2p.diloco.protocol.group_split import rank_steps, sub_assignments
 
     g = engine.group
     members = list(g.last_round["ranks"])
@@ -157,7 +157,7 @@ def _split(engine: GroupEngine, eff: RunInner) -> list[DataAssignment]:
 
 
 def _equal(group: WorkerGroup, cfg: dict[str, Any]) -> dict[str, Any]:
-    from pcp_p2p.cluster.split import combine
+    from pcp_p2p.diloco.protocol.group_split import combine
 
     engine, local, theta = _setup(group, cfg)
     eff = _round(theta, 0, cfg["steps"])
@@ -187,14 +187,14 @@ def _equal(group: WorkerGroup, cfg: dict[str, Any]) -> dict[str, Any]:
 def _audit_round(engine: GroupEngine, auditor: InnerEngine, theta: dict[str, np.ndarray], eff: RunInner,
                  res: InnerResult) -> dict[str, Any]:
     """Sign the group's round as its worker would, serve its state bundle over MPI, replay it as an auditor."""
-    from pcp_p2p.cid import cid_of
-    from pcp_p2p.diloco import audit
-    from pcp_p2p.diloco.audit import CHUNK_STEPS
-    from pcp_p2p.diloco.group_replay import check_split, decode_group_state, stateful_ranks
-    from pcp_p2p.diloco.messages import Submission, sign
-    from pcp_p2p.diloco.tensors import codec_of, pack_tensors, params_cid
-    from pcp_p2p.diloco.worker import pseudo_gradient
-    from pcp_p2p.node.identity import Identity
+    from pcp_p2p.core.cid import cid_of
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.diloco.algorithm.params import codec_of, pack_tensors, params_cid
+    from pcp_p2p.diloco.protocol import audit
+    from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
+    from pcp_p2p.diloco.protocol.group_replay import check_split, decode_group_state, stateful_ranks
+    from pcp_p2p.diloco.protocol.messages import Submission, sign
+    from pcp_p2p.diloco.protocol.worker import pseudo_gradient
     from pcp_p2p.wire import encode
 
     worker, auditor_id, shepherd = Identity.generate(), Identity.generate(), Identity.generate()

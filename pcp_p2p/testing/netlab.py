@@ -84,7 +84,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pcp_p2p.errors import LocalError, PcpError, PeerTimeout
+from pcp_p2p.core.errors import LocalError, PcpError, PeerTimeout
 from pcp_p2p.node.local_swarm import pcp_command
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """The planetary simulator: thousands of real run machines on home links, with churn, in virtual time.
 
-Every simulated node runs the real :class:`~pcp_p2p.diloco.run_machine.RunMachine`
+Every simulated node runs the real :class:`~pcp_p2p.diloco.run.run_machine.RunMachine`
 (and through it the real election, worker and shepherd: real Ed25519 signatures,
 CIDs, the wire codec, the robust aggregation). What is simulated is the world
 around the machines, and each stand-in is chosen so that 10,000 nodes fit in one
@@ -22,7 +22,7 @@ bends a rule tests itself:
   and CPUs differ by an order of magnitude), so fast nodes do more inner steps
   in the round's time budget, as the worker's ``RunInner`` asks.
 - **Inner training** (:func:`surrogate_inner`): the closed form of gradient descent
-  on the worker's shard of :class:`~pcp_p2p.diloco.quadratic.Quadratic` with a
+  on the worker's shard of :class:`~pcp_p2p.testing.quadratic.Quadratic` with a
   little noise, ``θ* + (θ − θ*)·exp(−k·a·steps)``: one numpy expression whatever
   the step count, on a 36-parameter θ. It takes ``steps · tokens_per_step /
   tokens_per_s`` virtual seconds. Validation loss still falls only if the
@@ -88,16 +88,22 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco import aggregate, commits, departures, election, messages, shepherd, worker
-from pcp_p2p.diloco.departures import make_leave
-from pcp_p2p.diloco.effects import Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.election import ElectionConfig, Lease, PublishLease, commit_key
-from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
-from pcp_p2p.diloco.reputation import ReputationLedger
-from pcp_p2p.diloco.run_effects import (
+from pcp_p2p.core import identity as identity_mod
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import BlobNotFound, HeldBack, PcpError
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import unpack_tensors
+from pcp_p2p.diloco.protocol import aggregate, commits, departures, election, messages, shepherd, worker
+from pcp_p2p.diloco.protocol.departures import make_leave
+from pcp_p2p.diloco.protocol.effects import Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key
+from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec, parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import InnerResult
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_effects import (
     BlobFailed,
     BlobIn,
     CancelSetUp,
@@ -122,14 +128,8 @@ from pcp_p2p.diloco.run_effects import (
     SetUpShepherd,
     ShepherdBuilt,
 )
-from pcp_p2p.diloco.run_machine import Member, RunMachine
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.spec import RunSpec, parse_spec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import unpack_tensors
-from pcp_p2p.diloco.worker import InnerResult
-from pcp_p2p.errors import BlobNotFound, HeldBack, PcpError
-from pcp_p2p.node import identity as identity_mod
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.run.run_machine import Member, RunMachine
+from pcp_p2p.testing.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.wire import Message, decode, encode
 
 # --- the world's distributions ------------------------------------------------------------
@@ -279,7 +279,7 @@ _VERIFY_USERS = (aggregate, commits, departures, election, shepherd, worker)
 
 @dataclass(frozen=True)
 class KeptIdentity(Identity):
-    """An :class:`~pcp_p2p.node.identity.Identity` that derives its key and peer id once.
+    """An :class:`~pcp_p2p.core.identity.Identity` that derives its key and peer id once.
 
     The real one derives both on every read through 64-entry caches, which ten
     thousand identities in one process thrash (a third of the run's time went to

@@ -1,17 +1,17 @@
 """N run machines in one process on trio's clock: the combining rules under faults, in milliseconds.
 
-Each simulated node runs the real :class:`~pcp_p2p.diloco.run_machine.RunMachine`
+Each simulated node runs the real :class:`~pcp_p2p.diloco.run.run_machine.RunMachine`
 (and through it the real election, worker and shepherd, real Ed25519
 signatures, CIDs and the wire codec) behind a pump that does in memory what
-:class:`~pcp_p2p.diloco.runtime.RunRuntime` does on a node: it posts the same
-typed inputs (:mod:`pcp_p2p.diloco.run_effects`) to an inbox and carries out
+:class:`~pcp_p2p.diloco.run.runtime.RunRuntime` does on a node: it posts the same
+typed inputs (:mod:`pcp_p2p.diloco.run.run_effects`) to an inbox and carries out
 the same effects, over :mod:`pcp_p2p.testing.memnet`'s network, DHT and blob
 stores. Nothing here decides anything the machine decides: a harness that bent
 a rule would test itself.
 
 What differs from a node, on purpose:
 
-- the inner loop is :class:`~pcp_p2p.diloco.quadratic.Quadratic`'s AdamW on a
+- the inner loop is :class:`~pcp_p2p.testing.quadratic.Quadratic`'s AdamW on a
   per-shard quadratic, taking ``steps · tokens_per_step / tokens_per_s`` of
   virtual time; a term's set-up (compiling) takes ``compile_s``;
 - a message is acknowledged the way the runtime's ``deliver`` acknowledges it:
@@ -37,14 +37,19 @@ from typing import Any
 import numpy as np
 import trio
 
-from pcp_p2p.cid import cid_of
-from pcp_p2p.diloco.effects import Discarded, Finished, Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.election import ElectionConfig, Lease, PublishLease, commit_key
-from pcp_p2p.diloco.messages import CommitRecord, RoundAnnouncement, Submission
-from pcp_p2p.diloco.outer import OuterState
-from pcp_p2p.diloco.quadratic import SIM_ARTIFACT, Quadratic
-from pcp_p2p.diloco.reputation import ReputationLedger
-from pcp_p2p.diloco.run_effects import (
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import BlobNotFound, HeldBack, PcpError
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import unpack_tensors
+from pcp_p2p.diloco.protocol.effects import Discarded, Finished, Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key
+from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.spec import RunSpec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.worker import InnerResult, WorkerPhase
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_effects import (
     BlobFailed,
     BlobIn,
     CancelSetUp,
@@ -67,14 +72,9 @@ from pcp_p2p.diloco.run_effects import (
     SetUpShepherd,
     ShepherdBuilt,
 )
-from pcp_p2p.diloco.run_machine import Member, RunMachine
-from pcp_p2p.diloco.shepherd import Shepherd
-from pcp_p2p.diloco.spec import RunSpec, run_id_of, sign_spec
-from pcp_p2p.diloco.tensors import unpack_tensors
-from pcp_p2p.diloco.worker import InnerResult, WorkerPhase
-from pcp_p2p.errors import BlobNotFound, HeldBack, PcpError
-from pcp_p2p.node.identity import Identity
+from pcp_p2p.diloco.run.run_machine import Member, RunMachine
 from pcp_p2p.testing.memnet import FaultPlan, Kill, MemBlobs, MemDht, MemNetwork
+from pcp_p2p.testing.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.wire import Message
 
 SWARM_ELECTION = ElectionConfig(

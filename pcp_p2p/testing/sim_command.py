@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pcp_p2p.errors import ConfigError
+from pcp_p2p.core.errors import ConfigError
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

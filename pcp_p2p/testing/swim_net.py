@@ -1,8 +1,8 @@
 """An in-memory network of real SWIM machines, in virtual time, with a seeded fault plan.
 
-:class:`SwimNet` runs N :class:`~pcp_p2p.node.membership.Membership` machines
+:class:`SwimNet` runs N :class:`~pcp_p2p.net.membership.Membership` machines
 (the same class the node pumps over libp2p) with signed member records, and
-carries their :class:`~pcp_p2p.node.membership.Send` effects between them the
+carries their :class:`~pcp_p2p.net.membership.Send` effects between them the
 way the node's pump does: a request, the receiver's ``respond`` (a ``ping_req``
 relays a ping first), and the reply fed to ``receive``. Exchanges complete
 within the step they start in; what the plan drops (``loss`` per packet, a
@@ -21,10 +21,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import VerifiedRecord, sign_record
-from pcp_p2p.node.capabilities import Capabilities
-from pcp_p2p.node.identity import Identity
-from pcp_p2p.node.membership import (
+from pcp_p2p.net.capabilities import Capabilities
+from pcp_p2p.net.membership import (
     Gossip,
     MemberJoined,
     MemberLeft,

@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from pcp_p2p.errors import PcpError
+from pcp_p2p.core.errors import PcpError
 
 log = logging.getLogger("pcp.tui")
 

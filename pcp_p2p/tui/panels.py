@@ -97,7 +97,7 @@ SWARM_COLS = (
     Col("  peer", 11), Col("backend", 7), Col("device", None), Col("GFLOP/s", 8, "right"),
     Col("state", 9), Col("reach", 5), Col("seen", 6, "right"),
 )
-# A member's own reachability verdict (pcp_p2p.node.reachability), in five letters.
+# A member's own reachability verdict (pcp_p2p.net.reachability), in five letters.
 REACH_SHORT = {"public": "pub", "hole-punchable": "punch", "relay-only": "relay"}
 
 
@@ -321,7 +321,7 @@ def network(obj: Mapping[str, Any], ctx: Ctx, width: int, height: int) -> Conten
         [("label", "bad input "), ("warn" if bad else None, str(bad)), ("label", "  stale/dup "), str(stale)],
     ]
     faults = int(fmt.num(net.get("local_faults")) or 0)
-    if faults:  # this node's own bugs met handling peers' input (pcp_p2p.faults): never the peers' fault
+    if faults:  # this node's own bugs met handling peers' input (pcp_p2p.core.faults): never the peers' fault
         fixed.append([("label", "local faults "), ("warn", str(faults))])
     # Bad input first (it is what a reader looks for), then the stale and duplicate, dimmed.
     order = sorted(counts.items(), key=lambda kv: (split_rejected({kv[0]: 1})[0] == 0, -kv[1], kv[0]))

@@ -7,7 +7,7 @@ enforced before a byte is unpacked, and passed to msgpack so a declared
 string or array length cannot make it allocate beyond the limit) and
 *checked* (every field has the type its annotation says, recursively), so that
 the code behind the codec never meets a surprise. Anything else raises a
-:class:`~pcp_p2p.errors.ProtocolError` subclass, and nothing else escapes:
+:class:`~pcp_p2p.core.errors.ProtocolError` subclass, and nothing else escapes:
 the property tests feed random and mutated bytes to :func:`decode` to hold
 that line.
 
@@ -31,7 +31,7 @@ from typing import Any, ClassVar, TypeVar, Union, dataclass_transform, get_args,
 import msgpack
 
 from pcp_p2p import PROTOCOL_VERSION
-from pcp_p2p.errors import (
+from pcp_p2p.core.errors import (
     MalformedMessage,
     OversizedMessage,
     UnknownMessageType,
@@ -94,7 +94,7 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes | bytearray | memoryview, *expected: type[M]) -> M:
     """Decode one message, optionally requiring one of ``expected`` types.
 
-    Raises only :class:`~pcp_p2p.errors.ProtocolError` subclasses.
+    Raises only :class:`~pcp_p2p.core.errors.ProtocolError` subclasses.
     """
     limit = max((cls.MAX_SIZE for cls in expected), default=HARD_MAX_SIZE)
     if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import trio
 
-from pcp_p2p.errors import MalformedMessage, OversizedMessage, PeerGone, PeerTimeout
+from pcp_p2p.core.errors import MalformedMessage, OversizedMessage, PeerGone, PeerTimeout
 
 _LEN = struct.Struct(">I")
 
@@ -41,7 +41,7 @@ async def read_length(stream: ByteStream, *, max_size: int) -> int:
     """A frame's declared length, checked against ``max_size`` before any body is read.
 
     Split from :func:`read_body` so a caller can budget the declared size
-    (:mod:`pcp_p2p.node.budget`) and set the body's deadline from it.
+    (:mod:`pcp_p2p.net.budget`) and set the body's deadline from it.
     """
     n: int = _LEN.unpack(await read_exact(stream, _LEN.size))[0]
     if n > max_size:

@@ -1,0 +1,87 @@
+"""Checkpoints: the complete outer state of a run as one content-addressed blob.
+
+A checkpoint holds θ, the Nesterov momentum, the round count, the term that
+wrote it and the round's metrics. That is *all* a node needs to act as shepherd
+from the next round on (inner AdamW moments stay with the workers, as in
+DiLoCo), so a failover is "fetch the latest checkpoint CID, decode, continue".
+
+Layout: the msgpack array ``["pcp-checkpoint", 1, meta, theta, momentum]`` where
+``theta`` is *exactly* the fp32 tensor bundle whose CID the commit record names
+as ``theta_cid`` — a node holding a checkpoint therefore also holds θ, and can
+check one against the other without re-encoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import MalformedMessage
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
+
+MAGIC = "pcp-checkpoint"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    run_id: str
+    term: int
+    state: OuterState
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def encode_checkpoint(ckpt: Checkpoint) -> tuple[bytes, str]:
+    """``(checkpoint bytes, θ CID)``; the θ bundle inside is byte-identical to the θ blob."""
+    theta = pack_tensors(ckpt.state.theta, "fp32")
+    momentum = pack_tensors(ckpt.state.momentum, "fp32")
+    meta = {
+        "run_id": ckpt.run_id,
+        "term": ckpt.term,
+        "round": ckpt.state.round,
+        "metrics": {k: float(v) for k, v in ckpt.metrics.items()},
+    }
+    return msgpack.packb([MAGIC, VERSION, meta, theta, momentum], use_bin_type=True), cid_of(theta)
+
+
+def checkpoint_theta_bytes(data: bytes) -> bytes:
+    """The θ bundle inside checkpoint bytes (to serve θ without re-encoding)."""
+    return _split(data)[1]
+
+
+def _split(data: bytes) -> tuple[dict[Any, Any], bytes, bytes]:
+    """A checkpoint's metadata, θ bundle and momentum bundle, its framing checked."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as exc:
+        raise MalformedMessage(f"checkpoint is not msgpack: {type(exc).__name__}") from exc
+    if not isinstance(obj, list) or len(obj) != 5 or obj[0] != MAGIC or obj[1] != VERSION:
+        raise MalformedMessage("not a pcp checkpoint")
+    _, _, meta, theta, momentum = obj
+    if not isinstance(meta, dict) or not isinstance(theta, bytes) or not isinstance(momentum, bytes):
+        raise MalformedMessage("not a pcp checkpoint")
+    return meta, theta, momentum
+
+
+def decode_checkpoint(data: bytes) -> Checkpoint:
+    """A :class:`Checkpoint` from bytes; :class:`MalformedMessage` for anything else."""
+    meta, theta_b, mom_b = _split(data)
+    run_id, term, round_, metrics = (meta.get(k) for k in ("run_id", "term", "round", "metrics"))
+    if (
+        type(run_id) is not str
+        or type(term) is not int
+        or type(round_) is not int
+        or round_ < 0
+        or not isinstance(metrics, dict)
+        or not all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items())
+    ):
+        raise MalformedMessage("checkpoint metadata is malformed")
+    theta = unpack_tensors(theta_b)
+    momentum = unpack_tensors(mom_b)
+    if list(theta) != list(momentum) or any(theta[k].shape != momentum[k].shape for k in theta):
+        raise MalformedMessage("checkpoint θ and momentum do not have the same tensors")
+    return Checkpoint(run_id, term, OuterState(theta, momentum, round_), dict(metrics))

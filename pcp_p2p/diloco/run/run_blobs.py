@@ -1,0 +1,180 @@
+"""A run's blobs on one node: fetched (hinted peer first, retried), stored, pinned and announced.
+
+I/O only: which blob is fetched when, and for which machine, is the run
+machine's call (:mod:`pcp_p2p.diloco.run.run_machine`); this module carries it out
+against the node's :class:`~pcp_p2p.blob.service.BlobService` and keeps the
+run's pin ledger (:mod:`pcp_p2p.diloco.run.pins`) on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from pcp_p2p.core.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError
+from pcp_p2p.diloco.run.pins import RunPins
+
+if TYPE_CHECKING:
+    from pcp_p2p.blob.service import BlobService
+    from pcp_p2p.blob.store import BlobStore
+    from pcp_p2p.node.node import Node
+
+log = logging.getLogger("pcp.run")
+
+FETCH_ATTEMPTS = 6
+PINS_FILE = "pins.json"
+
+
+class RunBlobs:
+    """The blob side of one run on one node."""
+
+    def __init__(self, node: Node | None, blobs: BlobService, work_dir: Path, nursery: trio.Nursery | None = None,
+                 hint: Callable[[], str | None] = lambda: None) -> None:
+        """``hint``: the peer to ask first when a fetch names none (the current shepherd)."""
+        self.node = node
+        self.blobs = blobs
+        self.work_dir = work_dir
+        self.nursery = nursery
+        self.default_hint = hint
+        self.storing: dict[str, trio.Event] = {}  # blobs being stored: nobody names them before
+        self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
+
+    @property
+    def store(self) -> BlobStore:
+        return self.blobs.store
+
+    # -- storing --------------------------------------------------------------------------
+
+    def store_later(self, cid: str, data: bytes) -> None:
+        """Store ``data`` (expected to hash to ``cid``) in the background. Registered now, not
+        when the task starts: our own worker may ask for this blob before the task has run."""
+        self.storing.setdefault(cid, trio.Event())
+        assert self.nursery is not None
+        self.nursery.start_soon(self._store, cid, data)
+
+    async def _store(self, cid: str, data: bytes) -> None:
+        try:
+            got = await self.keep(data)
+            if got != cid:
+                log.error("stored blob hashes to %s, expected %s", got, cid)
+        finally:
+            done = self.storing.pop(cid, None)
+            if done is not None:
+                done.set()
+
+    async def stores_done(self) -> None:
+        """Wait for the stores in flight (never name a blob before we hold it)."""
+        for stored in list(self.storing.values()):
+            await stored.wait()
+
+    async def keep(self, data: bytes, *, for_run: bool = False) -> str:
+        """Store and pin a blob now (for the run's life, or for its round); announce it in the
+        background. Peers that need it get the hint of who holds it, so they need not wait for
+        a provider record (a DHT announcement on a busy swarm can take tens of seconds)."""
+        cid = await trio.to_thread.run_sync(lambda: self.blobs.store.put_bytes(data, pin=True))
+        self.pin(cid, for_run)
+        self.announce_later(cid)
+        return cid
+
+    def announce_later(self, cid: str) -> None:
+        async def announce() -> None:
+            try:
+                await self.blobs.announce(cid)
+            except PcpError as exc:
+                self._log_once(exc, "announcing a blob failed")
+
+        assert self.nursery is not None
+        self.nursery.start_soon(announce)
+
+    # -- pins -----------------------------------------------------------------------------
+
+    def pin(self, cid: str, for_run: bool) -> None:
+        if self.pins.finished:
+            return  # the run is over: nothing more is kept for it
+        (self.pins.for_run if for_run else self.pins.for_round)(cid)
+        self.blobs.store.pin(cid)
+        self.save_pins()
+
+    def release_run_pins(self, final_theta_cid: str) -> None:
+        """The run is over on this node: keep the final θ and the dataset, release the rest."""
+        for cid in self.pins.on_finish(final_theta_cid):
+            self.blobs.store.unpin(cid)
+        self.save_pins()
+
+    def release_pins(self, round_: int) -> None:
+        """Round ``round_``'s commit was accepted: let the old rounds' blobs go."""
+        before = self.pins.committed
+        for cid in self.pins.on_commit(round_):
+            self.blobs.store.unpin(cid)
+        if self.pins.committed != before:
+            self.save_pins()
+
+    def save_pins(self) -> None:
+        try:
+            self.pins.save(self.work_dir / PINS_FILE)
+        except OSError as exc:  # a full disk: the pins stay, only their release may be late
+            self._log_once(LocalError(str(exc)), "saving the pin ledger failed")
+
+    def _log_once(self, exc: PcpError, what: str) -> None:
+        if self.node is not None:
+            self.node.log_once("self", exc, what)
+        else:
+            log.warning("%s: %s", what, exc)
+
+    # -- fetching -------------------------------------------------------------------------
+
+    async def fetch_bytes(
+        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False,
+        max_size: int | None = None,
+    ) -> bytes:
+        """A blob, from the hinted peer first (a blob just published may not have a provider
+        record in the DHT yet), then from any provider, retrying a few times while provider
+        records propagate.
+
+        ``keep=False`` is for a Δ the shepherd averages once and nobody asks it for again: it
+        is fetched into memory only, not written to disk, pinned or announced. A blob above the
+        in-memory limit goes through the store after all. A kept blob is pinned for the run's
+        life (``for_run``: dataset, artifacts) or for its round.
+        """
+        storing = self.storing.get(cid)
+        if storing is not None:
+            await storing.wait()
+        if not self.blobs.store.has(cid):
+            hinted = self.peer_info(hint or self.default_hint())
+            delay = 0.5
+            for attempt in range(FETCH_ATTEMPTS):
+                providers = [hinted] if hinted and attempt % 2 == 0 else None
+                try:
+                    if not keep:
+                        try:
+                            return bytes(await self.blobs.fetch_into(cid, providers=providers, max_size=max_size))
+                        except OversizedMessage:
+                            keep = True
+                    await self.blobs.fetch(cid, pin=True, providers=providers, announce=False, max_size=max_size)
+                    self.announce_later(cid)
+                    break
+                except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
+                    if attempt == FETCH_ATTEMPTS - 1:
+                        raise
+                    log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 8.0)
+        if keep:
+            self.pin(cid, for_run)
+        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+
+    def peer_info(self, peer_id: str | None) -> PeerInfo | None:
+        from pcp_p2p.node.node import transport_addrs
+
+        if self.node is None or not peer_id:
+            return None
+        member = self.node.membership.get(peer_id)
+        if member is None or peer_id == self.node.peer_id:
+            return None
+        return PeerInfo(ID.from_base58(peer_id), transport_addrs(member.record.addrs))

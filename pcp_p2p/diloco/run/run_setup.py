@@ -1,0 +1,221 @@
+"""Setting a term up on the node that won it: dataset, artifacts (compiled, or the standby's),
+evaluator and starting state, then the :class:`~pcp_p2p.diloco.protocol.shepherd.Shepherd`.
+
+I/O only: *that* a term is set up, and that a lost one is cancelled, is the run
+machine's call (``SetUpShepherd``, ``CancelSetUp``); this module carries it out
+for :class:`~pcp_p2p.diloco.run.runtime.RunRuntime` and answers with
+``ShepherdBuilt`` and ``SetUpEnded``. The compile runs in a thread that a
+cancellation abandons at once, killing the compiler process, so neither a lost
+election nor a node stopping waits for a compile to finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+import trio
+
+from pcp_p2p.core.errors import PcpError, VerificationError
+from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
+from pcp_p2p.diloco.algorithm.data import CharDataset
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import unpack_tensors
+from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
+from pcp_p2p.diloco.protocol.election import BecomeShepherd
+from pcp_p2p.diloco.protocol.lifecycle import COMPILING, SETUP_FAILED
+from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.run.run_effects import SetUpEnded, ShepherdBuilt
+from pcp_p2p.wire import encode
+
+if TYPE_CHECKING:
+    from pcp_p2p.compile.pipeline import Artifact
+    from pcp_p2p.diloco.run.engine import Evaluator
+    from pcp_p2p.diloco.run.runtime import RunRuntime
+
+log = logging.getLogger("pcp.run")
+
+
+class TermSetUp:
+    """The shepherd's set-up of one run on one node, and its hot standby."""
+
+    def __init__(self, rt: RunRuntime) -> None:
+        self.rt = rt
+        self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
+        self.evaluate: Evaluator | None = None
+        self.standby: list[Artifact] = []  # artifacts built and signed ahead of a takeover
+        self.ready = False  # the standby is hot: artifacts and evaluator built (status shows it)
+
+    def wanted_targets(self) -> list[str]:
+        """The best allowed CPU target of each member taking part in the run."""
+        rt = self.rt
+        from pcp_p2p.executor.cpu import cpu_of, runnable_cpu_targets
+
+        wanted: set[str] = set()
+        for m in rt.node.membership.live():
+            if rt.run_id not in m.record.runs:
+                continue
+            caps = m.record.capabilities
+            runnable = [t.name for t in runnable_cpu_targets(cpu_of(caps.cpu_arch, caps.cpu_flags))]
+            allowed = [t for t in runnable if t in rt.spec.targets]
+            if allowed:
+                wanted.add(allowed[0])
+        return sorted(wanted)
+
+    async def build_artifacts(self, targets: list[str]) -> list[Artifact]:
+        """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
+        this task's cancellation stops at once: the thread is abandoned and the compiler
+        process it runs is killed (``CompileCancelled`` there)."""
+        rt = self.rt
+        from pcp_p2p.diloco.run import engine
+
+        dataset = rt.dataset
+        assert dataset is not None
+        cancel = threading.Event()
+
+        def build() -> list[Artifact]:
+            return engine.build_train_artifacts(rt.spec, dataset.vocab_size, targets, rt.node.identity,
+                                                rt.node.config.data_dir / "artifact-cache", cancel=cancel)
+
+        try:
+            # trio_typing's stubs (a libp2p dependency) shadow trio's own types and predate abandon_on_cancel
+            return await trio.to_thread.run_sync(build, abandon_on_cancel=True)  # type: ignore[call-arg]
+        finally:
+            cancel.set()  # a no-op once the build is done; else the thread kills iree-compile and ends
+
+    async def build_evaluator(self) -> Evaluator:
+        """The shepherd's evaluator, built and compiled (once). ``jax.jit`` compiles on the first
+        call: seconds on a loaded machine, which the machine would otherwise spend inside the
+        first submission it scores, renewing no lease meanwhile (a first shepherd lost its
+        term that way) and with every other submission waiting behind it."""
+        rt = self.rt
+        from pcp_p2p.diloco.run import engine
+
+        if self.evaluate is not None:
+            return self.evaluate
+        assert rt.dataset is not None
+        evaluate = await trio.to_thread.run_sync(engine.Evaluator, rt.spec, rt.dataset)
+        theta = await trio.to_thread.run_sync(engine.initial_theta, rt.spec, rt.dataset.vocab_size)
+        await trio.to_thread.run_sync(evaluate.score, theta)
+        self.evaluate = evaluate
+        return evaluate
+
+    def cancel(self, why: str) -> None:
+        rt = self.rt
+        scope = self.scope
+        if scope is not None and not scope.cancel_called:
+            log.info("run %s: %s; the shepherd's set-up (compile) is cancelled", rt.run_id[:16], why)
+            scope.cancel()
+
+    async def prewarm(self) -> None:
+        """Hot standby: build the artifacts into the cache and the evaluator now, off the
+        critical path, so that taking over a term (failover, rotation) costs a cache hit."""
+        rt = self.rt
+        assert rt.dataset is not None
+        try:
+            self.standby = await self.build_artifacts(self.wanted_targets())
+            await self.build_evaluator()
+            self.ready = True
+            log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
+        except PcpError as exc:
+            rt.node.log_once("self", exc, "standby build failed")
+
+    async def run(self, eff: BecomeShepherd) -> None:
+        rt = self.rt
+        rt.node.state = COMPILING  # what the workers show until the first round is announced
+        scope = trio.CancelScope()
+        self.scope = scope
+        try:
+            with scope:
+                await self._with_retries(eff)
+        finally:
+            if self.scope is scope:
+                self.scope = None
+            err = rt.machine.setup_error
+            rt.node.state = f"{SETUP_FAILED}: {err}" if err else "training"
+            rt.post(SetUpEnded(eff.term))
+
+    async def _with_retries(self, eff: BecomeShepherd) -> None:
+        """Set up the term, up to three times while the term is still ours."""
+        rt = self.rt
+        for attempt in range(3):
+            try:
+                shepherd = await self.build(eff)
+                rt.machine.setup_failed(None)
+                rt.post(ShepherdBuilt(shepherd))
+                break
+            except PcpError as exc:
+                still_mine = rt.machine.still_holds(eff.term)
+                log.error("run %s: could not take up term %d (attempt %d): %s",
+                          rt.run_id[:16], eff.term, attempt + 1, exc)
+                # Shown as the run's phase here and, through the member record, on every worker.
+                err = " ".join(str(exc).split())[:160] or type(exc).__name__
+                rt.machine.setup_failed(err)
+                rt.node.state = f"{SETUP_FAILED}: {err}"
+                if not still_mine:
+                    break
+                await trio.sleep(2.0 * (attempt + 1))
+
+    async def build(self, eff: BecomeShepherd) -> Shepherd:
+        """Build the artifacts and the term's starting state (the lease names the checkpoint)."""
+        rt = self.rt
+        from pcp_p2p.diloco.algorithm.data import encode_dataset
+        from pcp_p2p.diloco.run import engine
+
+        # The shepherd reads and tokenises the corpus; workers get it as a blob.
+        if rt.dataset is None:
+            rt.dataset = await trio.to_thread.run_sync(CharDataset.load, rt.spec.dataset)
+        dataset_cid = await rt.io.keep(await trio.to_thread.run_sync(encode_dataset, rt.dataset), for_run=True)
+        rt.io.pins.for_dataset(dataset_cid)
+        wanted = self.wanted_targets()
+        standby = self.standby if self.standby and sorted(a.manifest.target for a in self.standby) == wanted else None
+        log.info("run %s: term %d: compiling the train program for %s", rt.run_id[:16], eff.term,
+                 ", ".join(sorted(wanted)))
+        arts = standby or await self.build_artifacts(sorted(wanted))
+        artifacts: dict[str, str] = {}
+        rt.artifacts.clear()
+        for art in arts:
+            if art.cached:
+                log.info("run %s: artifact for %s rebuilt byte-identically from the cache (%s)",
+                         rt.run_id[:16], art.manifest.target, art.cid)
+            rt.artifacts.append({"target": art.manifest.target, "cid": art.cid,
+                                 "size": len(art.vmfb), "cache_hit": art.cached})
+            await rt.io.keep(art.vmfb, for_run=True)
+            artifacts[art.manifest.target] = await rt.io.keep(encode(art.manifest), for_run=True)
+        evaluate = await self.build_evaluator()
+        state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
+        if eff.checkpoint_cid:
+            state = await self._starting_state(eff, eff.checkpoint_cid)
+        self.ready = True  # the artifacts are in the cache and the evaluator is built
+        rate = rt.spec.aggregation.audit_rate
+        m = rt.machine
+        return Shepherd(
+            spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
+            state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
+            end_round=eff.end_round, admit=m.admission.why_not, score=evaluate.score,
+            audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
+        )
+
+    async def _starting_state(self, eff: BecomeShepherd, checkpoint_cid: str) -> OuterState:
+        """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
+
+        Workers replicate every committed checkpoint, so the first path is the normal one;
+        the second loses only the outer momentum, never a round.
+        """
+        rt = self.rt
+        try:
+            ckpt = decode_checkpoint(await rt.io.fetch_bytes(checkpoint_cid, max_size=rt.state_bound(2)))
+            if ckpt.run_id != rt.run_id:
+                raise VerificationError("the lease names a checkpoint of another run")
+            log.info("run %s: term %d continues from round %d (checkpoint %s)", rt.run_id[:16], eff.term,
+                     ckpt.state.round + 1, checkpoint_cid[-12:])
+            return ckpt.state
+        except PcpError as exc:
+            lease = rt.machine.election.lease
+            if lease is None or not lease.from_theta_cid:
+                raise
+            log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
+                        "zero outer momentum", rt.run_id[:16], eff.checkpoint_cid, exc)
+            theta = unpack_tensors(await rt.io.fetch_bytes(lease.from_theta_cid, max_size=rt.state_bound(1)))
+            return OuterState.initial(theta, round=eff.from_round)

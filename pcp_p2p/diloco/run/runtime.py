@@ -1,0 +1,698 @@
+"""One run on one node, over the real network: the pump around the run machine.
+
+Every rule of the run (who leads, when a commit may go out, when joins wait,
+when the run is over) is :class:`~pcp_p2p.diloco.run.run_machine.RunMachine`'s.
+This module only moves bytes and time: it feeds the machine one input at a
+time from an inbox (messages, fetched blobs, finished inner runs, lookups, the
+membership view once a second, its deadlines) and carries out the effects it
+returns; slow effects run in tasks of their own and post their results to the
+inbox, so the machine never sees two inputs at once.
+
+=====================  ===============================================================
+effect                 carried out by
+=====================  ===============================================================
+Send                   ``/pcp/msg/1.0.0`` (direct, acknowledged); to ourselves: the inbox
+StoreBlob, Fetch       :class:`~pcp_p2p.diloco.run.run_blobs.RunBlobs`; a train manifest
+                       is checked, its vmfb fetched and the IREE executor started
+RunInner, CancelInner  :class:`~pcp_p2p.diloco.run.engine.InnerEngine` in a thread
+LookUp*, Publish*      :class:`~pcp_p2p.diloco.run.run_dht.RunRecords` (the DHT)
+ReplicateCommit        the commit sent to its targets; the first ack (or a timeout) answers
+SetUpShepherd          dataset, artifacts (compiled, or the standby's), evaluator,
+                       starting state; ``CancelSetUp`` cancels it (the compiler is killed)
+Audit                  :class:`~pcp_p2p.diloco.run.run_audits.AuditClerk`
+SaveLease, Stopped     files in the run's folder (a restart's anchor, the owner's stop)
+=====================  ===============================================================
+
+Time is the injected ``clock`` (the wall clock on a node: round deadlines are
+compared across nodes). Status: :mod:`pcp_p2p.diloco.run.run_status`.
+
+**The machine runs off the event loop.** A shepherd's inputs carry the heavy work
+(decoding Δs, scoring them and evaluating θ with JAX, the robust rule, hashing
+and serialising the checkpoint): up to a second or more per input on a loaded
+machine, during which an event loop that ran them would send nothing, no
+heartbeat and no ack, and its followers would depose a shepherd that is only
+busy. So each input (and each tick) is fed to the machine in a worker thread
+(``trio.to_thread.run_sync``, one at a time: the pump waits for it, so the
+machine still takes one input at a time), its effects are carried out back
+here, and the event loop stays free for the network meanwhile. Heartbeats go
+from a task of their own (``_heartbeats``) whenever the machine's own have
+not gone out for a beat: a busy shepherd keeps beating, a dead or hung process
+does not, and a machine that stopped making progress stops renewing its lease,
+which bounds how long it can hold a term anyway. Other tasks that change the
+machine or vouch for a commit take ``_machine_lock`` (a commit's vouching in a
+thread, in the machine's turn); status never waits for it (it shows the last
+status computed while the machine was idle), nor do the DHT's record checks
+(``check_record``): nothing on the event loop waits for a machine step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
+from pcp_p2p.diloco.algorithm.data import CharDataset
+from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
+from pcp_p2p.diloco.protocol.departures import make_leave
+from pcp_p2p.diloco.protocol.effects import CancelInner, Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
+from pcp_p2p.diloco.protocol.lifecycle import STOP_FILE, STOP_KIND, STOPPED, StopOrder
+from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, verify
+from pcp_p2p.diloco.protocol.runs import KnownRun
+from pcp_p2p.diloco.run.reputation import ReputationLedger
+from pcp_p2p.diloco.run.run_audits import AuditClerk
+from pcp_p2p.diloco.run.run_blobs import PINS_FILE, RunBlobs
+from pcp_p2p.diloco.run.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
+from pcp_p2p.diloco.run.run_effects import (
+    Audit,
+    BlobFailed,
+    BlobIn,
+    CancelSetUp,
+    CommitAccepted,
+    CommitLookedUp,
+    Event,
+    Fetch,
+    InnerDone,
+    InnerFailed,
+    Leads,
+    LeaseLookedUp,
+    LookUpCommit,
+    LookUpLease,
+    LookUpOwnerRecord,
+    MembersSeen,
+    MessageIn,
+    PublishCommit,
+    ReleasePins,
+    ReplicateCheckpoint,
+    ReplicateCommit,
+    Replicated,
+    RunEffect,
+    RunEnded,
+    SaveLease,
+    SetUpShepherd,
+    Stopped,
+    Wake,
+)
+from pcp_p2p.diloco.run.run_machine import REPLICATE_TIMEOUT_S, Member, RunMachine, election_config
+from pcp_p2p.diloco.run.run_setup import TermSetUp
+from pcp_p2p.diloco.run.run_status import run_status
+from pcp_p2p.net.reachability import known
+from pcp_p2p.wire import Message, decode, encode
+
+if TYPE_CHECKING:
+    from pcp_p2p.blob.service import BlobService
+    from pcp_p2p.diloco.protocol.shepherd import Shepherd
+    from pcp_p2p.diloco.protocol.worker import Worker
+    from pcp_p2p.diloco.run.engine import InnerEngine
+    from pcp_p2p.diloco.run.pins import RunPins
+    from pcp_p2p.node.node import Node
+
+__all__ = ["COMMIT_PUT_ATTEMPTS", "PINS_FILE", "RunRuntime"]
+
+log = logging.getLogger("pcp.run")
+
+FINISH_GRACE_S = 30.0
+STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
+KEEP_CHECKPOINTS = 2
+LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
+MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
+OWNER_RECORDS: dict[str, type[Message]] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
+
+
+SLOW_INPUT_S = 0.5  # a machine step longer than this is logged (the event loop goes on meanwhile)
+MAX_BEATS_QUEUED = 64  # heartbeats kept between two machine steps (more are dropped: liveness hints only)
+TICK_FLOOR_S = 0.25  # while messages keep arriving, deadlines are still looked at this often
+
+
+class RunRuntime:
+    """Drives one run on one node until the run finishes or the node stops."""
+
+    def __init__(self, node: Node, blobs: BlobService, run: KnownRun, work_dir: Path,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.node, self.run, self.run_id, self.spec = node, run, run.run_id, run.spec
+        self.work_dir = work_dir
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.io = RunBlobs(node, blobs, work_dir, hint=lambda: self.machine.shepherd_peer)
+        self.records = RunRecords(node, self.run_id, run.owner)
+        self.audits = AuditClerk(self)
+        ledger = ReputationLedger.open(work_dir, self.run_id)  # strikes and bans, kept on disk
+        self.machine = RunMachine(
+            spec=self.spec, run_id=self.run_id, owner=run.owner, identity=node.identity,
+            election=Election(self.run_id, node.identity, election_config(self.spec)),
+            admission=Admission.for_run(run.signed, bans=ledger), ledger=ledger,
+            target=None, tokens_per_s=1.0, started_at=clock(),
+        )
+        self.started = False  # the election started (deliveries before are held back)
+        self.engine: InnerEngine | None = None
+        self.dataset: CharDataset | None = None
+        self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
+        self.finished = trio.Event()
+        self._send, self._inbox = trio.open_memory_channel[Event](1000)
+        self._nursery: trio.Nursery | None = None
+        self._cancel: dict[tuple[int, int], threading.Event] = {}
+        self.setup = TermSetUp(self)  # compiling, when this node wins a term
+        self._prewarmed = False
+        self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        # The machine takes its inputs in a worker thread (see the module's essay); what
+        # other tasks change of it waits for the input in progress (``_machine_lock``).
+        self._machine_lock = threading.Lock()
+        self._machine_thread = trio.CapacityLimiter(1)
+        self._status: dict[str, Any] | None = None  # the last status computed (shown while the machine is busy)
+        self._beat_at = float("-inf")  # when this node last sent its heartbeat (its clock)
+        self._beating: set[str] = set()  # peers a heartbeat is on its way to (one at a time each)
+        self._beats_in: list[tuple[str, Heartbeat]] = []  # heartbeats received, for the next step
+
+    # -- what others read -----------------------------------------------------------------
+
+    @property
+    def phase(self) -> str:
+        return self.machine.phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self.machine.phase = value
+
+    @property
+    def pins(self) -> RunPins:
+        return self.io.pins
+
+    @property
+    def worker(self) -> Worker | None:
+        return self.machine.worker
+
+    @property
+    def shepherd(self) -> Shepherd | None:
+        return self.machine.shepherd
+
+    def status(self) -> dict[str, Any]:
+        """The run's status; while the machine is busy with an input, the last one computed
+        (a status request must not stall the event loop behind a commit)."""
+        if self._machine_lock.acquire(blocking=self._status is None):
+            try:
+                self._status = run_status(self)
+            finally:
+                self._machine_lock.release()
+        assert self._status is not None
+        return self._status
+
+    def check_record(self, payload: Message, now: float) -> None:
+        """The authority a DHT record of this run needs (``PcpRecordValidator.authorities``).
+
+        Without ``_machine_lock``: the DHT validates on the event loop, every lease renewal
+        at every node, and waiting here for a machine step would stall the loop (heartbeats
+        included) for as long as the step takes. The check only reads the election, which
+        may be mid-input in the machine's thread; it decides what this node's DHT stores or
+        selects, never what the node acts on (the election checks every lease and commit
+        itself, whole, before anything follows from it)."""
+        if self.started:
+            self.machine.check_record(payload, now)
+
+    # -- inputs from the network ----------------------------------------------------------
+
+    async def deliver(self, sender: str, msg: Message) -> None:
+        """A round message from ``sender`` (called by the node's messenger).
+
+        A commit from the shepherd that signed it is acknowledged, and accepted,
+        only once this node holds its checkpoint (the messenger acks after this
+        returns, and refuses when it raises): the shepherd waits for one such ack
+        before the commit goes anywhere else (the machine's ``ReplicateCommit``).
+        """
+        if getattr(msg, "run_id", None) != self.run_id:
+            return
+        if isinstance(msg, Heartbeat):
+            # Not behind the inbox: fed to the machine ahead of its next step (``_feed``), so a
+            # follower whose inbox is busy never suspects a holder whose beats are waiting there.
+            if len(self._beats_in) < MAX_BEATS_QUEUED:
+                self._beats_in.append((sender, msg))
+            return
+        if isinstance(msg, StopOrder):
+            self.stop(msg, self.clock())  # refused (the messenger says why) unless the owner signed it
+            return
+        if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
+            verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
+            try:  # the authority chain first: nothing a commit names is fetched before it
+                if not self.started:
+                    raise HeldBack("this node's election has not started")
+                # refused outright (not acked) if it can never hold; in the machine's turn, off the loop
+                await trio.to_thread.run_sync(self._vouch, msg, limiter=self._machine_thread)
+            except HeldBack as exc:
+                # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
+                self.post(MessageIn(sender, msg))
+                raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
+            with trio.move_on_after(REPLICATE_TIMEOUT_S):
+                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
+            if not self.io.store.has(msg.checkpoint_cid):
+                # A shepherd killed while we fetched took the only copy with it; a commit
+                # nobody else holds must not become the round the next term starts from.
+                raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
+                                f"from {sender}; not accepted")
+        self.post(MessageIn(sender, msg))
+
+    def _vouch(self, msg: CommitRecord) -> None:
+        with self._machine_lock:
+            self.machine.vouch_commit(msg)
+
+    def stop(self, order: StopOrder, now: float) -> None:
+        """End the run on the owner's signed order; raise (typed, nothing changes) unless it holds."""
+        with self._machine_lock:
+            effects = self.machine.stop(order, now)
+        self._carry_out(effects)
+
+    async def announce_departure(self) -> None:
+        """This node leaves (a graceful stop): tell the shepherd, or, as the shepherd, the run.
+        Unbounded here: the caller bounds it (:func:`pcp_p2p.core.shutdown.add_farewell`)."""
+        if self.finished.is_set() or not self.started:
+            return
+        with self._machine_lock:
+            self.machine.members = self._members()
+            targets = self.machine.departure_targets()
+        if not targets:
+            return
+        leave = make_leave(self.run_id, self.node.identity, self.clock())
+        log.info("run %s: announcing this node's departure to %d peer(s)", self.run_id[:16], len(targets))
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                nursery.start_soon(self.send_to, peer, leave)
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = self.io.nursery = nursery
+            if self._stopped_before():
+                return
+            await self._start()
+            last_tick = float("-inf")
+            while not self.finished.is_set():
+                now = self.clock()
+                wake = self.machine.next_wakeup
+                # A wakeup already past (a worker fetching or training) must not make this
+                # loop spin: look again in half a second.
+                wait = 3600.0 if wake is None else max(wake - now, 0.5 if wake <= now else 0.0)
+                ev: Event | None = None
+                with trio.move_on_after(wait):
+                    ev = await self._inbox.receive()
+                if ev is not None:
+                    await self._dispatch(ev)
+                    # A steady flow of messages must not starve the deadlines (a shepherd's
+                    # heartbeats): tick once one is due, at most every TICK_FLOOR_S.
+                    due = self.machine.next_wakeup
+                    if due is None or self.clock() < due or self.clock() - last_tick < TICK_FLOOR_S:
+                        continue
+                last_tick = self.clock()
+                await self._feed(functools.partial(self.machine.tick, last_tick), "tick")
+            # Finished: let in-flight work (the final commit's sends, announcements)
+            # complete, but not forever; a stopped run has nothing more to say.
+            grace = STOP_GRACE_S if self.machine.stop_latch.stopped else FINISH_GRACE_S
+            nursery.cancel_scope.deadline = trio.current_time() + grace
+
+    async def _start(self) -> None:
+        from pcp_p2p.executor.cpu import best_cpu_target
+        from pcp_p2p.net.capabilities import measure_gflops
+
+        target = best_cpu_target().name
+        if target in self.spec.targets:
+            self.machine.target = target
+        else:
+            log.warning("run %s: this machine's best target %s is not allowed by the run", self.run_id[:16], target)
+        # Measured now rather than at node start-up, when a local swarm's processes
+        # all start at once and measure each other's load.
+        gflops = max(self.node.capabilities.throughput_gflops, await trio.to_thread.run_sync(measure_gflops, 0.5))
+        self.machine.tokens_per_s = self._speed_estimate(gflops)
+        group = self.node.config.worker_group
+        if group is not None:  # an MPI worker group claims its live ranks' speed together (pcp_p2p.cluster)
+            self.machine.tokens_per_s = group.throughput(self.machine.tokens_per_s)
+        self._restore_lease()
+        self.started = True
+        self._carry_out(self.machine.start(self.clock()))
+        assert self._nursery is not None
+        self._nursery.start_soon(self._members_loop)
+        self._nursery.start_soon(self._heartbeats)
+
+    async def _heartbeats(self) -> None:
+        """While this node holds the term, a heartbeat to every run member each ``heartbeat_s``,
+        busy machine or not: whenever the machine's own (from its ticks) have not gone out."""
+        beat = self.machine.election.config.heartbeat_s
+        if beat <= 0:
+            return
+        while True:
+            await trio.sleep(max(0.0, self._beat_at + beat - self.clock()))
+            now = self.clock()
+            if now < self._beat_at + beat:
+                continue  # the machine's own went out meanwhile
+            hb = self.machine.election.heartbeat(now)  # (reads two fields: no lock needed)
+            self._beat_at = now
+            if hb is not None:
+                self._carry_out([Send(peer, hb) for peer in self.machine.run_members()])
+
+    async def _members_loop(self) -> None:
+        """The membership view, once a second: the machine decides what follows from it."""
+        while True:
+            self.post(MembersSeen(self._members()))
+            await trio.sleep(1.0)
+
+    def _members(self) -> list[Member]:
+        return [Member(m.record.peer_id, m.record.started_at, m.record.capabilities.can_compile,
+                       m.record.role == "worker", self.run_id in m.record.runs,
+                       known(m.record.reachability))
+                for m in self.node.membership.live()]
+
+    def post(self, ev: Event) -> None:
+        """Queue an input for the machine (from an effect's task, or the network)."""
+        self._send.send_nowait(ev)
+
+    async def _dispatch(self, ev: Event) -> None:
+        try:
+            await self._feed(lambda: self.machine.handle(ev, self.clock()), type(ev).__name__)
+        except Exception as exc:  # the boundary (pcp_p2p.core.faults): a bug drops this input (its effects
+            # not yet carried out with it), not the run, which a stranger's input must never stop
+            self.node._reject(ev.sender if isinstance(ev, MessageIn) else "self", exc, "round")
+
+    async def _feed(self, step: Callable[[], list[Any]], what: str) -> None:
+        """Run one machine step in a worker thread, then carry its effects out here.
+
+        Not abandoned on cancellation (a step is never half-applied), and one at a
+        time (the pump waits; ``_machine_lock`` keeps other tasks out meanwhile)."""
+        beats, self._beats_in = self._beats_in, []
+
+        def locked() -> list[Any]:
+            with self._machine_lock:
+                effects: list[Any] = []
+                for sender, hb in beats:  # they arrived before this step: the holder was alive then
+                    effects += self.machine.handle(MessageIn(sender, hb), self.clock())
+                return effects + step()
+
+        t0 = self.clock()
+        effects = await trio.to_thread.run_sync(locked, limiter=self._machine_thread)
+        took = self.clock() - t0
+        if took > SLOW_INPUT_S:
+            log.info("run %s: %s took the machine %.2f s", self.run_id[:16], what, took)
+        self._carry_out(effects)
+
+    # -- effects --------------------------------------------------------------------------
+
+    def _spawn(self, async_fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Start an effect's task in the run's nursery (which run_forever opens before any such effect)."""
+        assert self._nursery is not None, "an effect that starts a task came before run_forever"
+        self._nursery.start_soon(async_fn, *args)
+
+    def _carry_out(self, effects: list[RunEffect]) -> None:
+        n = self._nursery
+        for e in effects:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("effect %s", _describe(e))
+            if isinstance(e, Send):
+                if isinstance(e.message, Heartbeat):
+                    self._beat_at = self.clock()
+                    if e.to not in self._beating:  # (else the one in flight will do)
+                        self._beating.add(e.to)
+                        n.start_soon(self._beat, e.to, e.message)  # type: ignore[union-attr]
+                    continue
+                if e.to == self.node.peer_id:
+                    self.post(MessageIn(self.node.peer_id, e.message))
+                else:
+                    self._spawn(self.send_to, e.to, e.message)
+            elif isinstance(e, StoreBlob):
+                self.io.store_later(e.cid, e.data)
+            elif isinstance(e, Fetch):
+                self._spawn(self._fetch, e.who, e.cid, e.hint)
+            elif isinstance(e, RunInner):
+                cancel = threading.Event()
+                self._cancel[(e.round, e.attempt)] = cancel
+                self._spawn(self._inner, e, cancel)
+            elif isinstance(e, CancelInner):
+                ev = self._cancel.pop((e.round, e.attempt), None)
+                if ev is not None:
+                    ev.set()
+            elif isinstance(e, LookUpCommit):
+                self._spawn(self._lookup_commit, e.for_election)
+            elif isinstance(e, LookUpLease):
+                self._spawn(self._lookup_lease)
+            elif isinstance(e, LookUpOwnerRecord):
+                self._spawn(self._lookup_owner_record, e.kind)
+            elif isinstance(e, PublishLease):
+                self._spawn(self._publish_lease, e.lease)
+            elif isinstance(e, PublishCommit):
+                self._spawn(self.records.publish_commit, e.record)
+            elif isinstance(e, ReplicateCommit):
+                self._spawn(self._replicate_commit, e)
+            elif isinstance(e, ReplicateCheckpoint):
+                self._spawn(self._replicate_checkpoint, e.cid)
+            elif isinstance(e, SetUpShepherd):
+                self._spawn(self.setup.run, e.become)
+            elif isinstance(e, CancelSetUp):
+                self.setup.cancel(e.why)
+            elif isinstance(e, Leads):
+                (self.node.leads.add if e.leading else self.node.leads.discard)(self.run_id)
+            elif isinstance(e, SaveLease):
+                self._save(LEASE_FILE, e.lease, "saving the last lease failed")
+            elif isinstance(e, ReleasePins):
+                self.io.release_pins(e.round)
+            elif isinstance(e, CommitAccepted):
+                if (not self._prewarmed and self.dataset is not None and self.machine.shepherd is None
+                        and self.node.capabilities.can_compile and n is not None):
+                    self._prewarmed = True  # after the first commit: training is under way
+                    n.start_soon(self.setup.prewarm)
+            elif isinstance(e, Audit):
+                assert n is not None, "an audit message came before run_forever"
+                self.audits.on_message(e.sender, e.message, n)
+            elif isinstance(e, Rejected):
+                self.reject(e.peer or "?", e.error, counted=True)
+            elif isinstance(e, Stopped):
+                # the run still stops if this fails; a restart looks the order up in the DHT
+                self._save(STOP_FILE, e.order, "keeping the stop order failed")
+            elif isinstance(e, RunEnded):
+                self._end(e)
+
+    def _end(self, e: RunEnded) -> None:
+        if e.phase == STOPPED:
+            for cancel in self._cancel.values():
+                cancel.set()
+        if e.final_theta_cid is not None:
+            self.io.release_run_pins(e.final_theta_cid)
+        self.finished.set()
+        self.post(Wake())  # wakes the main loop, which then ends
+
+    def reject(self, peer: str, exc: PcpError, counted: bool = False) -> None:
+        if not counted:
+            key = type(exc).__name__
+            self.machine.stats.rejected[key] = self.machine.stats.rejected.get(key, 0) + 1
+        self.node._reject(peer, exc, "round")
+
+    def _save(self, name: str, msg: Message, what: str) -> None:
+        path = self.work_dir / name
+        try:
+            path.with_name(name + ".tmp").write_bytes(encode(msg))
+            path.with_name(name + ".tmp").replace(path)
+        except OSError as exc:
+            self.node.log_once("self", LocalError(str(exc)), what)
+
+    def _stopped_before(self) -> bool:
+        """Whether this node accepted the owner's stop before it restarted (the order kept here)."""
+        try:
+            order = decode((self.work_dir / STOP_FILE).read_bytes(), StopOrder)
+            out = self.machine.stopped_before(order, self.clock())
+        except FileNotFoundError:
+            return False
+        except (OSError, PcpError) as exc:
+            log.warning("run %s: ignoring the kept stop order: %s", self.run_id[:16], exc)
+            return False
+        self._carry_out(out)
+        return True
+
+    def _restore_lease(self) -> None:
+        """Give the election the lease this node accepted last before it stopped (its anchor)."""
+        try:
+            self.machine.restore(decode((self.work_dir / LEASE_FILE).read_bytes(), Lease))
+        except FileNotFoundError:
+            return
+        except (OSError, PcpError) as exc:
+            self.node.log_once("self", LocalError(f"{LEASE_FILE}: {exc}"), "reading the last lease failed")
+
+    # -- effect workers ---------------------------------------------------------------------
+
+    async def send_to(self, peer: str, msg: Message) -> bool:
+        """Send and wait for the ack; False (logged once) if it did not arrive."""
+        if isinstance(msg, (RoundAnnouncement, CommitRecord)):
+            await self.io.stores_done()  # never name a blob before we hold it
+        try:
+            await self.node.messenger.send(peer, msg)
+        except PcpError as exc:
+            self.node.log_once(peer, exc, f"sending {msg.TAG} failed")
+            return False
+        return True
+
+    async def _beat(self, peer: str, hb: Heartbeat) -> None:
+        """One heartbeat to ``peer``. At most one is in flight per peer: a slow peer's acks must
+        not pile streams up (the messenger allows a few per peer, and a lease or a submission
+        refused for want of one costs far more than a beat skipped)."""
+        try:
+            # Given up after a suspicion window (a beat that late is no use; the next goes on a
+            # new stream). Not sooner: on a loaded machine opening a stream can take most of a
+            # second, and a beat cut off before its frame went out is no beat at all.
+            with trio.move_on_after(self.machine.election.config.suspect_window_s):
+                await self.send_to(peer, hb)
+        finally:
+            self._beating.discard(peer)
+
+    async def _replicate_commit(self, e: ReplicateCommit) -> None:
+        """Make one other node hold the checkpoint: the commit message is the request (a worker
+        acks it only once it holds the checkpoint, :meth:`deliver`); the first ack wins, and
+        with none in ``e.timeout_s`` the commit goes out anyway (a swarm of one must
+        still make progress)."""
+        commit = e.commit
+        acked: list[str] = []
+        done = trio.Event()
+
+        async def ask(peer: str) -> None:
+            if await self.send_to(peer, commit):
+                acked.append(peer)
+                done.set()
+
+        async with trio.open_nursery() as n:
+            for peer in e.targets:
+                n.start_soon(ask, peer)
+            with trio.move_on_after(e.timeout_s):
+                await done.wait()
+            n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
+        self.post(Replicated(commit, list(acked)))
+
+    async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
+        """Hold the latest committed checkpoints so any candidate can take over the run."""
+        if cid in self._replicas:
+            return
+        try:
+            await self.io.fetch_bytes(cid, hint, max_size=self.state_bound(2))
+        except PcpError as exc:
+            self.node.log_once("self", exc, "replicating a checkpoint failed")
+            return
+        if cid in self._replicas:  # replicated meanwhile by the commit's own delivery
+            return
+        self._replicas.append(cid)  # (unpinned with its round, by the pins)
+        del self._replicas[:-KEEP_CHECKPOINTS]
+
+    async def _publish_lease(self, lease: Lease) -> None:
+        async with trio.open_nursery() as n:
+            for peer in self.machine.run_members():
+                n.start_soon(self.send_to, peer, lease)
+        await self.records.publish_lease(lease, self.spec.election.lease_s)
+
+    async def _lookup_commit(self, for_election: bool) -> None:
+        self.post(CommitLookedUp(await self.records.lookup_commit(), for_election))
+
+    async def _lookup_lease(self) -> None:
+        self.post(LeaseLookedUp(await self.records.lookup_lease()))
+
+    async def _lookup_owner_record(self, kind: str) -> None:
+        found = await self.records.lookup_owner_record(kind)
+        if isinstance(found, OWNER_RECORDS[kind]):
+            self.post(MessageIn(self.run.owner, found))
+
+    def state_bound(self, copies: int) -> int:
+        """The most bytes ``copies`` fp32 copies of θ can weigh (θ or a Δ: 1; a checkpoint,
+        θ and momentum: 2), plus framing: a blob named as one and declaring more is refused
+        before any chunk moves."""
+        from pcp_p2p.compile.model import num_params, preset
+
+        vocab = self.dataset.vocab_size if self.dataset is not None else MAX_VOCAB
+        return copies * 4 * num_params(preset(self.spec.model, vocab_size=vocab)) + (1 << 20)
+
+    async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
+        try:
+            # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
+            artifact = who == "worker" and self._is_artifact(cid)
+            bound = (1 << 20) if artifact else self.state_bound(1)  # a manifest weighs a few KiB
+            data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound)
+            if artifact:
+                await self._prepare_artifact(data)
+        except PcpError as exc:
+            self.post(BlobFailed(who, cid, exc))
+            return
+        self.post(BlobIn(who, cid, data))
+
+    def _is_artifact(self, cid: str) -> bool:
+        w = self.machine.worker
+        ann = w.current if w is not None else None
+        return ann is not None and cid in ann.artifacts.values()
+
+    async def _prepare_artifact(self, manifest_bytes: bytes) -> None:
+        """Verify a train manifest against the shepherd, fetch its vmfb, start the executor."""
+        from pcp_p2p.compile.manifest import Manifest
+        from pcp_p2p.diloco.algorithm.data import decode_dataset
+        from pcp_p2p.diloco.run import engine
+
+        shepherd, w = self.machine.shepherd_peer, self.machine.worker
+        assert shepherd is not None and w is not None
+        manifest = decode(manifest_bytes, Manifest)
+        if self.engine is not None:
+            return
+        if self.dataset is None:
+            ann = w.current
+            if ann is None or not ann.dataset_cid:
+                raise VerificationError("the announcement names no dataset blob")
+            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True)
+            self.io.pins.for_dataset(ann.dataset_cid)
+            self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
+        await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size)
+        vmfb_path = self.io.store.path(manifest.artifact_cid)
+        executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, shepherd)
+        inner = engine.InnerEngine(executor, self.spec, self.dataset)
+        group = self.node.config.worker_group
+        if group is not None:  # an MPI worker group: every rank trains its piece (pcp_p2p.cluster)
+            try:
+                inner = await trio.to_thread.run_sync(
+                    group.engine_for, inner, self.run.signed, manifest_bytes, vmfb_path, shepherd)
+            except PcpError:
+                executor.close()
+                raise
+        self.engine = inner
+        self.artifacts.append({"target": manifest.target, "cid": manifest.artifact_cid,
+                               "size": manifest.artifact_size, "cache_hit": None})
+        log.info("run %s: executor started for %s (artifact %s)", self.run_id[:16], manifest.target,
+                 manifest.artifact_cid[:20])
+
+    async def _inner(self, eff: RunInner, cancel: threading.Event) -> None:
+        try:
+            if self.engine is None:
+                raise VerificationError("no verified artifact is loaded")
+            result = await trio.to_thread.run_sync(self.engine.run, eff, cancel)
+        except PcpError as exc:
+            self.post(InnerFailed(eff.round, eff.attempt, exc))
+            return
+        finally:
+            self._cancel.pop((eff.round, eff.attempt), None)
+        self.post(InnerDone(result))
+
+    # -- the executor -----------------------------------------------------------------------
+
+    def _speed_estimate(self, gflops: float) -> float:
+        """Tokens/s this machine could claim: 6 FLOP per parameter per token at the measured rate.
+
+        Deliberately generous (twice the matmul-rate figure): the aggregator refuses claims
+        above it, and an IREE step never reaches the benchmark's rate, so an honest worker is
+        never refused.
+        """
+        from pcp_p2p.compile.model import num_params, preset
+
+        n = num_params(preset(self.spec.model, vocab_size=self.dataset.vocab_size if self.dataset else 128))
+        return max(1.0, 2 * gflops * 1e9 / (6 * n))
+
+def _describe(x: Any) -> str:
+    """A short one-line description of an effect, for debug logs."""
+    fields = []
+    for attr in ("to", "cid", "round", "attempt", "worker", "theta_cid", "hint", "who"):
+        v = getattr(x, attr, None)
+        if v is not None:
+            fields.append(f"{attr}={str(v)[-12:]}")
+    msg = getattr(x, "message", None)
+    if msg is not None:
+        fields.append(f"msg={type(msg).__name__}")
+    return f"{type(x).__name__}({', '.join(fields)})"
