@@ -28,12 +28,12 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from pcp_p2p.compile.tokenizer import CharTokenizer  # numpy only: no JAX on workers
 from pcp_p2p.core.errors import ConfigError, MalformedMessage, OversizedMessage, PcpError
-from pcp_p2p.diloco.protocol.messages import DataAssignment
 from pcp_p2p.wire import Message, decode, encode, wire_message
 
 SHAKESPEARE = "shakespeare"
@@ -189,8 +189,22 @@ def validation_batches(
     )
 
 
+class Assignment(Protocol):
+    """What a round's data assignment says (the protocol's ``DataAssignment``, a layer above
+    this one, has these fields): which shard, how it is shuffled, how many steps."""
+
+    @property
+    def shard(self) -> int: ...
+    @property
+    def num_shards(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def max_steps(self) -> int: ...
+
+
 def batches_for_assignment(
-    tokens: np.ndarray, assignment: DataAssignment, *, steps: int | None = None, batch_size: int, seq_len: int
+    tokens: np.ndarray, assignment: Assignment, *, steps: int | None = None, batch_size: int, seq_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``(H, B, T)`` batches of a :class:`~pcp_p2p.diloco.protocol.messages.DataAssignment`.
 
