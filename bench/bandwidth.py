@@ -64,7 +64,7 @@ from pcp_p2p.wire import encode
 CODEC = os.environ.get("PCP_BENCH_CODEC", "topk2")
 SPARSE_RULE = os.environ.get("PCP_BENCH_SPARSE_RULE", "centered_clip")  # not trimmed_mean: see the docstring
 # SparseLoCo's outer step: error feedback already carries the momentum, so plain SGD (see above).
-SPARSE_OUTER_LR = float(os.environ.get("PCP_BENCH_SPARSE_OUTER_LR", "2.5"))
+SPARSE_OUTER_LR = float(os.environ.get("PCP_BENCH_SPARSE_OUTER_LR", "4.0"))
 SPARSE_MOMENTUM = float(os.environ.get("PCP_BENCH_SPARSE_MOMENTUM", "0.0"))
 SHEPHERD_N = 16
 TARGET = 3000

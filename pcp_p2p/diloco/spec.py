@@ -85,8 +85,8 @@ from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_stru
 
 MODEL_PRESETS = ("tiny", "small", "medium")
 DELTA_CODECS = ("int8", "fp32", "topk2")
-"""``round.delta_codec``: int8 (dense, ~1 byte/parameter), fp32 (exact), topk2 (chunked
-top-k 1.6 %, 2-bit values, error feedback: ~0.23 bit/parameter; pcp_p2p.diloco.sparse)."""
+"""``round.delta_codec``: int8 (dense, ~1 byte/parameter), fp32 (exact), topk2 (the largest of
+every 16 values, 2-bit values, error feedback: ~0.38 bit/parameter; pcp_p2p.diloco.sparse)."""
 FEEDBACK_CODECS = ("topk2",)
 """Codecs whose workers keep an error-feedback residual (pcp_p2p.diloco.sparse): not auditable yet."""
 AGGREGATION_RULES = ("mean", "trimmed_mean", "centered_clip")
