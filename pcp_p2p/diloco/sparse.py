@@ -1,4 +1,4 @@
-"""Sparse low-bit pseudo-gradients: chunked top-k, 2-bit values, compact indices, error feedback.
+"""Sparse low-bit pseudo-gradients: chunked top-k, 2- or 3-bit values, compact indices, error feedback.
 
 Why. An int8 Δ costs ~1 byte per parameter per round; at H = 50 that is ~200x
 fewer bytes per token than synchronous data-parallel training, and the star of
@@ -35,8 +35,11 @@ payload is::
 
 (grouped: the indices are the offsets in their groups; a short last chunk's last
 group may be short, and an offset beyond it is refused.) At the default
-(``topk2``: chunk 4096, k = 256 grouped, 2 bits) that is 6 bits per kept value
-and ~0.38 bits per parameter, ~21x smaller than int8.
+(``topk2``: chunk 4096, k = 256 grouped, 3 bits; the name is older than its
+3-bit values) that is 7 bits per kept value and ~0.47 bits per parameter with
+the levels and short chunks, ~18x smaller than int8 (12,184 bytes for the tiny
+GPT's 209,536 parameters). Measured on the tiny GPT (4 rounds, outer lr 4):
+2-bit values gave val-loss ratio 1.0445 at 3,751x, 3-bit 1.0398 at 3,183x.
 
 Decoding trusts nothing: it knows every size from the layout and its own
 parameters before reading a byte, and refuses (typed, nothing allocated beyond
