@@ -9,8 +9,8 @@ scale per block of 256). This module is the DiLoCo side of that seam:
   same bytes on every machine (:func:`params_cid` is what "θ hash" means);
 - pseudo-gradients travel int8 by default (INTELLECT-1: int8 with fp32
   accumulation costs no measurable loss, ~4x smaller than fp32), or, per run,
-  ``topk2``: chunked top-k with 2-bit values and error feedback
-  (:mod:`~pcp_p2p.diloco.algorithm.sparse`, ~35x smaller than int8).
+  ``topk2``: the largest of every 16 values, 3-bit values, error feedback
+  (:mod:`~pcp_p2p.diloco.algorithm.sparse`, ~18x smaller than int8).
 
 The :class:`Compressor` protocol is where a codec plugs in without touching the
 round protocol; a codec with ``error_feedback`` makes the worker keep a
@@ -107,7 +107,7 @@ TENSOR_CODECS = ("fp32", "int8")
 CODECS: dict[str, Compressor] = {
     "fp32": Fp32Codec(),
     "int8": Int8BlockCodec(),
-    "topk2": SparseTopK("topk2", chunk=4096, k=64, bits=2),
+    "topk2": SparseTopK("topk2", chunk=4096, k=256, bits=3, grouped=True),
 }
 """Every Δ codec a run spec may name (``round.delta_codec``)."""
 
