@@ -287,7 +287,7 @@ def test_ctrl_c_in_pcp_swarm_is_130_and_leaves_nothing_running(tmp_path: Path) -
 # trio's own thread so that no trio task runs at all ("loop").
 WEDGED = textwrap.dedent("""
     import sys, time, trio
-    from pcp_p2p import logs
+    from pcp_p2p.core import logs
     from pcp_p2p.cli import report
     from pcp_p2p.core.shutdown import run_until_signal
 
