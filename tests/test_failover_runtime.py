@@ -20,8 +20,9 @@ import trio
 
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, Heartbeat, PublishLease, Role, ranked
+from pcp_p2p.diloco.protocol.messages import sign
 from pcp_p2p.diloco.run.run_effects import Wake
-from pcp_p2p.diloco.run.runtime import RunRuntime
+from pcp_p2p.diloco.run.runtime import MAX_BEATS_QUEUED, RunRuntime
 
 CONFIG = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
                         claim_timeout_s=10.0, settle_s=0.0, heartbeat_s=0.25, suspect_s=1.5)
@@ -92,3 +93,22 @@ async def test_a_shepherd_busy_with_a_long_input_keeps_beating_and_is_not_depose
     silent.tick(end)  # heard nothing for BUSY_S > suspect_s: suspected, the term ends ...
     assert silent.history[0].ended == "failover"
     assert silent.current_term == 1 and silent.holder == silent.peer_id  # ... and the next is claimed
+
+
+async def test_only_the_holders_own_heartbeats_are_queued_for_the_machine() -> None:
+    """A stranger's beats (its own, or the holder's relayed) would crowd the holder's out of the
+    bounded queue, and a follower would then suspect a live shepherd: none of them is kept."""
+    start = time.time()
+    holder, follower = two_elections(start)
+    mallory = Identity.generate()
+    rt = RunRuntime.__new__(RunRuntime)
+    rt.run_id, rt._beats_in = "run", []
+    rt.machine = SimpleNamespace(election=follower)  # type: ignore[assignment]
+    genuine = sign(Heartbeat(run_id="run", term=0, holder=holder.peer_id, sent_at=start), holder.identity)
+    own = sign(Heartbeat(run_id="run", term=0, holder=mallory.peer_id, sent_at=start), mallory)
+    for _ in range(2 * MAX_BEATS_QUEUED):
+        await rt.deliver(mallory.peer_id, own)
+        await rt.deliver(mallory.peer_id, genuine)  # relayed: proves nothing about the holder now
+    assert rt._beats_in == []
+    await rt.deliver(holder.peer_id, genuine)
+    assert rt._beats_in == [(holder.peer_id, genuine)]

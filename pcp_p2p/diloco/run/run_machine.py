@@ -546,7 +546,8 @@ class RunMachine:
         if isinstance(msg, Lease):
             self._election(self.election.on_lease(msg, now), now)
         elif isinstance(msg, Heartbeat):
-            self._election(self.election.on_heartbeat(msg, now), now)
+            if sender == msg.holder:  # straight from the holder: a relayed (replayed) beat proves nobody alive
+                self._election(self.election.on_heartbeat(msg, now), now)
         elif isinstance(msg, (AuditRequest, StateOffer)):
             self._out.append(Audit(sender, msg))
         elif isinstance(msg, Leave):

@@ -230,7 +230,10 @@ class RunRuntime:
         if isinstance(msg, Heartbeat):
             # Not behind the inbox: fed to the machine ahead of its next step (``_feed``), so a
             # follower whose inbox is busy never suspects a holder whose beats are waiting there.
-            if len(self._beats_in) < MAX_BEATS_QUEUED:
+            # Only the lease holder's own count (``Election.on_heartbeat``), so only they are kept:
+            # anyone else's would crowd the holder's out of the queue and get it suspected.
+            lease = self.machine.election.lease  # (one reference read: no lock needed)
+            if lease is not None and sender == lease.holder == msg.holder and len(self._beats_in) < MAX_BEATS_QUEUED:
                 self._beats_in.append((sender, msg))
             return
         if isinstance(msg, StopOrder):
