@@ -345,3 +345,17 @@ async def test_a_bug_in_a_run_stops_that_run_and_a_bug_in_one_input_drops_only_t
     await RunRuntime._dispatch(rt, MessageIn("12D3KooWfine", StatusRequest()))  # type: ignore[arg-type]
     assert [e.sender for e in handled] == ["12D3KooWfine"]  # type: ignore[attr-defined]
     assert boundary.faults.counts["round:AssertionError"] == 1 and not boundary.rejected
+
+
+def test_an_error_wrapped_in_a_one_member_group_is_judged_as_itself() -> None:
+    """trio hands a child task's error over in a group: its count, its log and the peer's answer
+    name the error inside, and an InternalFault inside is not counted a second time."""
+    from pcp_p2p.core.faults import Boundary
+    from pcp_p2p.core.logs import LogOnce
+
+    boundary = Boundary(LogOnce(logging.getLogger("test")))
+    assert boundary.judge("12D3KooWpeer", ExceptionGroup("task", [BadSignature("forged")]), "message") == REMOTE
+    assert boundary.rejected == {"message:BadSignature": 1}
+    assert refusal_reason(ExceptionGroup("task", [PeerGone("left")])) == "unavailable"
+    boundary.judge("12D3KooWpeer", ExceptionGroup("task", [InternalFault("counted where raised")]), "dht")
+    assert boundary.faults.total == 0

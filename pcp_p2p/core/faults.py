@@ -139,6 +139,7 @@ class LocalFaults:
 
         An :class:`InternalFault` was recorded where it was raised, so it is not counted again.
         """
+        exc = sole(exc)
         if isinstance(exc, InternalFault):
             return
         kind = type(exc).__name__
@@ -172,6 +173,7 @@ class Boundary:
         self.dropped: Counter[str] = Counter()
 
     def judge(self, peer: str, exc: BaseException, what: str) -> Blame:
+        exc = sole(exc)  # a task's error arrives wrapped in a group: count and log what it is
         blame = blame_of(exc)
         if blame == REMOTE:
             self.rejected[f"{what}:{type(exc).__name__}"] += 1
@@ -186,6 +188,7 @@ class Boundary:
 
 def refusal_reason(exc: BaseException) -> str:
     """The code a peer is told for ``exc``: the error's own for a remote or peer error, neutral for ours."""
+    exc = sole(exc)
     if blame_of(exc) == LOCAL:
         return INTERNAL_ERROR
     return exc.refusal_reason if isinstance(exc, PcpError) else "refused"
