@@ -359,3 +359,31 @@ def test_an_error_wrapped_in_a_one_member_group_is_judged_as_itself() -> None:
     assert refusal_reason(ExceptionGroup("task", [PeerGone("left")])) == "unavailable"
     boundary.judge("12D3KooWpeer", ExceptionGroup("task", [InternalFault("counted where raised")]), "dht")
     assert boundary.faults.total == 0
+
+
+async def test_a_bug_under_a_dht_operation_is_a_local_fault_not_a_vanished_peer() -> None:
+    """``Node.put_record`` / ``get_record`` once turned every failure into ``PeerGone``: our own bug
+    in the DHT code then looked like the network's fault and was never counted."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.core.faults import Boundary
+    from pcp_p2p.core.logs import LogOnce
+    from pcp_p2p.node.node import Node
+
+    async def buggy(key: str) -> None:
+        raise ZeroDivisionError("a bug in the DHT code")
+
+    async def broken(key: str) -> None:
+        raise ConnectionResetError("the peer went away")
+
+    node = Node.__new__(Node)
+    node.boundary = Boundary(LogOnce(logging.getLogger("test")))
+    node.config = SimpleNamespace(op_timeout=5.0)  # type: ignore[assignment]
+    node.dht = SimpleNamespace(get_value=buggy)  # type: ignore[assignment]
+    with pytest.raises(InternalFault):
+        await node.get_record("member", "x")
+    assert node.boundary.faults.counts == {"dht:ZeroDivisionError": 1}
+    node.dht = SimpleNamespace(get_value=broken)  # type: ignore[assignment]
+    with pytest.raises(PeerGone):
+        await node.get_record("member", "x")
+    assert node.boundary.faults.total == 1

@@ -60,7 +60,7 @@ from pcp_p2p.blob.routing import DhtRouting
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.core.errors import ConfigError, PcpError, PeerGone, PeerTimeout
-from pcp_p2p.core.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
+from pcp_p2p.core.faults import LOCAL, WORLD_BROKE, Blame, Boundary, InternalFault, LocalFaults, blame_of
 from pcp_p2p.core.identity import Identity, load_or_create_identity
 from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
@@ -419,6 +419,15 @@ class Node:
         except PcpError as exc:
             self.log_once("self", exc, "member record put failed")
 
+    def _dht_failure(self, what: str, exc: Exception) -> PcpError:
+        """What a failed DHT operation raises to its caller: our own bug is counted as a local
+        fault (the boundary's rule) and raised as an ``InternalFault``; anything else (a peer's
+        refusal, a broken stream) means the DHT could not be reached: ``PeerGone``."""
+        if blame_of(exc) == LOCAL:
+            self.boundary.faults.record(exc, "dht")
+            return InternalFault(f"{what} failed on this node")
+        return PeerGone(f"{what} failed: {exc}")
+
     async def put_record(self, signed: SignedRecord, *, timeout: float | None = None) -> None:
         """Store a signed record in the DHT (with a deadline)."""
         with trio.move_on_after(timeout or self.config.op_timeout) as scope:
@@ -427,7 +436,7 @@ class Node:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                raise PeerGone(f"DHT put of {signed.key} failed: {exc}") from exc
+                raise self._dht_failure(f"DHT put of {signed.key}", exc) from exc
         if scope.cancelled_caught:
             raise PeerTimeout(f"DHT put of {signed.key} timed out")
 
@@ -440,7 +449,7 @@ class Node:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                raise PeerGone(f"DHT get of {key} failed: {exc}") from exc
+                raise self._dht_failure(f"DHT get of {key}", exc) from exc
         if scope.cancelled_caught:
             raise PeerTimeout(f"DHT get of {key} timed out")
         if value is None:
