@@ -308,7 +308,6 @@ class Shepherd:
                 or ann.term >= self.term or ann.round != self.state.round or ann.theta_cid != self.theta_cid):
             return []
         self.attempt = ann.attempt
-        self.announced_at = now
         self.adopted = ann
         budget = self.spec.round.time_budget_s
         self.close_at = min(max(ann.deadline, now + budget), now + 2 * budget)
