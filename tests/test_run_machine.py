@@ -135,16 +135,51 @@ def test_fork_choice_drops_the_losing_rounds_from_what_status_shows(tmp_path) ->
     m = lone_machine(tmp_path)
     me = m.peer_id
 
-    def commit(term: int, round_: int, theta: str) -> CommitRecord:
-        return CommitRecord(run_id="run", term=term, round=round_, attempt=0, prev_theta_cid="", theta_cid=theta,
+    def commit(term: int, round_: int, theta: str, prev: str) -> CommitRecord:
+        return CommitRecord(run_id="run", term=term, round=round_, attempt=0, prev_theta_cid=prev, theta_cid=theta,
                             checkpoint_cid="", participants=(me,), tokens=1, mean_loss=1.0, val_loss=None,
                             shepherd="s")
 
     for r in range(5):  # rounds 1..5 in term 0, this node counted in each
-        m._commit_seen(commit(0, r, f"old{r}"), 2.0 + r)
-    m._commit_seen(commit(1, 2, "new2"), 10.0)  # term 1's round 3 wins over term 0's rounds 3..5
+        m._commit_seen(commit(0, r, f"old{r}", f"old{r - 1}"), 2.0 + r)
+    m._commit_seen(commit(1, 2, "new2", "old1"), 10.0)  # term 1's round 3 wins over term 0's rounds 3..5
     assert [(h["round"], h["term"], h["theta"]) for h in m.stats.history] == [
         (1, 0, "old0"), (2, 0, "old1"), (3, 1, "new2")]
     assert m.stats.contributed_rounds == [1, 2, 3] and m.stats.superseded == 3
-    m._commit_seen(commit(1, 3, "new3"), 11.0)  # the winning chain goes on: nothing more dropped
+    m._commit_seen(commit(1, 3, "new3", "new2"), 11.0)  # the winning chain goes on: nothing more dropped
     assert [h["round"] for h in m.stats.history] == [1, 2, 3, 4] and m.stats.superseded == 3
+
+
+def test_fork_choice_drops_losing_rounds_below_the_winning_commit(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The winning side committed *more* rounds while cut off, so the first commit of its term this
+    node sees lies above every round it showed (seen in the netlab partition test: the losing
+    side's round 18 of term 1 stayed beside term 2's rounds 19..40). The commit's ``prev_theta_cid``
+    and its term's ``from_round`` both tell that those rounds are not on the winning chain."""
+    from pcp_p2p.diloco.protocol.election import TermRecord
+    from pcp_p2p.diloco.protocol.messages import CommitRecord
+
+    m = lone_machine(tmp_path)
+    me = m.peer_id
+
+    def commit(term: int, round_: int, theta: str, prev: str) -> CommitRecord:
+        return CommitRecord(run_id="run", term=term, round=round_, attempt=0, prev_theta_cid=prev, theta_cid=theta,
+                            checkpoint_cid="", participants=(me,), tokens=1, mean_loss=1.0, val_loss=None,
+                            shepherd="s")
+
+    for r in range(5):  # rounds 1..5 in term 0; the cut came after round 2
+        m._commit_seen(commit(0, r, f"old{r}", f"old{r - 1}"), 2.0 + r)
+    # Term 1 continued from round 2 (its lease's from_round) and reached round 7 meanwhile.
+    m.election.history.append(TermRecord(1, "other", 2))
+    m._commit_seen(commit(1, 6, "new6", "new5"), 20.0)
+    assert [(h["round"], h["term"], h["theta"]) for h in m.stats.history] == [
+        (1, 0, "old0"), (2, 0, "old1"), (7, 1, "new6")]
+    assert m.stats.contributed_rounds == [1, 2, 7] and m.stats.superseded == 3
+
+    # Without the term's record, the parent θ alone still drops the parent round that is not on the chain.
+    n = lone_machine(tmp_path / "n")
+    me = n.peer_id
+    for r in range(2):
+        n._commit_seen(commit(0, r, f"old{r}", f"old{r - 1}"), 2.0 + r)
+    n._commit_seen(commit(1, 2, "new2", "new1"), 10.0)
+    assert [(h["round"], h["theta"]) for h in n.stats.history] == [(1, "old0"), (3, "new2")]
+    assert n.stats.superseded == 1

@@ -608,13 +608,23 @@ class RunMachine:
         # node already showed as committed (it sat on the losing side of a partition). Those rounds
         # are lost, not committed: the history and the rounds counted for us shed them, so status
         # never presents the losing side's chain as committed.
+        # The losing branch may also end *below* the commit's round (the winner committed more
+        # rounds meanwhile): what this node showed in a lower term above the round the commit's
+        # term continues from (its lease's ``from_round``), or a parent round whose θ is not the
+        # commit's ``prev_theta_cid``, is not on the winning chain either.
+        base = next((t.from_round for t in self.election.history if t.term == rec.term), None)
+        history = self.stats.history
         lost = 0
-        while self.stats.history and self.stats.history[-1]["round"] >= rec.round + 1:
-            self.stats.history.pop()
+        while history and (
+                history[-1]["round"] >= rec.round + 1
+                or (history[-1]["round"] == rec.round and history[-1]["theta"] != rec.prev_theta_cid)
+                or (base is not None and history[-1]["term"] < rec.term and history[-1]["round"] > base)):
+            history.pop()
             lost += 1
         if lost:
             self.stats.superseded += lost
-            self.stats.contributed_rounds[:] = [r for r in self.stats.contributed_rounds if r < rec.round + 1]
+            kept = history[-1]["round"] if history else 0
+            self.stats.contributed_rounds[:] = [r for r in self.stats.contributed_rounds if r <= kept]
             log.warning("run %s: fork choice: term %d's round %d supersedes %d round(s) this node had committed",
                         self.run_id[:16], rec.term, rec.round + 1, lost)
         if rec.checkpoint_cid:
