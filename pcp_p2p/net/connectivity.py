@@ -345,6 +345,9 @@ class Connectivity:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Connectivity]:
+        """Run the relay protocol and DCUtR (start it once the host listens: what identify tells
+        peers from then on is the advertised set as it stands, pushed again only when it changes)."""
+        self._pushed = tuple(str(a) for a in self.host.get_addrs())
         async with background_trio_service(self.protocol), background_trio_service(self.dcutr):
             yield self
 
