@@ -97,6 +97,9 @@ def test_private_addresses_are_passed_on_only_to_a_neighbour_in_that_network() -
     assert dialable_by(given, None, LAB + HOME) == public  # unknown (a relayed asker)
     assert dialable_by(given, "10.1.0.3", LAB + HOME) == ["/ip4/10.1.0.2/tcp/1", *public]
     assert dialable_by(given, "127.0.0.1", LAB) == ["/ip4/198.18.0.7/tcp/1", "/ip4/127.0.0.1/tcp/1", RELAYED]
+    # an asker on this machine (loopback) can dial whatever we can: our LAN neighbours too
+    assert dialable_by(given, "127.0.0.1", HOME) == dialable_here(given, HOME)
+    assert "/ip4/127.0.0.1/tcp/1" not in dialable_by(given, "10.1.0.3", HOME)  # loopback is for this machine only
 
 
 # --- one rule at every exit: identify, the DHT, the member record, status ----------------------

@@ -114,12 +114,15 @@ def dialable_by(addrs: Iterable[str | multiaddr.Multiaddr], asker: str | None,
 
     Public ones always; a private, link-local or loopback one only when the
     asker reached us from inside the same one of our ``networks`` (a neighbour
-    on our LAN, a node on this machine); unspecified ones never.
+    on our LAN), or from loopback (a node on this machine: it can dial what we
+    can, :func:`dialable_here`); unspecified ones never.
     """
     try:
         asker_ip = ipaddress.ip_address(asker) if asker is not None else None
     except ValueError:
         asker_ip = None
+    if asker_ip is not None and asker_ip.is_loopback:
+        return dialable_here(addrs, networks)
     out = []
     for a in addrs:
         ip = ip_of(a)

@@ -326,7 +326,8 @@ class Connectivity:
     """One node's relay protocol, relay client, DCUtR, reservations and verdict."""
 
     def __init__(self, host: IHost, *, hop: bool, budget: RelayBudget, local_ips: Sequence[str],
-                 advertiser: Advertiser | None = None) -> None:
+                 advertiser: Advertiser) -> None:
+        """``advertiser``: the one the host advertises from (:func:`pcp_p2p.net.advertise.install`)."""
         self.host = host
         self.hop = hop
         self.budget = budget
@@ -336,7 +337,7 @@ class Connectivity:
         self.dcutr = DCUtRProtocol(host)
         # DCUtR reads our local listen address from host.get_addrs(), which advertises (net.advertise).
         self.dcutr.host = cast(IHost, ListenView(host, local_ips))
-        self.advertiser = advertiser or Advertiser(host.get_id().to_base58(), local_ips)
+        self.advertiser = advertiser
         self._pushed: tuple[str, ...] | None = None  # the advertised set peers were last told of
         self.reserved: dict[str, str] = {}  # relay peer id -> the relay's full multiaddr
         self.reachability = UNKNOWN
