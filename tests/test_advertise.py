@@ -14,9 +14,15 @@ from pathlib import Path
 import multiaddr
 import pytest
 from conftest import TEST_CAPS
+from libp2p import new_host
 from libp2p.identity.identify.identify import _mk_identify_protobuf
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
+from libp2p.peer.id import ID
+from libp2p.peer.peerstore import create_signed_peer_record
 
 from pcp_p2p.core.addrs import dialable_by, dialable_here
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.dht.rpc import _closer
 from pcp_p2p.net.advertise import Advertiser, ListenView, advertised, expand_listen, wan_ips_of
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
 from pcp_p2p.node.node import NodeConfig, open_node
@@ -133,3 +139,27 @@ async def test_identify_the_dht_and_the_member_record_advertise_the_same_set(tmp
         assert isinstance(view, ListenView)
         assert [str(a) for a in view.get_addrs()] == [a.split("/p2p/")[0] for a in want]
         assert node.status().network["listen_addrs"] == want
+
+
+def test_a_dht_answer_s_undialable_addresses_never_reach_the_peerstore() -> None:
+    """``rpc._closer``: what a stranger's answer says of another peer is stored only where we could dial it."""
+    me = new_host(key_pair=Identity.generate().key_pair)
+    answer = Message()
+    answer.type = Message.MessageType.GET_VALUE
+    named = {}
+    for name, addrs in (("home", ["/ip4/10.1.0.2/tcp/1", "/ip4/198.18.0.7/tcp/1"]),
+                        ("public", ["/ip4/198.18.0.8/tcp/1"])):
+        ident = Identity.generate()
+        peer = ID.from_base58(ident.peer_id)
+        entry = answer.closerPeers.add()
+        entry.id = peer.to_bytes()
+        entry.addrs.extend(multiaddr.Multiaddr(a).to_bytes() for a in addrs)
+        envelope = create_signed_peer_record(peer, [multiaddr.Multiaddr(a) for a in addrs], ident.key_pair.private_key)
+        entry.signedRecord = envelope.marshal_envelope()
+        named[name] = peer
+    assert set(_closer(me, answer, LAB)) == set(named.values())
+    store = me.get_peerstore()
+    assert [str(a) for a in store.addrs(named["home"])] == ["/ip4/198.18.0.7/tcp/1"]
+    assert store.get_peer_record(named["home"]) is None  # its record names 10.1.0.2: not kept
+    assert store.get_peer_record(named["public"]) is not None
+    assert [str(a) for a in store.addrs(named["public"])] == ["/ip4/198.18.0.8/tcp/1"]

@@ -307,7 +307,8 @@ class PcpKadDHT(KadDHT):
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:
                         result = await rpc.get_value(self.host, peer, key_bytes,
-                                                     closer_if_found=thin or lookup.quorum > 1)
+                                                     closer_if_found=thin or lookup.quorum > 1,
+                                                     networks=self.networks)
                     except PcpError as exc:
                         log.debug("GET_VALUE at %s: %s", peer, exc)
                 if result is None:
@@ -387,7 +388,7 @@ class PcpKadDHT(KadDHT):
                 closer: list[ID] | None = None
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:  # GET_VALUE, not FIND_NODE: see pcp_p2p.dht.rpc
-                        closer = (await rpc.get_value(self.host, peer, key_bytes))[1]
+                        closer = (await rpc.get_value(self.host, peer, key_bytes, networks=self.networks))[1]
                     except PcpError as exc:
                         log.debug("GET_VALUE (closer peers) at %s: %s", peer, exc)
                 if closer is None:
