@@ -339,6 +339,7 @@ class Connectivity:
         self.dcutr.host = cast(IHost, ListenView(host, local_ips))
         self.advertiser = advertiser
         self._pushed: tuple[str, ...] | None = None  # the advertised set peers were last told of
+        self.pushes = 0  # identify pushes of a changed set (a handful in a node's life)
         self.reserved: dict[str, str] = {}  # relay peer id -> the relay's full multiaddr
         self.reachability = UNKNOWN
         self.reported: str | None = None  # the verdict last logged
@@ -389,6 +390,8 @@ class Connectivity:
         connection time (before the verdict: our private addresses) is replaced in their peerstores,
         and so in their DHT answers about us."""
         self._pushed = tuple(str(a) for a in self.host.get_addrs())
+        self.pushes += 1
+        log.info("advertising %s", " ".join(self._pushed) or "nothing")
         with trio.move_on_after(timeout):
             await push_identify_to_peers(self.host)
 
