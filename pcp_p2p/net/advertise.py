@@ -13,8 +13,8 @@ verdict            advertised
 ``public``         listen addresses at public IPs (the address peers observe
                    is one of ours, with the port we listen on)
 ``hole-punchable`` ``<relay>/p2p-circuit/p2p/<me>`` for each live reservation;
-``relay-only``     without one yet (or after the relay died), our public IP as
-                   peers observe it with the port we listen on: never a private one
+``relay-only``     without one (the first second, or after the relay died): the
+                   listen addresses, as at start-up (see :func:`advertised`)
 ``unknown``        listen addresses (a swarm on 127.0.0.1 or a LAN, where no
                    public observer ever judges us; or the first second of start-up)
 =================  ==========================================================
@@ -37,7 +37,7 @@ from typing import Any
 import multiaddr
 from libp2p.abc import IHost
 
-from pcp_p2p.core.addrs import CIRCUIT, ip_of, is_loopback, is_public, is_public_ip, is_unspecified
+from pcp_p2p.core.addrs import CIRCUIT, is_loopback, is_public, is_unspecified
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY
 
 
@@ -53,44 +53,33 @@ def expand_listen(listen: Iterable[str], local_ips: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(a for a in out if not is_unspecified(a)))
 
 
-def _tcp_port(addr: str) -> str | None:
-    try:
-        port: str = multiaddr.Multiaddr(addr).value_for_protocol("tcp")
-        return port
-    except Exception:
-        return None
-
-
 def advertised(
     verdict: str,
     listen: Iterable[str],
     local_ips: Sequence[str],
     *,
-    wan_ips: Sequence[str] = (),
     relayed: Sequence[str] = (),
 ) -> list[str]:
     """The addresses this node advertises (pure: the table in the module docstring).
 
     ``listen``: the transport's listen addresses (no ``/p2p/``), ``0.0.0.0`` allowed;
-    ``local_ips``: this machine's IPv4 addresses; ``wan_ips``: our public IPs as peers
-    on the internet observed them; ``relayed``: full circuit addresses of live reservations.
+    ``local_ips``: this machine's IPv4 addresses; ``relayed``: full circuit addresses of
+    live reservations.
     Empty only when the node listens nowhere.
     """
     own = expand_listen(listen, local_ips)
     own = [a for a in own if not is_loopback(a)] or own  # loopback only when it is all we have
     if verdict == PUBLIC:
         return [a for a in own if is_public(a)] or own
-    if verdict in (HOLE_PUNCHABLE, RELAY_ONLY):
-        if relayed:
-            return list(dict.fromkeys(relayed))
-        ports = list(dict.fromkeys(p for a in own if (ip := ip_of(a)) is not None and ip.version == 4
-                                   and (p := _tcp_port(a)) is not None))
-        predicted = [f"/ip4/{ip}/tcp/{port}" for ip in wan_ips if is_public_ip(ip) for port in ports]
-        if predicted:
-            return list(dict.fromkeys(predicted))
-        # No public IP known (cannot happen after a NAT verdict, which needs an observation):
-        # the private addresses, rather than nothing (identify would then send the raw ones).
-        return own
+    if verdict in (HOLE_PUNCHABLE, RELAY_ONLY) and relayed:
+        return list(dict.fromkeys(relayed))
+    # Behind a NAT with no relay (yet, or any more) nothing of ours is dialable from outside. The
+    # listen addresses, not nothing: told nothing, py-libp2p's identify sends the raw ones
+    # (0.0.0.0 included). Not our public IP with the listen port either: it went into routing
+    # tables as public, and every dial to it waited on a NAT that drops silently (in the lab the
+    # DHT's and the shepherd's sends stalled on it after the relay died); a private address from
+    # outside their networks is dropped by receivers (pcp_p2p.core.addrs.dialable_here) and
+    # fails at once where it is dialled.
     return own
 
 
@@ -102,13 +91,12 @@ class Advertiser:
         self.me = me
         self.local_ips = tuple(local_ips)
         self.verdict = "unknown"
-        self.wan_ips: tuple[str, ...] = ()
         self.relayed: tuple[str, ...] = ()
 
     def addrs(self, listen: Iterable[str]) -> list[str]:
         """Full multiaddrs (``/p2p/<me>`` included) to advertise, given the listen addresses."""
         out = []
-        for a in advertised(self.verdict, listen, self.local_ips, wan_ips=self.wan_ips, relayed=self.relayed):
+        for a in advertised(self.verdict, listen, self.local_ips, relayed=self.relayed):
             out.append(a if CIRCUIT in a or "/p2p/" in a else f"{a}/p2p/{self.me}")
         return out
 
@@ -154,12 +142,3 @@ class ListenView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._host, name)
-
-
-def wan_ips_of(observed: Iterable[tuple[str, str]], local_ips: Sequence[str]) -> list[str]:
-    """Our public IPs as observed: ``(observed ip, observer ip)`` pairs from observers at public
-    IPs (a peer in our home sees our private address) that are not our own addresses."""
-    ours = set(local_ips)
-    return list(dict.fromkeys(ip for ip, observer in observed
-                              if is_public_ip(observer) and is_public_ip(ip) and ip not in ours))
-

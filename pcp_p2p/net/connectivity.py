@@ -46,7 +46,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from pcp_p2p.core.addrs import BENCHMARK_NET as BENCHMARK_NET  # re-exported
 from pcp_p2p.core.addrs import is_public_ip as is_public_ip
 from pcp_p2p.core.errors import PeerGone
-from pcp_p2p.net.advertise import Advertiser, ListenView, wan_ips_of
+from pcp_p2p.net.advertise import Advertiser, ListenView
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN, VERDICTS  # noqa: F401 (re-exported)
 
 log = logging.getLogger("pcp.connectivity")
@@ -361,25 +361,19 @@ class Connectivity:
             del self.reserved[pid]
             getattr(self.transport, "_reservations", {}).pop(ID.from_base58(pid), None)
             log.info("relay %s gone: its reservation is dropped", pid)
-        observed = observations(self.host)
-        now = verdict(self.local_ips, observed)
+        now = verdict(self.local_ips, observations(self.host))
         # What we learned stays true until contradicted: when the observers' connections close
         # (the relay was our only one and died), we are still behind the same NAT, and must
         # keep asking for a reservation.
         if now != UNKNOWN or self.reachability == PUBLIC:
             self.reachability = now
-        self._advertise(observed)
+        self._advertise()
         return self.reachability
 
-    def _advertise(self, observed: Sequence[Observation] | None = None) -> None:
-        """Hand the advertiser the verdict, the live relayed addresses and our public IP as observed
-        (kept when the observers are gone: behind the same NAT, the IP stays)."""
-        adv = self.advertiser
-        adv.verdict = self.reachability
-        adv.relayed = tuple(self.relayed_addrs(adv.me))
-        wan = wan_ips_of(((o.ip, o.observer) for o in observed or ()), self.local_ips)
-        if wan:
-            adv.wan_ips = tuple(wan)
+    def _advertise(self) -> None:
+        """Hand the advertiser the verdict and the live relayed addresses."""
+        self.advertiser.verdict = self.reachability
+        self.advertiser.relayed = tuple(self.relayed_addrs(self.advertiser.me))
 
     def addrs_changed(self) -> bool:
         """Whether the advertised set changed since peers were last told (:meth:`push_addrs`)."""
