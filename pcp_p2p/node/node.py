@@ -334,7 +334,8 @@ class Node:
         what ``pcp node join`` prints and writes to ``node.addr`` for local tools. What others
         are told to dial is :meth:`advertised_addrs`."""
         listen = [str(a).split("/p2p/")[0] for a in self.host.get_transport_addrs()]
-        return [f"{a}/p2p/{self.peer_id}" for a in expand_listen(listen, _local_ipv4s())]
+        ips = _local_ipv4s() if any(a.startswith("/ip4/0.0.0.0/") for a in listen) else []
+        return [f"{a}/p2p/{self.peer_id}" for a in expand_listen(listen, ips)]
 
     def advertised_addrs(self) -> list[str]:
         """What this node tells others to dial (member record, status, and through the host
