@@ -75,11 +75,11 @@ def advertised(
         return list(dict.fromkeys(relayed))
     # Behind a NAT with no relay (yet, or any more) nothing of ours is dialable from outside. The
     # listen addresses, not nothing: told nothing, py-libp2p's identify sends the raw ones
-    # (0.0.0.0 included). Not our public IP with the listen port either: it went into routing
-    # tables as public, and every dial to it waited on a NAT that drops silently (in the lab the
-    # DHT's and the shepherd's sends stalled on it after the relay died); a private address from
-    # outside their networks is dropped by receivers (pcp_p2p.core.addrs.dialable_here) and
-    # fails at once where it is dialled.
+    # (0.0.0.0 included). Not our public IP with the listen port either: receivers take it for a
+    # public address and keep it in their routing tables, and a dial to it waits on a NAT that
+    # drops silently (5 s to a timeout in the lab, where the private address fails at once); a
+    # private address from outside their networks is dropped by receivers
+    # (pcp_p2p.core.addrs.dialable_here), so it enters no routing table.
     return own
 
 
