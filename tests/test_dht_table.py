@@ -3,6 +3,7 @@ wildcard-only peers stay out (pcp_p2p/dht/table.py), over real py-libp2p on 127.
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 import multiaddr
@@ -14,7 +15,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.core.identity import Identity
-from pcp_p2p.dht.table import ServersOnlyRoutingTable, dialable, expand_unspecified, is_unspecified
+from pcp_p2p.dht.table import ServersOnlyRoutingTable, dialable, is_unspecified
 from pcp_p2p.node.node import NodeConfig, open_node
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,12 +28,22 @@ def ma(s: str) -> multiaddr.Multiaddr:
 def test_unspecified_addresses_are_not_dialable() -> None:
     assert is_unspecified(ma("/ip4/0.0.0.0/tcp/4001")) and is_unspecified(ma("/ip6/::/tcp/4001"))
     assert not is_unspecified(ma("/ip4/127.0.0.1/tcp/4001")) and not is_unspecified(ma("/ip6/::1/tcp/1"))
-    assert dialable([ma("/ip4/0.0.0.0/tcp/1"), ma("/ip4/10.0.0.2/tcp/1")]) == [ma("/ip4/10.0.0.2/tcp/1")]
+    home = [ipaddress.ip_network("10.0.0.0/24")]
+    assert dialable([ma("/ip4/0.0.0.0/tcp/1"), ma("/ip4/10.0.0.2/tcp/1")], home) == [ma("/ip4/10.0.0.2/tcp/1")]
+    # another home's private address names nobody we could reach
+    assert dialable([ma("/ip4/10.0.0.2/tcp/1"), ma("/ip4/198.18.0.5/tcp/1")]) == [ma("/ip4/198.18.0.5/tcp/1")]
 
 
-def test_wildcard_listen_addresses_are_advertised_as_local_ones() -> None:
-    got = expand_unspecified([ma("/ip4/0.0.0.0/tcp/7"), ma("/ip4/10.1.1.1/tcp/8")], ["127.0.0.1", "10.1.1.1"])
-    assert [str(a) for a in got] == ["/ip4/127.0.0.1/tcp/7", "/ip4/10.1.1.1/tcp/7", "/ip4/10.1.1.1/tcp/8"]
+async def test_a_private_address_from_outside_our_networks_does_not_enter_the_table() -> None:
+    host = new_host(key_pair=Identity.generate().key_pair)
+    table = ServersOnlyRoutingTable(host.get_id(), host, networks=[ipaddress.ip_network("198.18.0.0/24")])
+    home = ID.from_base58(Identity.generate().peer_id)
+    assert not await table.add_peer(PeerInfo(home, [ma("/ip4/10.1.0.2/tcp/4001")]))
+    assert table.refused["no dialable address"] == 1
+    relayed = ma(f"/ip4/198.18.0.10/tcp/4001/p2p/{Identity.generate().peer_id}/p2p-circuit")
+    assert await table.add_peer(PeerInfo(home, [ma("/ip4/10.1.0.2/tcp/4001"), relayed]))
+    (info,) = [i for i in table.get_peer_infos() if i.peer_id == home]
+    assert info.addrs == [relayed]
 
 
 async def test_a_peer_advertising_only_the_wildcard_is_refused() -> None:

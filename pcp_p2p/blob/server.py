@@ -442,7 +442,7 @@ class BlobServer:
     def _side_host(self) -> str:
         if self.config.side_host is not None:
             return self.config.side_host
-        for addr in self.host.get_addrs():
+        for addr in self.host.get_transport_addrs():  # listen addresses (get_addrs: what is advertised)
             try:
                 ip: str = addr.value_for_protocol("ip4")  # multiaddr is untyped
                 return ip

@@ -29,16 +29,20 @@ the closer peers just the same (keys up to 128 bytes).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import varint
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
 from libp2p.kad_dht.utils import maybe_consume_signed_record
+from libp2p.peer.envelope import unmarshal_envelope
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import encode_delim, read_delim, read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
+from pcp_p2p.core import addrs as addr_rules
 from pcp_p2p.core.errors import MalformedMessage, PeerGone
 
 MULTISTREAM = b"/multistream/1.0.0"
@@ -115,11 +119,28 @@ def _request(host: IHost, kind: Message.MessageType, key: bytes) -> Message:
     return msg
 
 
-def _closer(host: IHost, answer: Message) -> list[ID]:
-    """The peers an answer names (their addresses and signed records go to the peerstore)."""
+def _dialable_record(signed: bytes, networks: Sequence[addr_rules.IPNetwork]) -> bool:
+    """Whether a peer's signed peer record names only addresses this node could dial (parsed, not
+    yet verified: :func:`maybe_consume_signed_record` verifies what is kept)."""
+    try:
+        addrs = unmarshal_envelope(signed).record().addrs
+    except Exception:
+        return True  # unreadable: maybe_consume_signed_record refuses it, and the entry with it
+    return len(addr_rules.dialable_here(addrs, networks)) == len(addrs)
+
+
+def _closer(host: IHost, answer: Message, networks: Sequence[addr_rules.IPNetwork] = ()) -> list[ID]:
+    """The peers an answer names (their addresses and signed records go to the peerstore).
+
+    Only addresses this node could dial are stored (:func:`pcp_p2p.core.addrs.dialable_here`:
+    never an unspecified one, nor a private one outside our ``networks``), and a signed peer
+    record naming any other is not stored at all (it replaces the peer's addresses when it is).
+    """
     out: list[ID] = []
     local = host.get_id()
     for entry in answer.closerPeers:
+        if entry.signedRecord and not _dialable_record(entry.signedRecord, networks):
+            entry.ClearField("signedRecord")
         if not entry.id or not maybe_consume_signed_record(entry, host):
             continue
         try:
@@ -134,6 +155,7 @@ def _closer(host: IHost, answer: Message) -> list[ID]:
                 addrs.append(Multiaddr(raw))
             except Exception:
                 pass
+        addrs = [Multiaddr(a) for a in addr_rules.dialable_here(addrs, networks)]
         if addrs:
             host.get_peerstore().add_addrs(peer, addrs, CLOSER_ADDR_TTL_S)
         out.append(peer)
@@ -141,19 +163,21 @@ def _closer(host: IHost, answer: Message) -> list[ID]:
 
 
 async def get_value(
-    host: IHost, peer: ID, key: bytes, *, closer_if_found: bool = True
+    host: IHost, peer: ID, key: bytes, *, closer_if_found: bool = True,
+    networks: Sequence[addr_rules.IPNetwork] = (),
 ) -> tuple[Record | None, list[ID]]:
     """GET_VALUE: the peer's record for ``key`` (unvalidated: the caller validates) and closer peers.
 
     ``closer_if_found=False`` skips the closer peers when a record came back (a
     lookup that stops at the first record needs none): each carries a signed
     peer record, and checking eight signatures costs more than the rest of the answer.
+    ``networks``: this node's, whose private addresses it keeps (:func:`_closer`).
     """
     answer = await kad_request(host, peer, _request(host, Message.MessageType.GET_VALUE, key))
     record = answer.record if answer.HasField("record") and answer.record.value else None
     if record is not None and not closer_if_found:
         return record, []
-    return record, _closer(host, answer)
+    return record, _closer(host, answer, networks)
 
 
 async def put_value(host: IHost, peer: ID, key: bytes, value: bytes) -> bool:

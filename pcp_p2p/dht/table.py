@@ -27,23 +27,23 @@ corrections off the caller's path) on the same KAD wire protocol.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import multiaddr
 import trio
 from libp2p.abc import IHost
 from libp2p.kad_dht.common import PROTOCOL_ID
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.pb.kademlia_pb2 import Record
+from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
 from libp2p.kad_dht.routing_table import RoutingTable, peer_id_to_key
 from libp2p.kad_dht.utils import xor_distance
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.records.validator import NamespacedValidator
 
+from pcp_p2p.core import addrs as addr_rules
 from pcp_p2p.core.errors import PcpError
 from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
 from pcp_p2p.dht import rpc
@@ -63,39 +63,14 @@ MIN_START_PEERS = 5  # fewer in the routing table: connected peers are asked too
 
 def is_unspecified(addr: multiaddr.Multiaddr) -> bool:
     """True for ``/ip4/0.0.0.0/...`` and ``/ip6/::/...``: a listen address, not one anyone can dial."""
-    for proto in ("ip4", "ip6"):
-        try:
-            value = addr.value_for_protocol(proto)
-        except Exception:
-            continue
-        try:
-            return ipaddress.ip_address(value).is_unspecified
-        except ValueError:
-            return False
-    return False
+    return addr_rules.is_unspecified(addr)
 
 
-def dialable(addrs: Iterable[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-    """The addresses of ``addrs`` another node could dial (unspecified ones dropped)."""
-    return [a for a in addrs if not is_unspecified(a)]
-
-
-def expand_unspecified(addrs: list[multiaddr.Multiaddr], local_ips: Iterable[str]) -> list[multiaddr.Multiaddr]:
-    """``/ip4/0.0.0.0/tcp/P`` as ``/ip4/<ip>/tcp/P`` for each local IPv4 address, others kept.
-
-    Used as the host's ``addrs_factory``: what identify advertises to peers is
-    then something they can dial (and keep in their routing tables), not the
-    wildcard a node listens on.
-    """
-    ips = list(local_ips)
-    out: list[multiaddr.Multiaddr] = []
-    for a in addrs:
-        s = str(a)
-        if s.startswith("/ip4/0.0.0.0/"):
-            out.extend(multiaddr.Multiaddr(s.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1)) for ip in ips)
-        else:
-            out.append(a)
-    return list({str(a): a for a in out}.values())
+def dialable(peer_addrs: Iterable[multiaddr.Multiaddr],
+             networks: Sequence[addr_rules.IPNetwork] = ()) -> list[multiaddr.Multiaddr]:
+    """The addresses of ``peer_addrs`` this node could dial: unspecified ones dropped, and private
+    ones outside our ``networks`` (another home's ``10.x``), :func:`pcp_p2p.core.addrs.dialable_here`."""
+    return [multiaddr.Multiaddr(a) for a in addr_rules.dialable_here(peer_addrs, networks)]
 
 
 class ServersOnlyRoutingTable(RoutingTable):
@@ -104,9 +79,11 @@ class ServersOnlyRoutingTable(RoutingTable):
     def __init__(
         self, local_id: ID, host: IHost, *,
         max_peers_per_subnet: int | None = None, max_peers_per_subnet_table: int = 0,
+        networks: Sequence[addr_rules.IPNetwork] = (),
     ) -> None:
         super().__init__(local_id, host, max_peers_per_subnet=max_peers_per_subnet,
                          max_peers_per_subnet_table=max_peers_per_subnet_table)
+        self.networks = tuple(networks)  # ours: whose private addresses we could dial
         self.refused: Counter[str] = Counter()  # why peers were kept out: for tests and debugging
         self._pending: set[ID] = set()
         self._nursery: trio.Nursery | None = None
@@ -140,10 +117,10 @@ class ServersOnlyRoutingTable(RoutingTable):
         whose protocols are not known yet is checked again once identify has
         run, in the background; the stream it opened is served meanwhile.
         """
-        peer_id, addrs = self._addrs(peer_obj)
+        peer_id, peer_addrs = self._addrs(peer_obj)
         if peer_id == self.local_id:
             return False
-        good = dialable(addrs)
+        good = dialable(peer_addrs, self.networks)
         protocols = self._protocols(peer_id)
         if protocols is not None and str(PROTOCOL_ID) not in protocols:
             return self._refuse(peer_id, "not a DHT server")
@@ -195,19 +172,46 @@ class PcpKadDHT(KadDHT):
         validator: NamespacedValidator | None = None,
         validator_changed: bool = False,
         strict_validation: bool = False,
+        networks: Sequence[addr_rules.IPNetwork] = (),
     ) -> None:
         super().__init__(host, mode, validator=validator, validator_changed=validator_changed,
                          strict_validation=strict_validation)
         old = self.routing_table
+        self.networks = tuple(networks)  # this node's networks (pcp_p2p.core.addrs.local_networks)
         self.routing_table = ServersOnlyRoutingTable(
             self.local_peer_id, host,
             max_peers_per_subnet=old.max_peers_per_subnet,
             max_peers_per_subnet_table=old.max_peers_per_subnet_table,
+            networks=self.networks,
         )
         self.peer_routing.routing_table = self.routing_table
         if self.rt_refresh_manager is not None:  # random walk: not used by PCP, kept consistent anyway
             self.rt_refresh_manager.routing_table = self.routing_table
         self.faults = LocalFaults()  # bugs in background work (open_node passes the node's)
+
+    def _add_closer_peers_to_response(
+        self, response: Message, closest_peers: Sequence[ID], exclude_peer_id: ID | None = None,
+    ) -> None:
+        """py-libp2p 0.8.1's closerPeers (FIND_NODE, GET_VALUE, GET_PROVIDERS answers), with only
+        the addresses the asker could dial (:func:`pcp_p2p.core.addrs.dialable_by`): another home's
+        private address, or an unspecified one, is never handed to a stranger. A peer's signed peer
+        record goes along only when it names no address held back (it cannot be trimmed)."""
+        super()._add_closer_peers_to_response(response, closest_peers, exclude_peer_id)
+        asker = _remote_ip(self.host, exclude_peer_id)
+        for peer in response.closerPeers:
+            raw = list(peer.addrs)
+            kept = []
+            for b in raw:
+                try:
+                    a = multiaddr.Multiaddr(b)
+                except Exception:
+                    continue
+                if addr_rules.dialable_by([a], asker, self.networks):
+                    kept.append(b)
+            if len(kept) != len(raw):
+                del peer.addrs[:]
+                peer.addrs.extend(kept)
+                peer.ClearField("signedRecord")
 
 
     # -- lookups (pcp_p2p.dht.lookup) ---------------------------------------------------
@@ -303,7 +307,8 @@ class PcpKadDHT(KadDHT):
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:
                         result = await rpc.get_value(self.host, peer, key_bytes,
-                                                     closer_if_found=thin or lookup.quorum > 1)
+                                                     closer_if_found=thin or lookup.quorum > 1,
+                                                     networks=self.networks)
                     except PcpError as exc:
                         log.debug("GET_VALUE at %s: %s", peer, exc)
                 if result is None:
@@ -383,7 +388,7 @@ class PcpKadDHT(KadDHT):
                 closer: list[ID] | None = None
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:  # GET_VALUE, not FIND_NODE: see pcp_p2p.dht.rpc
-                        closer = (await rpc.get_value(self.host, peer, key_bytes))[1]
+                        closer = (await rpc.get_value(self.host, peer, key_bytes, networks=self.networks))[1]
                     except PcpError as exc:
                         log.debug("GET_VALUE (closer peers) at %s: %s", peer, exc)
                 if closer is None:
@@ -438,6 +443,21 @@ class PcpKadDHT(KadDHT):
         """Run ``fn(*args)`` in the background if the budget allows, else here."""
         if not self._spawn(fn, *args):
             await _quietly(self.faults, fn, *args)
+
+
+def _remote_ip(host: IHost, peer: ID | None) -> str | None:
+    """The IP a direct connection to ``peer`` comes from; None when unknown (no peer, relayed)."""
+    if peer is None:
+        return None
+    try:
+        for conn in host.get_network().get_connections(peer):
+            if any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses()):
+                continue
+            ip: str = conn.muxed_conn.get_remote_address()[0]  # type: ignore[attr-defined]  # not in IMuxedConn
+            return ip
+    except Exception:
+        return None
+    return None
 
 
 async def _quietly(faults: LocalFaults, fn: Callable[..., Awaitable[object]], *args: object) -> None:

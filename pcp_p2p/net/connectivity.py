@@ -15,23 +15,24 @@ wires them into a node:
   (identify's observed address) into ``public`` / ``hole-punchable`` /
   ``relay-only`` / ``unknown``;
 - :class:`Connectivity` keeps a reservation on the bootstrap relays while the
-  verdict says the node sits behind a NAT, and gives the relayed addresses
-  (``<relay>/p2p-circuit/p2p/<me>``) the node advertises instead of its private
-  ones.
+  verdict says the node sits behind a NAT, and keeps the node's
+  :class:`~pcp_p2p.net.advertise.Advertiser` current (verdict, relayed addresses
+  ``<relay>/p2p-circuit/p2p/<me>``, observed public IP): what identify, the DHT
+  and the member record advertise instead of private addresses.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
 from libp2p.abc import IHost
+from libp2p.identity.identify_push import push_identify_to_peers
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -42,7 +43,10 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from pcp_p2p.core.addrs import BENCHMARK_NET as BENCHMARK_NET  # re-exported
+from pcp_p2p.core.addrs import is_public_ip as is_public_ip
 from pcp_p2p.core.errors import PeerGone
+from pcp_p2p.net.advertise import Advertiser, ListenView
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN, VERDICTS  # noqa: F401 (re-exported)
 
 log = logging.getLogger("pcp.connectivity")
@@ -88,22 +92,6 @@ class Observation:
     port: int
     local_port: int | None
     observer: str
-
-
-# RFC 2544's benchmarking range: Python calls it private, but it is the lab's
-# "internet" (pcp_p2p/testing/netlab.py) and py-libp2p's relay code treats it as public.
-BENCHMARK_NET = ipaddress.ip_network("198.18.0.0/15")
-
-
-def is_public_ip(ip: str) -> bool:
-    """Routable between homes: not private (RFC 1918 and co.), loopback, link-local or unspecified."""
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv4Address) and addr in BENCHMARK_NET:
-        return True
-    return not (addr.is_private or addr.is_loopback or addr.is_link_local or addr.is_unspecified)
 
 
 def verdict(local_ips: Iterable[str], observations: Sequence[Observation]) -> str:
@@ -337,7 +325,9 @@ class PunchBackoff:
 class Connectivity:
     """One node's relay protocol, relay client, DCUtR, reservations and verdict."""
 
-    def __init__(self, host: IHost, *, hop: bool, budget: RelayBudget, local_ips: Sequence[str]) -> None:
+    def __init__(self, host: IHost, *, hop: bool, budget: RelayBudget, local_ips: Sequence[str],
+                 advertiser: Advertiser) -> None:
+        """``advertiser``: the one the host advertises from (:func:`pcp_p2p.net.advertise.install`)."""
         self.host = host
         self.hop = hop
         self.budget = budget
@@ -345,6 +335,11 @@ class Connectivity:
         self.protocol = CountingRelay(host, limits=budget.limits(), allow_hop=hop)
         self.transport = _transport(host, self.protocol, budget)
         self.dcutr = DCUtRProtocol(host)
+        # DCUtR reads our local listen address from host.get_addrs(), which advertises (net.advertise).
+        self.dcutr.host = cast(IHost, ListenView(host, local_ips))
+        self.advertiser = advertiser
+        self._pushed: tuple[str, ...] | None = None  # the advertised set peers were last told of
+        self.pushes = 0  # identify pushes of a changed set (a handful in a node's life)
         self.reserved: dict[str, str] = {}  # relay peer id -> the relay's full multiaddr
         self.reachability = UNKNOWN
         self.reported: str | None = None  # the verdict last logged
@@ -352,6 +347,9 @@ class Connectivity:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[Connectivity]:
+        """Run the relay protocol and DCUtR (start it once the host listens: what identify tells
+        peers from then on is the advertised set as it stands, pushed again only when it changes)."""
+        self._pushed = tuple(str(a) for a in self.host.get_addrs())
         async with background_trio_service(self.protocol), background_trio_service(self.dcutr):
             yield self
 
@@ -369,7 +367,27 @@ class Connectivity:
         # keep asking for a reservation.
         if now != UNKNOWN or self.reachability == PUBLIC:
             self.reachability = now
+        self._advertise()
         return self.reachability
+
+    def _advertise(self) -> None:
+        """Hand the advertiser the verdict and the live relayed addresses."""
+        self.advertiser.verdict = self.reachability
+        self.advertiser.relayed = tuple(self.relayed_addrs(self.advertiser.me))
+
+    def addrs_changed(self) -> bool:
+        """Whether the advertised set changed since peers were last told (:meth:`push_addrs`)."""
+        return tuple(str(a) for a in self.host.get_addrs()) != self._pushed
+
+    async def push_addrs(self, timeout: float) -> None:
+        """Tell every connected peer our advertised set (identify push): what they learned at
+        connection time (before the verdict: our private addresses) is replaced in their peerstores,
+        and so in their DHT answers about us."""
+        self._pushed = tuple(str(a) for a in self.host.get_addrs())
+        self.pushes += 1
+        log.info("advertising %s", " ".join(self._pushed) or "nothing")
+        with trio.move_on_after(timeout):
+            await push_identify_to_peers(self.host)
 
     def connection_kinds(self) -> dict[str, str]:
         """``{peer id: "direct" | "relayed"}`` for every open connection (direct wins when both are open)."""
@@ -404,14 +422,6 @@ class Connectivity:
         live = {str(p) for p in getattr(self.transport, "_reservations", {})}
         return [f"{addr}{CIRCUIT}/p2p/{me}" for pid, addr in self.reserved.items() if pid in live]
 
-    def advertised(self, me: str, own: list[str]) -> list[str]:
-        """What others should dial: behind a NAT with a reservation, the relayed addresses (our own are
-        private, nobody outside can dial them); otherwise our own."""
-        relayed = self.relayed_addrs(me)
-        if relayed and self.reachability in (HOLE_PUNCHABLE, RELAY_ONLY):
-            return relayed
-        return own
-
     async def reserve(self, relay_addr: str, nursery: trio.Nursery, timeout: float) -> bool:
         """Reserve a slot on the relay at ``relay_addr`` (a full multiaddr); False if it refuses or is away."""
         info = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
@@ -433,6 +443,7 @@ class Connectivity:
                 log.debug("reservation on %s failed: %s", relay_addr, exc)
         if ok:
             self.reserved[info.peer_id.to_base58()] = relay_addr
+            self._advertise()
         return ok
 
     def report(self, me: str, bandwidth: str = "") -> str | None:

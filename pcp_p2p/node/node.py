@@ -59,14 +59,16 @@ from pcp_p2p import __version__
 from pcp_p2p.blob.routing import DhtRouting
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.core.addrs import local_networks
 from pcp_p2p.core.errors import ConfigError, PcpError, PeerGone, PeerTimeout
 from pcp_p2p.core.faults import LOCAL, WORLD_BROKE, Blame, Boundary, InternalFault, LocalFaults, blame_of
 from pcp_p2p.core.identity import Identity, load_or_create_identity
 from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
-from pcp_p2p.dht.table import PcpKadDHT, expand_unspecified
+from pcp_p2p.dht.table import PcpKadDHT
 from pcp_p2p.dht.validator import PcpRecordValidator
 from pcp_p2p.net import yamux_credit
+from pcp_p2p.net.advertise import Advertiser, expand_listen, install
 from pcp_p2p.net.budget import Budget, Limits, Rate, RateLimits
 from pcp_p2p.net.capabilities import Capabilities, probe
 from pcp_p2p.net.connectivity import (
@@ -328,22 +330,17 @@ class Node:
     # -- addresses --------------------------------------------------------------
 
     def addrs(self) -> list[str]:
-        """Dialable full multiaddrs of this node (``/p2p/<id>`` included)."""
-        out: list[str] = []
-        for ma in self.host.get_addrs():
-            s = str(ma)
-            if "/p2p/" not in s:
-                s = f"{s}/p2p/{self.peer_id}"
-            if s.startswith("/ip4/0.0.0.0/"):
-                out.extend(s.replace("/ip4/0.0.0.0/", f"/ip4/{ip}/", 1) for ip in _local_ipv4s())
-            else:
-                out.append(s)
-        return list(dict.fromkeys(out))
+        """This node's own listen addresses, dialable from this machine (``/p2p/<id>`` included):
+        what ``pcp node join`` prints and writes to ``node.addr`` for local tools. What others
+        are told to dial is :meth:`advertised_addrs`."""
+        listen = [str(a).split("/p2p/")[0] for a in self.host.get_transport_addrs()]
+        ips = _local_ipv4s() if any(a.startswith("/ip4/0.0.0.0/") for a in listen) else []
+        return [f"{a}/p2p/{self.peer_id}" for a in expand_listen(listen, ips)]
 
     def advertised_addrs(self) -> list[str]:
-        """What this node tells others to dial (its member record): behind a NAT with a relay
-        reservation, the relayed addresses instead of private ones nobody outside can dial."""
-        return self.connectivity.advertised(self.peer_id, self.addrs())
+        """What this node tells others to dial (member record, status, and through the host
+        identify and the DHT): one rule from the reachability verdict (:mod:`pcp_p2p.net.advertise`)."""
+        return [str(a) for a in self.host.get_addrs()]
 
     async def connect(self, peer: ID, addrs: tuple[str, ...] | list[str]) -> None:
         """Open a connection to ``peer`` at ``addrs``: direct ones first, then through its relays."""
@@ -665,6 +662,8 @@ class Node:
                 log.debug("hole punching to %s: trying again", peer)
             if (conn.reachability, tuple(conn.relayed_addrs(self.peer_id))) != before:
                 self._notify()
+            if conn.addrs_changed():  # peers learned our addresses at connection time: correct them
+                self.nursery.start_soon(conn.push_addrs, self.config.op_timeout)
             # The first verdict on a real network (never on 127.0.0.1: nobody public observes
             # us there) comes with the bandwidth to a few peers, measured once.
             late = trio.current_time() - started > 30
@@ -699,6 +698,7 @@ class Node:
             "routing_table_size": self.dht.get_routing_table_size(),
             "dht_mode": self.dht.mode.name.lower(),
             "reachability": self.connectivity.reachability,
+            "listen_addrs": self.addrs(),  # this node's own (advertised: the reply's addrs)
             "relayed_addrs": self.connectivity.relayed_addrs(self.peer_id),
             "relay_hop": self.connectivity.hop,
             "relayed_bytes": self.connectivity.protocol.relayed_bytes,
@@ -721,7 +721,7 @@ class Node:
                  **{name: fn() for name, fn in self.config.extra_status.items()}}
         return StatusReply(
             peer_id=self.peer_id,
-            addrs=tuple(self.addrs()),
+            addrs=tuple(self.advertised_addrs()),
             version=__version__,
             role=self.config.role,
             uptime_s=round(now - self._started_mono, 3),
@@ -778,10 +778,11 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     # it holds 100 connections: in a swarm that makes connections, and their
     # upkeep, grow with N. Probes dial on demand; keep only min_peers warm.
     connections = ConnectionConfig(min_connections=config.min_peers, low_watermark=config.min_peers)
-    # Identify advertises dialable addresses, not the 0.0.0.0 a node listens on:
-    # peers keep only dialable ones in their routing tables (pcp_p2p/dht/table.py).
-    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections,
-                    addrs_factory=lambda addrs: expand_unspecified(addrs, local_ips))
+    host = new_host(key_pair=identity.key_pair, psk=psk, listen_addrs=listen, connection_config=connections)
+    # What identify, the DHT and the member record advertise: one rule, from the verdict
+    # (pcp_p2p/net/advertise.py); never 0.0.0.0, never a private address from behind a NAT.
+    advertiser = Advertiser(identity.peer_id, local_ips)
+    install(host, advertiser)
     faults = LocalFaults()  # the node's own bugs, whichever boundary met them (Node.boundary, blobs, DHT)
     record_validator = PcpRecordValidator(config.record_kinds, faults=faults)
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
@@ -791,6 +792,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         validator=validator,
         validator_changed=True,
         strict_validation=True,
+        networks=local_networks(),  # whose private addresses its table keeps and passes on
     )
     dht.faults = faults
     gossipsub = GossipSub(
@@ -805,7 +807,8 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     traffic = Traffic()
     count_host_traffic(host, traffic)
     blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic, faults=faults)
-    connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips)
+    connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips,
+                                advertiser=advertiser)
     async with host.run(listen_addrs=listen), connectivity.running():
         async with background_trio_service(dht), background_trio_service(pubsub), background_trio_service(gossipsub):
             await pubsub.wait_until_ready()
