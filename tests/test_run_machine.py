@@ -148,3 +148,34 @@ def test_fork_choice_drops_the_losing_rounds_from_what_status_shows(tmp_path) ->
     assert m.stats.contributed_rounds == [1, 2, 3] and m.stats.superseded == 3
     m._commit_seen(commit(1, 3, "new3"), 11.0)  # the winning chain goes on: nothing more dropped
     assert [h["round"] for h in m.stats.history] == [1, 2, 3, 4] and m.stats.superseded == 3
+
+
+def test_a_members_uptime_counts_from_when_this_node_first_saw_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``Member.started_at`` is the member's own word: a fresh key that dates it back must not be
+    eligible to lead at once (``min_uptime_s``). Only members already in view during this node's
+    first look are taken at their word (it cannot tell them from members older than itself)."""
+    from pcp_p2p.diloco.run.run_machine import FIRST_LOOK_S
+
+    me, old, fresh = Identity.generate(), Identity.generate(), Identity.generate()
+    config = dataclasses.replace(SwarmConfig(spec=SPEC).election, min_uptime_s=5.0)
+    m = RunMachine.for_spec(SPEC, run_id="run", owner=Identity.generate().peer_id, identity=me,
+                            ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
+                            tokens_per_s=64.0, started_at=100.0, config=config)
+    m.start(100.0)
+    m.on_members([Member(me.peer_id, 100.0), Member(old.peer_id, 0.0)], 100.0)
+
+    def uptimes(members: list[Member], now: float) -> dict[str, float]:
+        m.on_members(members, now)
+        return {c.peer_id: c.uptime_s for c in m.candidates(now)}
+
+    later = 100.0 + FIRST_LOOK_S + 1.0
+    view = [Member(me.peer_id, 100.0), Member(old.peer_id, 0.0), Member(fresh.peer_id, 0.0)]  # "up since 0"
+    up = uptimes(view, later)
+    assert up[old.peer_id] == later  # there at this node's first look: its own word
+    assert up[fresh.peer_id] == 0.0  # appeared since: counted from when this node saw it
+    assert up[me.peer_id] == later - 100.0  # a later start than first seen: the later one counts
+    assert old.peer_id in m.election.view and fresh.peer_id not in m.election.view
+    up = uptimes(view, later + 5.0)
+    assert up[fresh.peer_id] == 5.0 and fresh.peer_id in m.election.view
+    uptimes(view[:2], later + 6.0)  # it leaves the view and comes back: new again
+    assert uptimes(view, later + 7.0)[fresh.peer_id] == 0.0 and fresh.peer_id not in m.election.view

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,6 +176,7 @@ REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
+FIRST_LOOK_S = 5.0  # members first seen this soon after this node's first view may predate it (see candidates)
 
 WORKER, SHEPHERD = "worker", "shepherd"
 
@@ -184,7 +186,7 @@ class Member:
     """What the run machine needs of one live member record (the pump reads membership)."""
 
     peer_id: str
-    started_at: float  # on the member's own clock
+    started_at: float  # on the member's own clock, as it says: a floor on its uptime, never proof of one
     can_compile: bool = True
     worker: bool = True  # role: a worker (not a client)
     in_run: bool = True  # lists this run
@@ -247,6 +249,8 @@ class RunMachine:
         self._last_lookup: dict[str, float] = {}
         self._last_catch_up: float | None = None
         self._cannot_lead: int | None = None  # a term held here whose set-up failed for good
+        self._view_began: float | None = None  # this node's first view of the members
+        self._first_seen: dict[str, float] = {}  # member -> when this node first saw it (candidates)
 
     @classmethod
     def for_spec(
@@ -303,6 +307,7 @@ class RunMachine:
         """The live members (once a second): the election's candidates, and the lookups now due."""
         def go() -> None:
             self.members = list(members)
+            self._observe(now)
             if not self.stop_latch.stopped and self._due(STOP_KIND, STOP_LOOKUP_EVERY_S, now):
                 self._out.append(LookUpOwnerRecord(STOP_KIND))  # a stop this node missed while down
             if (self.worker is None and not self._final_committed() and self._last_catch_up is not None
@@ -469,10 +474,32 @@ class RunMachine:
 
     # -- queries --------------------------------------------------------------------------
 
+    def _observe(self, now: float) -> None:
+        """Note when each member of the latest view was first seen here (a member that leaves
+        the view is forgotten: one that comes back is new again, so bounded by the view)."""
+        if self._view_began is None:
+            self._view_began = now
+        first_look = now - self._view_began < FIRST_LOOK_S
+        self._first_seen = {m.peer_id: self._first_seen.get(m.peer_id, -math.inf if first_look else now)
+                            for m in self.members}
+
+    def uptime(self, m: Member, now: float) -> float:
+        """How long ``m`` has been up, as far as this node can tell.
+
+        A member's ``started_at`` is its own word: a fresh key could date it back to look
+        eligible at once (``min_uptime_s``), or to look eligible when an honest holder
+        claimed its term and so outrank it there (``Election._expected_for``). So this node
+        counts uptime from no earlier than when it first saw the member itself. Only members
+        already in view during this node's first look (``FIRST_LOOK_S``) are taken at their
+        word: this node cannot tell them from members that were up long before it started.
+        """
+        floor = self._first_seen.get(m.peer_id, now)
+        return max(0.0, now - max(m.started_at, floor))
+
     def candidates(self, now: float) -> list[Candidate]:
         """The live members that may lead the run, as the election ranks them."""
         return [
-            Candidate(m.peer_id, max(0.0, now - m.started_at), m.can_compile, m.reachability)
+            Candidate(m.peer_id, self.uptime(m, now), m.can_compile, m.reachability)
             for m in self.members
             # a member that cannot compile never leads (``election.eligible``): not a candidate,
             # which spares the shepherd's view of the whole run a check per member
