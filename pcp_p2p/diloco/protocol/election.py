@@ -598,18 +598,28 @@ class Election:
         if hb.sent_at > now + self.config.max_skew_s:
             return [Rejected(hb.holder, ExpiredRecord(f"heartbeat sent {hb.sent_at - now:.1f} s in the future"))]
         self._heard(hb.holder, now)
-        if (self.role is Role.VACANT and not self.ended_by_rotation and now < lease.expiry
-                and self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover"):
-            self.role = Role.FOLLOWER  # suspected too early: it is alive, and nobody took its term
-            self.vacant_since = None
-            self.settle_until = None
-            self.history[-1].ended = None
+        self._follow_again(now)
         return []
 
     def _heard(self, holder: str, now: float) -> None:
         if self.lease is not None and holder == self.lease.holder:
             self.last_heard = now
         self.suspected.pop(holder, None)
+
+    def _follow_again(self, now: float) -> None:
+        """The holder of the term this node failed over from was just heard (its heartbeat or a
+        renewal), and no later term was accepted: it was slow, not dead, so it is followed again
+        and its term did not end after all. Not after a rotation (the term is over by plan), nor
+        for this node's own lease, an expired one, or a holder that announced its departure."""
+        lease = self.lease
+        if (self.role is not Role.VACANT or self.ended_by_rotation or lease is None or lease.holder == self.peer_id
+                or now >= lease.expiry or lease.holder in self.departed):
+            return
+        self.role = Role.FOLLOWER
+        self.vacant_since = None
+        self.settle_until = None
+        if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
+            self.history[-1].ended = None
 
     def _suspect(self, holder: str, now: float) -> None:
         self.suspected[holder] = now
@@ -639,11 +649,7 @@ class Election:
             if lease.issued > cur.issued:
                 self.lease = lease  # a renewal
                 self._heard(lease.holder, now)
-                if self.role is Role.VACANT and not self.ended_by_rotation and lease.holder != self.peer_id:
-                    self.role = Role.FOLLOWER  # it came back before we failed over
-                    self.vacant_since = None
-                    if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
-                        self.history[-1].ended = None  # the term goes on: it did not end after all
+                self._follow_again(now)
             return []
         effects: list[ElectionEffect] = []
         if cur is not None:
