@@ -179,3 +179,101 @@ def test_a_members_uptime_counts_from_when_this_node_first_saw_it(tmp_path) -> N
     assert up[fresh.peer_id] == 5.0 and fresh.peer_id in m.election.view
     uptimes(view[:2], later + 6.0)  # it leaves the view and comes back: new again
     assert uptimes(view, later + 7.0)[fresh.peer_id] == 0.0 and fresh.peer_id not in m.election.view
+
+
+# --- the failover wiring, machine by machine (no pump) ------------------------------------------
+
+BEATING = dataclasses.replace(SwarmConfig(spec=SPEC).election, heartbeat_s=0.5, suspect_s=1.5)
+
+
+def _machine(tmp_path, me: Identity, run: str, target: str | None = "cpu") -> RunMachine:  # type: ignore[no-untyped-def]
+    return RunMachine.for_spec(SPEC, run_id=run, owner=Identity.generate().peer_id, identity=me,
+                               ledger=ReputationLedger(tmp_path / f"{me.peer_id[-8:]}.json", run), target=target,
+                               tokens_per_s=64.0, started_at=0.0, config=BEATING)
+
+
+def holder_and_follower(tmp_path, target: str | None = "cpu"):  # type: ignore[no-untyped-def]
+    """Machines A and B of one run: A claims term 0 (it ranks first), B follows it from t = 1.6."""
+    from pcp_p2p.diloco.protocol.election import ranked
+
+    a, b = Identity.generate(), Identity.generate()
+    run = next(r for r in (f"run-{n}" for n in range(1000)) if ranked(r, 0, [a.peer_id, b.peer_id])[0] == a.peer_id)
+    ma, mb = _machine(tmp_path, a, run), _machine(tmp_path, b, run, target)
+    members = [Member(a.peer_id, 0.0), Member(b.peer_id, 0.0)]
+    claims = []
+    for m in (ma, mb):
+        m.start(0.0)
+        m.on_lease_lookup(None, 0.1)
+        claims += [e for e in m.on_commit_lookup(None, True, 0.1) + m.on_members(members, 1.5)
+                   if isinstance(e, PublishLease)]
+    (claim,) = claims
+    assert claim.lease.holder == a.peer_id and ma.still_holds(0)
+    mb.on_message(a.peer_id, claim.lease, 1.6)
+    assert mb.shepherd_peer == a.peer_id and mb.holds_term(0, a.peer_id)
+    return a, b, ma, mb
+
+
+def test_a_heartbeat_counts_only_straight_from_the_lease_holder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A genuine beat relayed (or replayed) by anyone else proves nobody alive: the follower that
+    hears the holder's beats only through a third party fails over when its silence says so."""
+    from pcp_p2p.diloco.protocol.election import Heartbeat, Role
+    from pcp_p2p.diloco.protocol.messages import sign
+
+    for sender, still_followed in (("holder", True), ("mallory", False)):
+        a, _b, ma, mb = holder_and_follower(tmp_path / sender, target=None)
+        beat = sign(Heartbeat(run_id=ma.run_id, term=0, holder=a.peer_id, sent_at=2.5), a)
+        mb.on_message(a.peer_id if sender == "holder" else Identity.generate().peer_id, beat, 2.5)
+        mb.tick(3.2)  # 1.6 s after the lease: past suspect_s (1.5 s) unless the beat at 2.5 counted
+        assert (mb.election.role is Role.FOLLOWER) is still_followed, sender
+        assert (a.peer_id in mb.election.suspected) is not still_followed
+
+
+def test_a_failover_successor_takes_over_the_attempt_its_worker_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``shepherd_built`` → ``_take_over_attempt``: the successor's new shepherd adopts the dead term's
+    signed announcement its own worker holds, and does not wait for the dead holder's worker. An
+    announcement whose signer this node never accepted for its term is not adopted, and a shepherd
+    built for a term this node no longer holds does not lead."""
+    import numpy as np
+
+    from pcp_p2p.diloco.algorithm.outer import OuterState
+    from pcp_p2p.diloco.protocol.effects import Send, StoreBlob
+    from pcp_p2p.diloco.protocol.messages import Join, RoundAnnouncement, sign
+    from pcp_p2p.diloco.protocol.shepherd import Shepherd
+
+    theta = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    a, b, ma, mb = holder_and_follower(tmp_path)
+    dead = Shepherd(spec=SPEC, run_id=ma.run_id, identity=a, term=0, state=OuterState.initial(theta))
+    for who in (a, b):
+        dead.on_join(sign(Join(run_id=ma.run_id, worker=who.peer_id, target="cpu", tokens_per_s=64.0), who), 2.0)
+    anns = [e.message for e in dead.tick(2.0 + dead.join_grace_s)
+            if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)]
+    ann = anns[0]
+    assert anns == [ann, ann]  # to both workers
+    mb.on_message(a.peer_id, ann, 3.0)
+    assert mb.worker is not None and mb.worker.current == ann
+    # A dies: B's silence passes suspect_s, the lookups find nothing newer, and B claims term 1.
+    t = 3.0 + BEATING.suspect_window_s + 0.1
+    mb.tick(t)
+    mb.on_lease_lookup(None, t)
+    setups = [e for e in mb.on_commit_lookup(None, True, t) + mb.tick(t) if isinstance(e, SetUpShepherd)]
+    assert [s.become.term for s in setups] == [1] and mb.still_holds(1)
+
+    def successor(term: int = 1) -> Shepherd:
+        return Shepherd(spec=SPEC, run_id=mb.run_id, identity=b, term=term, state=OuterState.initial(theta))
+
+    built = successor()
+    effects = mb.shepherd_built(built, t + 1.0)
+    assert mb.shepherd is built and built.adopted == ann  # the attempt in flight goes on: not announced again
+    assert StoreBlob(built.theta_cid, built.theta_bytes) in effects
+    assert not [e for e in effects if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)]
+    assert a.peer_id in built.round_agg.reported  # the dead holder's own worker is not waited for
+
+    mallory = Identity.generate()
+    forged = sign(dataclasses.replace(ann, shepherd=mallory.peer_id, signature=b""), mallory)
+    mb.worker.current = forged  # (as if the worker had taken it: the machine still checks its signer's term)
+    other = successor()
+    mb.shepherd_built(other, t + 1.0)
+    assert mb.shepherd is other and other.adopted is None
+    late = successor(term=7)  # a term this node does not hold
+    mb.shepherd_built(late, t + 1.0)
+    assert mb.shepherd is other
