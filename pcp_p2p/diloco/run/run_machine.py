@@ -21,9 +21,11 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   are refused.
 - **A lost term's set-up is cancelled** (``CancelSetUp``) as soon as another node
   holds it or this one steps down; **a term whose set-up failed** (three attempts on
-  a node: no checkpoint, no θ, a compile error) is not renewed, so its lease lapses
-  and the next term is claimed instead of the run stalling behind a holder that
-  cannot lead.
+  a node: no checkpoint, no θ, a compile error) is given up at once
+  (``Election.resign``), and this node claims no term for a while, 10 s doubling
+  with each failure in a row to 5 min (a success resets it; the phase says
+  ``set-up failed: <why>; next try in N s``): the run neither stalls behind a
+  holder that cannot lead nor, on a sole candidate, fails again every few seconds.
 - **No new term after the last round**: the election knows the run's length
   (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
   a lease or a term any input would still publish or set up is dropped here
@@ -176,6 +178,8 @@ REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
+SETUP_BACKOFF_S = 10.0  # after a term whose set-up failed here, no claim for this long ...
+SETUP_BACKOFF_MAX_S = 300.0  # ... doubling with each failure in a row, up to this; a success resets it
 FIRST_LOOK_S = 5.0  # members first seen this soon after this node's first view may predate it (see candidates)
 
 WORKER, SHEPHERD = "worker", "shepherd"
@@ -248,7 +252,7 @@ class RunMachine:
         self._saved_term: int | None = None
         self._last_lookup: dict[str, float] = {}
         self._last_catch_up: float | None = None
-        self._cannot_lead: int | None = None  # a term held here whose set-up failed for good
+        self._setup_failures = 0  # terms in a row whose set-up failed here (the back-off's exponent)
         self._view_began: float | None = None  # this node's first view of the members
         self._first_seen: dict[str, float] = {}  # member -> when this node first saw it (candidates)
 
@@ -388,6 +392,8 @@ class RunMachine:
                 log.info("run %s: term %d ended while it was being set up", self.run_id[:16], shepherd.term)
                 return
             self.shepherd = shepherd
+            self._setup_failures = 0  # set up: the next failure backs off from the start again
+            self.election.claims_paused_until = None
             # The term's starting θ must be fetchable by the workers.
             self._round(SHEPHERD, [StoreBlob(shepherd.theta_cid, shepherd.theta_bytes)], now)
             self._take_over_attempt(shepherd, now)
@@ -410,6 +416,15 @@ class RunMachine:
         here and, through the member record, on every worker."""
         self.setup_error = error
 
+    def setup_phase(self, now: float) -> str | None:
+        """Why this node, elected, could not set the run up, and when it tries again (``None``: it could)."""
+        if self.setup_error is None:
+            return None
+        paused = self.election.claims_paused_until
+        if paused is None or now >= paused or self.becoming:
+            return self.setup_error
+        return f"{self.setup_error}; next try in {math.ceil(paused - now):.0f} s"
+
     def setup_ended(self, term: int, now: float) -> list[RunEffect]:
         """The set-up of ``term`` is over (built, failed or cancelled): replay the kept joins."""
         def go() -> None:
@@ -417,12 +432,17 @@ class RunMachine:
                 self.becoming_term = None
             self.becoming = False
             if self.still_holds(term) and (self.shepherd is None or self.shepherd.term != term):
-                # Held, and nobody leads it: stop renewing the lease so that it lapses and the
-                # next term is claimed (by whoever ranks first for it, with what it holds).
-                log.warning("run %s: term %d could not be set up here (%s); letting its lease lapse",
-                            self.run_id[:16], term, self.setup_error)
-                self._cannot_lead = term
-                self._out.append(Leads(False))
+                # Held, and nobody leads it: give the term up now (its heartbeats stop, so the
+                # followers fail over at once), and claim none for a while: as the only candidate
+                # this node would otherwise claim the next term at once and fail again, for ever.
+                # The wait doubles with each failure in a row (a success resets it); other
+                # candidates claim meanwhile (Election.claims_paused_until).
+                self._setup_failures += 1
+                wait = min(SETUP_BACKOFF_MAX_S, SETUP_BACKOFF_S * 2 ** (self._setup_failures - 1))
+                self.election.claims_paused_until = now + wait
+                log.warning("run %s: term %d could not be set up here (%s); giving it up, next claim in %.0f s",
+                            self.run_id[:16], term, self.setup_error, wait)
+                self._election(self.election.resign(term, now), now)
             early, self._early = self._early, []
             for sender, msg in early:
                 self._message(sender, msg, now)
@@ -748,8 +768,6 @@ class RunMachine:
             effects = [e for e in effects if not isinstance(e, (PublishLease, BecomeShepherd))]
         for e in effects:
             if isinstance(e, PublishLease):
-                if e.renewal and e.lease.term == self._cannot_lead:
-                    continue  # a term this node cannot lead lapses (see ``setup_ended``)
                 self._out.append(e)
                 if not e.renewal:
                     log.info("run %s: this node claims term %d", self.run_id[:16], e.lease.term)
