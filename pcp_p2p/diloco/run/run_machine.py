@@ -54,7 +54,8 @@ Transitions (inputs down the side; what changes and the effects it yields):
 input                      effect
 =========================  =================================================================
 ``start``                  election starts: ``LookUpLease``, ``LookUpCommit(for_election)``
-``on_members`` (1 s)       candidates filtered (admission, departures) to the election;
+``on_members`` (1 s)       candidates filtered (admission, departures), uptime counted from
+                           when this node first saw each (``uptime``), to the election;
                            owner-record lookups (stop, allowlist) and catch-up when due
 ``on_message`` Lease       election: ``PublishLease``/``SetUpShepherd``/follow/step down
 ``on_message`` Heartbeat   election (a follower that stops hearing them fails over);
@@ -70,7 +71,8 @@ input                      effect
 ``on_replicated``          the held commit and everything after it go out
 ``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ;
                            after a failover it takes over the attempt in flight (``adopt``)
-``setup_ended``            compiling over: the kept joins are replayed
+``setup_ended``            compiling over: the kept joins are replayed; a held term that was
+                           not set up is given up (``StepDown``) and claims back off
 ``tick``                   every machine's deadlines
 ``stop``                   the owner's order: ``Stopped``, ``RunEnded``
 =========================  =================================================================
