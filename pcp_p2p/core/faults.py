@@ -206,7 +206,8 @@ class Boundary:
         if blame_of(exc) == LOCAL:
             self.faults.record(exc, where)
             return InternalFault(f"{what} failed on this node")
-        return PeerGone(f"{what} failed: {sole(exc) or type(sole(exc)).__name__}")
+        inner = sole(exc)
+        return PeerGone(f"{what} failed: {str(inner) or type(inner).__name__}")
 
 
 def refusal_reason(exc: BaseException) -> str:
