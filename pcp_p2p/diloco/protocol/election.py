@@ -53,7 +53,8 @@ term an honest node claims.
 
 Lifecycle of a term, as seen by one node::
 
-    VACANT   --tick, I rank first among live candidates-->   HOLDER   (PublishLease, BecomeShepherd)
+    VACANT   --tick, I rank first among live candidates-->   HOLDER   (PublishLease, BecomeShepherd;
+                                                                       not while claims_paused_until)
     VACANT   --valid lease of a newer term-->                FOLLOWER (FollowShepherd)
     VACANT   --claim_timeout_s without a lease-->            VACANT   (the next term is up for claim)
     HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal)
