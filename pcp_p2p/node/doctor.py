@@ -104,6 +104,7 @@ class SpeedServer:
         return True
 
     async def handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
         try:
             if self._busy.locked() or not self.admit(self.clock()):
                 self.refused += 1
@@ -118,7 +119,7 @@ class SpeedServer:
                     await stream.write(b"\x01")
                     await _send_zeros(stream, down)
         except Exception as exc:  # a stranger's broken test: close, nothing else; a bug of ours: logged, counted
-            self.boundary.judge(stream.muxed_conn.peer_id.to_base58(), exc, "speed", level=logging.DEBUG)
+            self.boundary.judge(peer, exc, "speed", level=logging.DEBUG)
         finally:
             await close_stream(stream)
 
