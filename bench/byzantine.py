@@ -253,7 +253,7 @@ def plan_for(arm: Arm, workers: set[str], rate: float) -> list[PlannedAudit]:
         ann = arm.log.announcements[(c.term, c.round, c.attempt)]
         accepted = {w: subs[(w, c.round, c.attempt)] for w in c.participants if w in workers}
         out += plan_audits(run_id=arm.run_id, rate=rate, identity=arm.owner, announcement=ann,
-                           accepted=accepted, beacon=c.theta_cid, targets=targets)
+                           accepted=accepted, beacon=c.theta_cid, targets=targets, shepherd_term=c.term)
     return out
 
 

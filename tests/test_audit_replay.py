@@ -77,7 +77,7 @@ def audit_report(auditor: InnerEngine, who: Identity, sub_bytes: bytes, assignme
     req = sign(audit.AuditRequest(
         run_id=RUN, term=0, round=1, attempt=0, worker=W.peer_id, submission_cid=cid_of(sub_bytes), beacon=beacon,
         assignment=assignment, target="t", artifact_cid="a", dataset_cid="d", auditor=who.peer_id,
-        shepherd=shepherd().peer_id,
+        shepherd=shepherd().peer_id, shepherd_term=0,
     ), shepherd())
     job = audit.AuditJob(req, who, chunk_steps=CHUNK_STEPS)
     job.on_blob(req.submission_cid, sub_bytes)

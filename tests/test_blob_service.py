@@ -221,7 +221,10 @@ async def test_declared_size_above_limit_is_oversized(tmp_path: Path) -> None:
         assert tmp_is_empty(small)
 
 
-async def test_malformed_request_gets_bad_request_and_server_keeps_serving(tmp_path: Path) -> None:
+async def test_malformed_request_gets_bad_request_and_server_keeps_serving(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
     data = os.urandom(2 * CS)
     async with network(tmp_path) as net:
         a, b = await net.node(), await net.node()
@@ -239,6 +242,13 @@ async def test_malformed_request_gets_bad_request_and_server_keeps_serving(tmp_p
         assert (await P.read_frame(stream, P.BlobReply, timeout=5)).status == P.BAD_REQUEST
         await stream.close()
         assert (await b.fetch(cid, providers=[info(a)])).read_bytes() == data
+    # judged by the node's one rule (pcp_p2p.core.faults.Boundary): the peer's fault, counted by kind,
+    # logged once per (peer, kind), the repeats at debug; nothing counted as a bug of ours
+    rejected = dict(a.boundary.rejected)
+    assert sum(rejected.values()) == 3 and all(k.startswith("blob:") for k in rejected), rejected
+    loud = [r for r in caplog.records if "blob rejected" in r.getMessage() and r.levelno >= logging.INFO]
+    assert len(loud) == len(rejected) < 3
+    assert a.boundary.faults.total == 0
 
 
 async def test_peer_streaming_endless_garbage_on_the_control_stream(tmp_path: Path) -> None:

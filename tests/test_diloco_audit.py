@@ -107,7 +107,7 @@ def selected_request(sub_bytes: bytes, auditor: Identity = A1, beacon: str | Non
     return sign(audit.AuditRequest(
         run_id=RUN, term=2, round=7, attempt=0, worker=W.peer_id, submission_cid=cid_of(sub_bytes),
         beacon=beacon, assignment=ASSIGN, target="cpu-x", artifact_cid="bafkrei-art", dataset_cid="bafk-ds",
-        auditor=auditor.peer_id, shepherd=SHEP.peer_id,
+        auditor=auditor.peer_id, shepherd=SHEP.peer_id, shepherd_term=2,
     ), SHEP)
 
 
@@ -141,7 +141,7 @@ def test_plan_audits_selects_by_the_draw_and_same_target_auditors():
     targets = {W.peer_id: "cpu-x", A1.peer_id: "cpu-x", OUT.peer_id: "cpu-other"}
     req = selected_request(sub_bytes)
     planned = plan_audits(run_id=RUN, rate=0.05, identity=SHEP, announcement=ann,
-                          accepted={W.peer_id: sub}, beacon=req.beacon, targets=targets)
+                          accepted={W.peer_id: sub}, beacon=req.beacon, targets=targets, shepherd_term=2)
     assert len(planned) == 1
     (p,) = planned
     assert p.request.auditor == A1.peer_id  # the only other worker of the same target
@@ -149,9 +149,10 @@ def test_plan_audits_selects_by_the_draw_and_same_target_auditors():
     audit.check_request(p.request, run_id=RUN, rate=0.05, is_shepherd=is_shepherd)
     # not drawn: nothing planned; no same-target peer: nothing planned
     assert plan_audits(run_id=RUN, rate=0.0, identity=SHEP, announcement=ann, accepted={W.peer_id: sub},
-                       beacon=req.beacon, targets=targets) == []
+                       beacon=req.beacon, targets=targets, shepherd_term=2) == []
     assert plan_audits(run_id=RUN, rate=1.0, identity=SHEP, announcement=ann, accepted={W.peer_id: sub},
-                       beacon=req.beacon, targets={W.peer_id: "cpu-x", OUT.peer_id: "cpu-other"}) == []
+                       beacon=req.beacon, targets={W.peer_id: "cpu-x", OUT.peer_id: "cpu-other"},
+                       shepherd_term=2) == []
 
 
 def test_request_from_a_non_shepherd_or_not_drawn_is_refused():
@@ -439,7 +440,7 @@ def test_the_hooks_on_a_real_shepherd_round():
     chain.committed(accepted.values())
     targets = {who.peer_id: "cpu" for who in r.ids}
     planned = plan_audits(run_id=RUN_ID, rate=1.0, identity=OWNER, announcement=r.ann, accepted=accepted,
-                          beacon=record.theta_cid, targets=targets)
+                          beacon=record.theta_cid, targets=targets, shepherd_term=0)
     assert {p.request.worker for p in planned} == set(accepted)
     for p in planned:
         audit.check_request(p.request, run_id=RUN_ID, rate=1.0, is_shepherd=lambda t, peer: peer == OWNER.peer_id)
@@ -452,6 +453,50 @@ def test_the_hooks_on_a_real_shepherd_round():
         chain.check(r.submission(r.ids[0], state_in="1" * 64, state_out="a" * 64))
 
 
+def test_an_attempt_taken_over_after_a_failover_is_audited_under_the_successors_term():
+    """A shepherd dies right after announcing: its successor commits the attempt (``Shepherd.adopt``)
+    and the commit draws audits like any other. Each request names the dead term (the submission's,
+    which the draw hashes) and the successor's own, which is the lease the auditors check."""
+    from test_diloco_protocol import RUN_ID, SPEC, THETA0, Round
+    from test_diloco_protocol import ident as protocol_ident
+
+    from pcp_p2p.diloco.algorithm.outer import OuterState
+    from pcp_p2p.diloco.protocol.effects import Committed
+    from pcp_p2p.diloco.protocol.messages import Join
+    from pcp_p2p.diloco.protocol.shepherd import Shepherd
+
+    r = Round()  # term 0: round 0 announced to three workers
+    heir = protocol_ident(2)
+    new = Shepherd(spec=SPEC, run_id=RUN_ID, identity=heir, term=1, state=OuterState.initial(THETA0),
+                   audits=AuditDesk(RUN_ID, heir, 1.0))
+    assert new.adopt(r.ann, now=5.0) == [] and new.adopted == r.ann
+    effects = []
+    for i, who in enumerate(r.ids):  # each follows the new term: joins it, sends its signed Δ again
+        effects += new.on_join(sign(Join(run_id=RUN_ID, worker=who.peer_id, target="cpu", tokens_per_s=100.0),
+                                    who), now=6.0)
+        effects += new.on_submission(r.submission(who, state_in=FRESH_STATE, state_out=f"{i}" * 64), now=6.0)
+    (record,) = [e.record for e in effects if isinstance(e, Committed)]
+    assert (record.term, record.shepherd) == (1, heir.peer_id)
+    requests = {e.message for e in effects if isinstance(e, Send) and isinstance(e.message, audit.AuditRequest)}
+    assert {q.worker for q in requests} == set(record.participants) == {w.peer_id for w in r.ids}
+    blobs = {e.cid: e.data for e in effects if isinstance(e, StoreBlob)}
+
+    def heir_holds(term: int, peer: str) -> bool:  # an auditor's election: it accepted term 1's lease only
+        return (term, peer) == (1, heir.peer_id)
+
+    for q in requests:
+        assert (q.term, q.shepherd_term, q.shepherd) == (0, 1, heir.peer_id)
+        audit.check_request(q, run_id=RUN_ID, rate=1.0, is_shepherd=heir_holds)
+        assert audit.check_submission(q, blobs[q.submission_cid]).term == 0
+    q = next(iter(requests))
+    with pytest.raises(NotElected):  # asking in the dead term's name: the heir never held it
+        audit.check_request(sign(dataclasses.replace(q, shepherd_term=0, signature=b""), heir), run_id=RUN_ID,
+                            rate=1.0, is_shepherd=heir_holds)
+    with pytest.raises(VerificationError):  # a term before the submission's never asks for it
+        audit.check_request(sign(dataclasses.replace(q, term=2, signature=b""), heir), run_id=RUN_ID, rate=1.0,
+                            is_shepherd=lambda term, peer: True)
+
+
 # --- the shepherd's desk: draw, escalate, ban ---------------------------------------------------
 
 
@@ -462,7 +507,7 @@ def desk_with_case(tampered: bool) -> tuple[AuditDesk, audit.AuditRequest, bytes
     beacon = selected_request(sub_bytes).beacon
     desk = AuditDesk(RUN, SHEP, 0.05)
     targets = {W.peer_id: "cpu-x", A1.peer_id: "cpu-x", A2.peer_id: "cpu-x", OUT.peer_id: "other"}
-    effects = desk.on_commit(announcement(), {W.peer_id: sub}, beacon, targets)
+    effects = desk.on_commit(announcement(), {W.peer_id: sub}, beacon, targets, term=2)
     (req,) = {e.message for e in effects if isinstance(e, Send)}
     assert isinstance(req, audit.AuditRequest) and req.auditor in (A1.peer_id, A2.peer_id)
     assert [e for e in effects if isinstance(e, StoreBlob)] == [StoreBlob(req.submission_cid, sub_bytes)]

@@ -131,6 +131,16 @@ def test_a_holder_heard_again_before_anyone_took_its_term_is_followed_again() ->
     assert b.role is Role.FOLLOWER and b.holder == holder.peer_id and not b.suspected
 
 
+def test_a_holder_that_announced_its_departure_is_not_followed_again_on_a_late_heartbeat() -> None:
+    """A heartbeat it sent before leaving may arrive after the ``Leave``: that holder is gone."""
+    es = swarm(run_where(0, [1]))
+    holder, b, _ = es
+    late = sign(Heartbeat(run_id=holder.run_id, term=0, holder=holder.peer_id, sent_at=1.9), holder.identity)
+    b.on_departure(holder.peer_id, 2.0, 2.0)
+    assert b.role is Role.VACANT
+    assert b.on_heartbeat(late, 2.1) == [] and b.role is Role.VACANT and b.history[-1].ended == "failover"
+
+
 def test_heartbeats_off_keeps_failover_on_lease_expiry() -> None:
     off = dataclasses.replace(CONFIG, heartbeat_s=0.0)
     e = Election("run", IDS[1], off)

@@ -281,7 +281,7 @@ async def test_a_bug_serving_a_blob_answers_internal_error_and_the_next_fetch_wo
         cid = await server.publish(data)
         with trio.fail_after(20), pytest.raises(PeerError, match="internal error"):
             await client.fetch(cid, providers=[info(server)], pin=False)
-        assert server.faults.counts == {"blob:ZeroDivisionError": 1}
+        assert server.boundary.faults.counts == {"blob:ZeroDivisionError": 1}
         assert len(_errors(caplog)) == 1 and _errors(caplog)[0].exc_info is not None
         with trio.fail_after(20):
             await client.fetch(cid, providers=[info(server)], pin=False)
@@ -387,3 +387,50 @@ async def test_a_bug_under_a_dht_operation_is_a_local_fault_not_a_vanished_peer(
     with pytest.raises(PeerGone):
         await node.get_record("member", "x")
     assert node.boundary.faults.total == 1
+
+
+async def test_a_bug_opening_a_message_or_kad_stream_is_a_local_fault_not_a_vanished_peer() -> None:
+    """``Messenger.send`` and ``dht.rpc.kad_request`` once turned every failure to open a stream
+    into ``PeerGone``: a bug of ours there looked like the network's fault and was never counted.
+    By the boundary's rule (``Boundary.failure``) only the transport's failures are ``PeerGone``."""
+    from types import SimpleNamespace
+
+    from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
+    from libp2p.peer.id import ID
+
+    from pcp_p2p.core.faults import Boundary
+    from pcp_p2p.core.identity import Identity
+    from pcp_p2p.core.logs import LogOnce
+    from pcp_p2p.dht import rpc
+    from pcp_p2p.diloco.protocol.messages import Join
+    from pcp_p2p.node.messaging import Messenger
+
+    peer = Identity.generate().peer_id
+    failure: list[Exception] = []
+
+    async def new_stream(*args: object) -> None:
+        raise failure[-1]
+
+    def no_protocols(_peer: object) -> None:
+        raise KeyError("no protocols known")  # (rpc.speaks_kad: then the stream is negotiated)
+
+    host = SimpleNamespace(new_stream=new_stream,
+                           get_network=lambda: SimpleNamespace(connections={ID.from_base58(peer): object()}),
+                           get_peerstore=lambda: SimpleNamespace(get_protocols=no_protocols))
+    boundary = Boundary(LogOnce(logging.getLogger("test")))
+    messenger = Messenger.__new__(Messenger)
+    messenger.node = SimpleNamespace(config=SimpleNamespace(op_timeout=5.0), host=host,  # type: ignore[assignment]
+                                     boundary=boundary)
+    join = Join(run_id="run", worker=peer, target="cpu", tokens_per_s=1.0)
+    request = KadMessage(type=KadMessage.MessageType.GET_VALUE, key=b"/pcp/member/x")
+    for n, (send, where) in enumerate([(lambda: messenger.send(peer, join), "message"),
+                                       (lambda: rpc.kad_request(host, ID.from_base58(peer), request,  # type: ignore[arg-type]
+                                                                boundary=boundary), "dht")], start=1):
+        failure.append(ZeroDivisionError("a bug opening the stream"))
+        with pytest.raises(InternalFault):
+            await send()
+        assert boundary.faults.counts[f"{where}:ZeroDivisionError"] == 1 and boundary.faults.total == n
+        failure.append(trio.BrokenResourceError("the connection went away"))
+        with pytest.raises(PeerGone):
+            await send()
+        assert boundary.faults.total == n  # the world broke: nobody's bug

@@ -115,7 +115,7 @@ def _request(sub_bytes: bytes, auditor: Identity, assignment: DataAssignment = A
     return sign(audit.AuditRequest(
         run_id=RUN, term=0, round=1, attempt=0, worker=W.peer_id, submission_cid=cid_of(sub_bytes), beacon=beacon,
         assignment=assignment, target="t", artifact_cid="a", dataset_cid="d", auditor=auditor.peer_id,
-        shepherd=SHEP.peer_id,
+        shepherd=SHEP.peer_id, shepherd_term=0,
     ), SHEP)
 
 

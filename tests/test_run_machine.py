@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from pcp_p2p.core.identity import Identity
@@ -98,9 +99,9 @@ def test_many_seeds_kills_loss_rotation_and_a_partition(seed: int) -> None:
         base, nodes=7, plan=plan, election=dataclasses.replace(base.election, rotate_every=rng.choice([0, 3])))))
 
 
-def lone_machine(tmp_path) -> RunMachine:  # type: ignore[no-untyped-def]
+def lone_machine(tmp_path, owner: Identity | None = None) -> RunMachine:  # type: ignore[no-untyped-def]
     """One machine, alone in its run, that has claimed term 0 and is setting it up."""
-    me, owner = Identity.generate(), Identity.generate()
+    me, owner = Identity.generate(), owner or Identity.generate()
     m = RunMachine.for_spec(SPEC, run_id="run", owner=owner.peer_id, identity=me,
                             ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
                             tokens_per_s=64.0, started_at=0.0, config=SwarmConfig(spec=SPEC).election)
@@ -115,13 +116,15 @@ def renewals(effects: list) -> list:
     return [e for e in effects if isinstance(e, PublishLease) and e.renewal]
 
 
-def test_a_term_whose_set_up_failed_is_not_renewed_so_it_lapses(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_term_whose_set_up_failed_is_given_up_and_not_renewed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pcp_p2p.diloco.run.run_effects import Leads
+
     compiling, failed = lone_machine(tmp_path / "a"), lone_machine(tmp_path / "b")
     failed.setup_failed("the lease's checkpoint is held by no live node")
-    failed.setup_ended(0, 2.0)
-    assert not failed.becoming and failed.still_holds(0)
-    at = failed.election.next_wakeup
-    assert renewals(failed.tick(at)) == []  # the holder that cannot lead lets its lease lapse
+    out = failed.setup_ended(0, 2.0)
+    assert not failed.becoming and not failed.still_holds(0) and Leads(False) in out  # given up at once
+    at = compiling.election.next_wakeup
+    assert renewals(failed.tick(at)) == [] and failed.election.heartbeat(at) is None  # no lease, no beats
     assert renewals(compiling.tick(at))  # while the set-up is still under way, the lease is renewed
 
 
@@ -183,3 +186,236 @@ def test_fork_choice_drops_losing_rounds_below_the_winning_commit(tmp_path) -> N
     n._commit_seen(commit(1, 2, "new2", "new1"), 10.0)
     assert [(h["round"], h["theta"]) for h in n.stats.history] == [(1, "old0"), (3, "new2")]
     assert n.stats.superseded == 1
+
+
+def test_a_members_uptime_counts_from_when_this_node_first_saw_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``Member.started_at`` is the member's own word: a fresh key that dates it back must not be
+    eligible to lead at once (``min_uptime_s``). Only members already in view during this node's
+    first look are taken at their word (it cannot tell them from members older than itself)."""
+    from pcp_p2p.diloco.run.run_machine import FIRST_LOOK_S
+
+    me, old, fresh = Identity.generate(), Identity.generate(), Identity.generate()
+    config = dataclasses.replace(SwarmConfig(spec=SPEC).election, min_uptime_s=5.0)
+    m = RunMachine.for_spec(SPEC, run_id="run", owner=Identity.generate().peer_id, identity=me,
+                            ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
+                            tokens_per_s=64.0, started_at=100.0, config=config)
+    m.start(100.0)
+    m.on_members([Member(me.peer_id, 100.0), Member(old.peer_id, 0.0)], 100.0)
+
+    def uptimes(members: list[Member], now: float) -> dict[str, float]:
+        m.on_members(members, now)
+        return {c.peer_id: c.uptime_s for c in m.candidates(now)}
+
+    later = 100.0 + FIRST_LOOK_S + 1.0
+    view = [Member(me.peer_id, 100.0), Member(old.peer_id, 0.0), Member(fresh.peer_id, 0.0)]  # "up since 0"
+    up = uptimes(view, later)
+    assert up[old.peer_id] == later  # there at this node's first look: its own word
+    assert up[fresh.peer_id] == 0.0  # appeared since: counted from when this node saw it
+    assert up[me.peer_id] == later - 100.0  # a later start than first seen: the later one counts
+    assert old.peer_id in m.election.view and fresh.peer_id not in m.election.view
+    up = uptimes(view, later + 5.0)
+    assert up[fresh.peer_id] == 5.0 and fresh.peer_id in m.election.view
+    uptimes(view[:2], later + 6.0)  # it leaves the view and comes back: new again
+    assert uptimes(view, later + 7.0)[fresh.peer_id] == 0.0 and fresh.peer_id not in m.election.view
+
+
+# --- the failover wiring, machine by machine (no pump) ------------------------------------------
+
+BEATING = dataclasses.replace(SwarmConfig(spec=SPEC).election, heartbeat_s=0.5, suspect_s=1.5)
+
+
+def _machine(tmp_path, me: Identity, run: str, target: str | None = "cpu") -> RunMachine:  # type: ignore[no-untyped-def]
+    return RunMachine.for_spec(SPEC, run_id=run, owner=Identity.generate().peer_id, identity=me,
+                               ledger=ReputationLedger(tmp_path / f"{me.peer_id[-8:]}.json", run), target=target,
+                               tokens_per_s=64.0, started_at=0.0, config=BEATING)
+
+
+def holder_and_follower(tmp_path, target: str | None = "cpu"):  # type: ignore[no-untyped-def]
+    """Machines A and B of one run: A claims term 0 (it ranks first), B follows it from t = 1.6."""
+    from pcp_p2p.diloco.protocol.election import ranked
+
+    a, b = Identity.generate(), Identity.generate()
+    run = next(r for r in (f"run-{n}" for n in range(1000)) if ranked(r, 0, [a.peer_id, b.peer_id])[0] == a.peer_id)
+    ma, mb = _machine(tmp_path, a, run), _machine(tmp_path, b, run, target)
+    members = [Member(a.peer_id, 0.0), Member(b.peer_id, 0.0)]
+    claims = []
+    for m in (ma, mb):
+        m.start(0.0)
+        m.on_lease_lookup(None, 0.1)
+        claims += [e for e in m.on_commit_lookup(None, True, 0.1) + m.on_members(members, 1.5)
+                   if isinstance(e, PublishLease)]
+    (claim,) = claims
+    assert claim.lease.holder == a.peer_id and ma.still_holds(0)
+    mb.on_message(a.peer_id, claim.lease, 1.6)
+    assert mb.shepherd_peer == a.peer_id and mb.holds_term(0, a.peer_id)
+    return a, b, ma, mb
+
+
+def test_a_heartbeat_counts_only_straight_from_the_lease_holder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A genuine beat relayed (or replayed) by anyone else proves nobody alive: the follower that
+    hears the holder's beats only through a third party fails over when its silence says so."""
+    from pcp_p2p.diloco.protocol.election import Heartbeat, Role
+    from pcp_p2p.diloco.protocol.messages import sign
+
+    for sender, still_followed in (("holder", True), ("mallory", False)):
+        a, _b, ma, mb = holder_and_follower(tmp_path / sender, target=None)
+        beat = sign(Heartbeat(run_id=ma.run_id, term=0, holder=a.peer_id, sent_at=2.5), a)
+        mb.on_message(a.peer_id if sender == "holder" else Identity.generate().peer_id, beat, 2.5)
+        mb.tick(3.2)  # 1.6 s after the lease: past suspect_s (1.5 s) unless the beat at 2.5 counted
+        assert (mb.election.role is Role.FOLLOWER) is still_followed, sender
+        assert (a.peer_id in mb.election.suspected) is not still_followed
+
+
+def test_a_failover_successor_takes_over_the_attempt_its_worker_holds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``shepherd_built`` → ``_take_over_attempt``: the successor's new shepherd adopts the dead term's
+    signed announcement its own worker holds, and does not wait for the dead holder's worker. An
+    announcement whose signer this node never accepted for its term is not adopted, and a shepherd
+    built for a term this node no longer holds does not lead."""
+    import numpy as np
+
+    from pcp_p2p.diloco.algorithm.outer import OuterState
+    from pcp_p2p.diloco.protocol.effects import Send, StoreBlob
+    from pcp_p2p.diloco.protocol.messages import Join, RoundAnnouncement, sign
+    from pcp_p2p.diloco.protocol.shepherd import Shepherd
+
+    theta = {"w": np.arange(8, dtype=np.float32).reshape(2, 4)}
+    a, b, ma, mb = holder_and_follower(tmp_path)
+    dead = Shepherd(spec=SPEC, run_id=ma.run_id, identity=a, term=0, state=OuterState.initial(theta))
+    for who in (a, b):
+        dead.on_join(sign(Join(run_id=ma.run_id, worker=who.peer_id, target="cpu", tokens_per_s=64.0), who), 2.0)
+    anns = [e.message for e in dead.tick(2.0 + dead.join_grace_s)
+            if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)]
+    ann = anns[0]
+    assert anns == [ann, ann]  # to both workers
+    mb.on_message(a.peer_id, ann, 3.0)
+    assert mb.worker is not None and mb.worker.current == ann
+    # A dies: B's silence passes suspect_s, the lookups find nothing newer, and B claims term 1.
+    t = 3.0 + BEATING.suspect_window_s + 0.1
+    mb.tick(t)
+    mb.on_lease_lookup(None, t)
+    setups = [e for e in mb.on_commit_lookup(None, True, t) + mb.tick(t) if isinstance(e, SetUpShepherd)]
+    assert [s.become.term for s in setups] == [1] and mb.still_holds(1)
+
+    def successor(term: int = 1) -> Shepherd:
+        return Shepherd(spec=SPEC, run_id=mb.run_id, identity=b, term=term, state=OuterState.initial(theta))
+
+    built = successor()
+    effects = mb.shepherd_built(built, t + 1.0)
+    assert mb.shepherd is built and built.adopted == ann  # the attempt in flight goes on: not announced again
+    assert StoreBlob(built.theta_cid, built.theta_bytes) in effects
+    assert not [e for e in effects if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)]
+    assert a.peer_id in built.round_agg.reported  # the dead holder's own worker is not waited for
+
+    mallory = Identity.generate()
+    forged = sign(dataclasses.replace(ann, shepherd=mallory.peer_id, signature=b""), mallory)
+    mb.worker.current = forged  # (as if the worker had taken it: the machine still checks its signer's term)
+    other = successor()
+    mb.shepherd_built(other, t + 1.0)
+    assert mb.shepherd is other and other.adopted is None
+    late = successor(term=7)  # a term this node does not hold
+    mb.shepherd_built(late, t + 1.0)
+    assert mb.shepherd is other
+
+
+# --- a set-up that keeps failing (#19): claims back off --------------------------------------------
+
+
+def pump(machines: list[RunMachine], start: float, until: float, *, step: float = 0.25,
+         stop_at_claim: bool = False, first: list | None = None) -> list[tuple[float, str, int]]:  # type: ignore[type-arg]
+    """Tick ``machines`` every ``step`` from ``start`` to ``until`` (sans-IO, time injected): leases
+    and heartbeats go to the others, lookups find nothing. ``first``: effects to carry out first.
+    Returns the claims: (time, peer, term) of every ``SetUpShepherd``."""
+    from pcp_p2p.diloco.protocol.effects import Send
+    from pcp_p2p.diloco.protocol.election import Heartbeat, Lease
+    from pcp_p2p.diloco.run.run_effects import LookUpCommit, LookUpLease
+
+    by_peer = {m.peer_id: m for m in machines}
+    claims: list[tuple[float, str, int]] = []
+
+    def carry_out(m: RunMachine, out: list, t: float) -> None:  # type: ignore[type-arg]
+        i = 0
+        while i < len(out):
+            e = out[i]
+            if isinstance(e, LookUpLease):
+                out += m.on_lease_lookup(None, t)
+            elif isinstance(e, LookUpCommit) and e.for_election:
+                out += m.on_commit_lookup(None, True, t)
+            elif isinstance(e, SetUpShepherd):
+                claims.append((t, m.peer_id, e.become.term))
+            elif isinstance(e, PublishLease):
+                for other in machines:
+                    if other is not m:
+                        carry_out(other, other.on_message(m.peer_id, e.lease, t), t)
+            elif isinstance(e, Send) and isinstance(e.message, (Lease, Heartbeat)) and e.to in by_peer:
+                to = by_peer[e.to]
+                carry_out(to, to.on_message(m.peer_id, e.message, t), t)
+            i += 1
+
+    if first:
+        carry_out(machines[0], first, start)
+    t = start
+    while t <= until + 1e-9 and not (stop_at_claim and claims):
+        for m in machines:
+            carry_out(m, m.tick(t), t)
+        t += step
+    return claims
+
+
+def test_a_sole_node_whose_set_up_keeps_failing_backs_off_and_stays_stoppable(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The only candidate, whose set-up fails every time (a dataset it cannot read): it used to
+    claim the next term and fail again for ever. Now each failure gives the term up and pauses
+    its claims 10 s, doubling to 5 min; the phase says when it tries next; a success resets the
+    back-off; and the owner's stop is taken at any point of it."""
+    from pcp_p2p.diloco.algorithm.outer import OuterState
+    from pcp_p2p.diloco.protocol.lifecycle import STOPPED, sign_stop
+    from pcp_p2p.diloco.protocol.shepherd import Shepherd
+    from pcp_p2p.diloco.run.run_effects import RunEnded
+    from pcp_p2p.diloco.run.run_machine import SETUP_BACKOFF_MAX_S, SETUP_BACKOFF_S
+
+    owner = Identity.generate()
+    m = lone_machine(tmp_path, owner)
+    why = "dataset 'x.txt' cannot be read"
+
+    def fail(term: int, at: float) -> list:  # type: ignore[type-arg]
+        m.setup_failed(why)
+        return m.setup_ended(term, at)
+
+    term, at, waits = 0, 2.0, []
+    for _ in range(7):
+        out = fail(term, at)
+        wait = min(SETUP_BACKOFF_MAX_S, SETUP_BACKOFF_S * 2 ** len(waits))
+        assert m.setup_phase(at) == f"{why}; next try in {wait:.0f} s"
+        assert m.setup_phase(at + wait / 2) == f"{why}; next try in {wait / 2:.0f} s"
+        ((claimed, _, term),) = pump([m], at, at + 400.0, stop_at_claim=True, first=out)
+        waits.append(claimed - at)
+        at = claimed + 0.5  # it fails again half a second later
+    assert waits == [10.0, 20.0, 40.0, 80.0, 160.0, 300.0, 300.0]
+
+    # A success resets the back-off: the next failure waits 10 s again.
+    m.shepherd_built(Shepherd(spec=SPEC, run_id="run", identity=m.identity, term=term,
+                              state=OuterState.initial({"w": np.zeros((2, 2), np.float32)})), at)
+    m.setup_failed(None)
+    m.setup_ended(term, at)
+    assert m.shepherd is not None and m.setup_phase(at) is None
+    lapse = m.election.lease.expiry  # (it stops being ticked: its lease lapses, and it claims again)
+    ((claimed, _, term),) = pump([m], lapse, lapse + 30.0, stop_at_claim=True)
+    fail(term, claimed + 0.5)
+    assert m.setup_phase(claimed + 0.5) == f"{why}; next try in 10 s"
+
+    # Stoppable in the middle of a back-off: the owner's order ends the run at once.
+    ended = m.stop(sign_stop(owner, "run", now=claimed + 3.0), claimed + 3.0)
+    assert RunEnded(STOPPED, "") in ended and m.phase == STOPPED and m.finished
+
+
+def test_a_new_candidate_that_can_set_up_takes_over_from_one_that_cannot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Holder A's set-up fails; X, a candidate that can set up, claims the next term within the
+    heartbeat suspicion (A gives the term up and falls silent, rather than beating for a lease
+    nobody leads under until it lapses), and A, backing off, follows X instead of competing."""
+    _a, x, ma, mx = holder_and_follower(tmp_path)
+    assert ma.still_holds(0)
+    ma.setup_failed("no checkpoint")
+    out = ma.setup_ended(0, 2.0)
+    claims = pump([ma, mx], 2.0, 2.0 + 10.0, first=out)
+    assert [(who, term) for _, who, term in claims] == [(x.peer_id, 1)], claims
+    assert claims[0][0] - 2.0 <= BEATING.suspect_window_s + 0.5  # no wait for A's lease to lapse (10 s)
+    assert mx.still_holds(1) and ma.shepherd_peer == x.peer_id and ma.holds_term(1, x.peer_id)

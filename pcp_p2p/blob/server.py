@@ -59,7 +59,7 @@ from pcp_p2p.core.errors import (
     ProtocolError,
     VerificationError,
 )
-from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
+from pcp_p2p.core.faults import LOCAL, Boundary
 from pcp_p2p.net.budget import Pace
 from pcp_p2p.net.connectivity import stream_is_relayed
 from pcp_p2p.net.traffic import Traffic
@@ -187,7 +187,7 @@ class BlobServer:
     config: BlobConfig
     peer_id: str
     traffic: Traffic | None
-    faults: LocalFaults
+    boundary: Boundary  # the node's error boundary (pcp_p2p.core.faults)
     _uploads: UploadSlots
 
     def register(self) -> None:
@@ -218,22 +218,20 @@ class BlobServer:
                     finally:
                         upload.slot.release()
                     upload = None
-            except ProtocolError as exc:
-                log.info("blob: bad request from %s: %s", client, exc)
-                with trio.move_on_after(self.config.request_timeout):
-                    reply = P.BlobReply(P.BAD_REQUEST, str(exc)[:200])
-                    await P.write_frame(stream, reply, timeout=self.config.request_timeout)
-                return
-            except Exception as exc:  # the boundary (pcp_p2p.core.faults): our bug gets a neutral answer
-                if replied or blame_of(exc) != LOCAL:
-                    raise
-                self.faults.record(exc, "blob", client)
-                with trio.move_on_after(self.config.request_timeout):
-                    try:
-                        await P.write_frame(stream, P.BlobReply(P.INTERNAL, "internal error"),
-                                            timeout=self.config.request_timeout)
-                    except Exception:
-                        pass  # the client left: nothing more to tell it
+            except Exception as exc:  # the boundary (pcp_p2p.core.faults): counted and logged by whose fault
+                if replied:
+                    raise  # chunks flowed: no reply frame may follow (judged below)
+                blame = self.boundary.judge(client, exc, "blob")
+                # a bad request is told why; our bug gets a neutral answer; a broken stream nothing
+                reply = (P.BlobReply(P.INTERNAL, "internal error") if blame == LOCAL
+                         else P.BlobReply(P.BAD_REQUEST, str(exc)[:200]) if isinstance(exc, ProtocolError)
+                         else None)
+                if reply is not None:
+                    with trio.move_on_after(self.config.request_timeout):
+                        try:
+                            await P.write_frame(stream, reply, timeout=self.config.request_timeout)
+                        except Exception:
+                            pass  # the client left: nothing more to tell it
                 return
             finally:
                 with trio.move_on_after(1):
@@ -249,13 +247,8 @@ class BlobServer:
                     )
                 finally:
                     upload.slot.release()
-        except trio.TooSlowError:
-            log.info("blob: request from %s timed out", client)
         except Exception as exc:  # the boundary: a bug must not take the host down, nor blame the client
-            if blame_of(exc) == LOCAL:
-                self.faults.record(exc, "blob", client)
-            else:
-                log.info("blob: serving %s failed: %s", client, exc)
+            self.boundary.judge(client, exc, "blob")
 
     async def _answer(self, stream: INetStream, client: str, req: P.BlobRequest) -> _Upload | None:
         """Reply to ``req``; for a data request, return the upload to run.

@@ -71,8 +71,9 @@ from pcp_p2p.core.errors import (
     PeerTimeout,
     ProtocolError,
 )
-from pcp_p2p.core.faults import LocalFaults
+from pcp_p2p.core.faults import Boundary
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.net.connectivity import stream_is_relayed
 from pcp_p2p.net.traffic import Traffic
 from pcp_p2p.wire import framing
@@ -162,10 +163,11 @@ class BlobService(BlobServer):
         identity: Identity,
         config: BlobConfig | None = None,
         traffic: Traffic | None = None,
-        faults: LocalFaults | None = None,
+        boundary: Boundary | None = None,
     ) -> None:
+        """``boundary``: the node's error boundary (what serving peers meets is judged there)."""
         self.host = host
-        self.faults = faults if faults is not None else LocalFaults()  # bugs met serving peers (the node's)
+        self.boundary = boundary if boundary is not None else Boundary(LogOnce(log))
         self.traffic = traffic  # side-channel bytes are counted here (libp2p's by the node)
         self.store = store
         self.routing = routing

@@ -50,7 +50,7 @@ from typing import Literal
 import trio
 from libp2p.exceptions import BaseLibp2pError
 
-from pcp_p2p.core.errors import LocalError, PcpError, PeerError, RemoteError
+from pcp_p2p.core.errors import LocalError, PcpError, PeerError, PeerGone, RemoteError
 from pcp_p2p.core.logs import LogOnce
 
 log = logging.getLogger("pcp.faults")
@@ -164,6 +164,10 @@ class Boundary:
     nobody's fault, but worth seeing); ``faults`` our own. The caller then
     answers the peer according to the returned blame (:func:`refusal_reason`)
     or just drops the exchange.
+
+    One instance per node, shared by every boundary of it (messages, SWIM, status, the
+    blob server, the DHT's background work, the doctor's speed server): each calls
+    :meth:`judge` and answers by the blame it returns; none restates the rule.
     """
 
     def __init__(self, log_once: LogOnce, faults: LocalFaults | None = None) -> None:
@@ -172,18 +176,38 @@ class Boundary:
         self.rejected: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
 
-    def judge(self, peer: str, exc: BaseException, what: str) -> Blame:
+    def judge(self, peer: str, exc: BaseException, what: str, *, level: int = logging.WARNING) -> Blame:
+        """Count and log ``exc`` by its blame; the blame, for the caller's answer.
+
+        ``level``: the first log of a peer's fault (repeats go to debug); the world's
+        breakage is logged at most at info. A site whose failures say little about
+        a peer (background work of ours) passes ``logging.DEBUG``; our own bugs are
+        logged with their traceback whatever the level."""
         exc = sole(exc)  # a task's error arrives wrapped in a group: count and log what it is
         blame = blame_of(exc)
         if blame == REMOTE:
             self.rejected[f"{what}:{type(exc).__name__}"] += 1
-            self.log_once(peer, exc, f"{what} rejected")
+            self.log_once(peer, exc, f"{what} rejected", level=level)
         elif blame == PEER:
             self.dropped[f"{what}:{type(exc).__name__}"] += 1
-            self.log_once(peer, exc, f"{what} dropped", level=logging.INFO)
+            self.log_once(peer, exc, f"{what} dropped", level=min(level, logging.INFO))
         else:
             self.faults.record(exc, what, peer)
         return blame
+
+
+    def failure(self, exc: BaseException, where: str, what: str) -> PcpError:
+        """What an operation of ours that failed (a dial, a stream, a DHT request) raises to its caller.
+
+        Our own bug is recorded here (its traceback, ``local_faults`` under ``where``) and
+        becomes an :class:`InternalFault`, never mistaken for a vanished peer; anything else
+        (a broken transport, a peer that refused) means the operation could not be done
+        there: :class:`PeerGone`. The caller raises the answer ``from exc``."""
+        if blame_of(exc) == LOCAL:
+            self.faults.record(exc, where)
+            return InternalFault(f"{what} failed on this node")
+        inner = sole(exc)
+        return PeerGone(f"{what} failed: {str(inner) or type(inner).__name__}")
 
 
 def refusal_reason(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ the closer peers just the same (keys up to 128 bytes).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import varint
@@ -43,7 +44,11 @@ from libp2p.utils.varint import encode_delim, read_delim, read_varint_prefixed_b
 from multiaddr import Multiaddr
 
 from pcp_p2p.core import addrs as addr_rules
-from pcp_p2p.core.errors import MalformedMessage, PeerGone
+from pcp_p2p.core.errors import MalformedMessage, PeerGone, RemoteError
+from pcp_p2p.core.faults import Boundary
+from pcp_p2p.core.logs import LogOnce
+
+log = logging.getLogger("pcp.dht")
 
 MULTISTREAM = b"/multistream/1.0.0"
 MAX_ANSWER = 4 * 1024 * 1024  # py-libp2p's MAX_DHT_MESSAGE_SIZE: a closer-peers list with records
@@ -55,15 +60,19 @@ def _preamble(protocol: str) -> bytes:
 
 
 _KAD_PREAMBLE = _preamble(str(PROTOCOL_ID))
+_OWN = Boundary(LogOnce(log))  # for requests made without a node's boundary (tools, tests)
 
 
-async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
+async def kad_request(host: IHost, peer: ID, request: Message, *, boundary: Boundary | None = None) -> Message:
     """Send ``request`` to ``peer`` on a new KAD stream and return its answer (one round trip).
 
     Raises :class:`PeerGone` when the stream cannot be opened, the peer refuses
-    the protocol or closes early, and :class:`MalformedMessage` for an answer
-    that does not parse. The stream is closed on every path.
+    the protocol or closes early, :class:`MalformedMessage` (or another
+    ``RemoteError``) for an answer that does not parse or is too large, and
+    :class:`~pcp_p2p.core.faults.InternalFault` for a bug of ours on the way, recorded
+    at ``boundary`` (the DHT's: the node's). The stream is closed on every path.
     """
+    boundary = boundary if boundary is not None else _OWN
     body = request.SerializeToString()
     pipelined = speaks_kad(host, peer)
     try:
@@ -72,7 +81,7 @@ async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
         else:
             stream = await host.new_stream(peer, [PROTOCOL_ID])
     except Exception as exc:
-        raise PeerGone(f"no KAD stream to {peer}: {exc}") from exc
+        raise boundary.failure(exc, "dht", f"a KAD stream to {peer}") from exc
     try:
         framed = varint.encode(len(body)) + body
         await stream.write(_KAD_PREAMBLE + framed if pipelined else framed)
@@ -82,10 +91,10 @@ async def kad_request(host: IHost, peer: ID, request: Message) -> Message:
             if (await read_delim(stream)).decode(errors="replace") != str(PROTOCOL_ID):
                 raise PeerGone(f"{peer} refused {PROTOCOL_ID}")
         answer_bytes = await read_varint_prefixed_bytes_limited(stream, MAX_ANSWER)
-    except PeerGone:
-        raise
+    except (PeerGone, RemoteError):
+        raise  # (a peer's bad answer stays its fault)
     except Exception as exc:
-        raise PeerGone(f"KAD request to {peer} failed: {exc}") from exc
+        raise boundary.failure(exc, "dht", f"the KAD request to {peer}") from exc
     finally:
         try:
             await stream.close()
@@ -164,7 +173,7 @@ def _closer(host: IHost, answer: Message, networks: Sequence[addr_rules.IPNetwor
 
 async def get_value(
     host: IHost, peer: ID, key: bytes, *, closer_if_found: bool = True,
-    networks: Sequence[addr_rules.IPNetwork] = (),
+    networks: Sequence[addr_rules.IPNetwork] = (), boundary: Boundary | None = None,
 ) -> tuple[Record | None, list[ID]]:
     """GET_VALUE: the peer's record for ``key`` (unvalidated: the caller validates) and closer peers.
 
@@ -173,17 +182,17 @@ async def get_value(
     peer record, and checking eight signatures costs more than the rest of the answer.
     ``networks``: this node's, whose private addresses it keeps (:func:`_closer`).
     """
-    answer = await kad_request(host, peer, _request(host, Message.MessageType.GET_VALUE, key))
+    answer = await kad_request(host, peer, _request(host, Message.MessageType.GET_VALUE, key), boundary=boundary)
     record = answer.record if answer.HasField("record") and answer.record.value else None
     if record is not None and not closer_if_found:
         return record, []
     return record, _closer(host, answer, networks)
 
 
-async def put_value(host: IHost, peer: ID, key: bytes, value: bytes) -> bool:
+async def put_value(host: IHost, peer: ID, key: bytes, value: bytes, *, boundary: Boundary | None = None) -> bool:
     """PUT_VALUE: store ``value`` at ``peer``; True once it acknowledged the key."""
     msg = _request(host, Message.MessageType.PUT_VALUE, key)
     msg.record.key = key
     msg.record.value = value
-    answer = await kad_request(host, peer, msg)
+    answer = await kad_request(host, peer, msg, boundary=boundary)
     return answer.key == key

@@ -45,7 +45,8 @@ from libp2p.records.validator import NamespacedValidator
 
 from pcp_p2p.core import addrs as addr_rules
 from pcp_p2p.core.errors import PcpError
-from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
+from pcp_p2p.core.faults import Boundary
+from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht import rpc
 from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
 
@@ -187,7 +188,7 @@ class PcpKadDHT(KadDHT):
         self.peer_routing.routing_table = self.routing_table
         if self.rt_refresh_manager is not None:  # random walk: not used by PCP, kept consistent anyway
             self.rt_refresh_manager.routing_table = self.routing_table
-        self.faults = LocalFaults()  # bugs in background work (open_node passes the node's)
+        self.boundary = Boundary(LogOnce(log))  # judges background work's errors (open_node passes the node's)
 
     def _add_closer_peers_to_response(
         self, response: Message, closest_peers: Sequence[ID], exclude_peer_id: ID | None = None,
@@ -308,7 +309,7 @@ class PcpKadDHT(KadDHT):
                     try:
                         result = await rpc.get_value(self.host, peer, key_bytes,
                                                      closer_if_found=thin or lookup.quorum > 1,
-                                                     networks=self.networks)
+                                                     networks=self.networks, boundary=self.boundary)
                     except PcpError as exc:
                         log.debug("GET_VALUE at %s: %s", peer, exc)
                 if result is None:
@@ -388,7 +389,8 @@ class PcpKadDHT(KadDHT):
                 closer: list[ID] | None = None
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:  # GET_VALUE, not FIND_NODE: see pcp_p2p.dht.rpc
-                        closer = (await rpc.get_value(self.host, peer, key_bytes, networks=self.networks))[1]
+                        closer = (await rpc.get_value(self.host, peer, key_bytes, networks=self.networks,
+                                                      boundary=self.boundary))[1]
                     except PcpError as exc:
                         log.debug("GET_VALUE (closer peers) at %s: %s", peer, exc)
                 if closer is None:
@@ -410,7 +412,7 @@ class PcpKadDHT(KadDHT):
         """PUT_VALUE at one peer; False when it refused (it may hold a newer value) or did not answer."""
         with trio.move_on_after(RPC_TIMEOUT_S):
             try:
-                return await rpc.put_value(self.host, peer, key_bytes, value)
+                return await rpc.put_value(self.host, peer, key_bytes, value, boundary=self.boundary)
             except PcpError as exc:
                 log.debug("PUT_VALUE at %s: %s", peer, exc)
         return False
@@ -430,7 +432,7 @@ class PcpKadDHT(KadDHT):
 
         async def job() -> None:
             try:
-                await _quietly(self.faults, fn, *args)
+                await _quietly(self.boundary, fn, *args)
             finally:
                 self._background -= 1
                 if not self._background and self._idle is not None:
@@ -442,7 +444,7 @@ class PcpKadDHT(KadDHT):
     async def _off_path(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run ``fn(*args)`` in the background if the budget allows, else here."""
         if not self._spawn(fn, *args):
-            await _quietly(self.faults, fn, *args)
+            await _quietly(self.boundary, fn, *args)
 
 
 def _remote_ip(host: IHost, peer: ID | None) -> str | None:
@@ -460,13 +462,11 @@ def _remote_ip(host: IHost, peer: ID | None) -> str | None:
     return None
 
 
-async def _quietly(faults: LocalFaults, fn: Callable[..., Awaitable[object]], *args: object) -> None:
-    """Background DHT work must never take the DHT down: drop its errors (a bug is logged and counted,
-    :mod:`pcp_p2p.core.faults`; a peer's bad answer or absence only at debug)."""
+async def _quietly(boundary: Boundary, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    """Background DHT work must never take the DHT down: its errors are judged by the boundary's rule
+    (:mod:`pcp_p2p.core.faults`: a bug logged with its traceback and counted; a peer's bad answer or
+    absence counted, and logged only at debug) and dropped."""
     try:
         await fn(*args)
     except Exception as exc:
-        if blame_of(exc) == LOCAL:
-            faults.record(exc, "dht")
-        else:
-            log.debug("background DHT work failed: %s", exc)
+        boundary.judge("self", exc, "dht", level=logging.DEBUG)

@@ -46,8 +46,9 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from pcp_p2p.blob.server import close_stream
 from pcp_p2p.core.errors import ConfigError, MalformedMessage, PeerGone
-from pcp_p2p.core.faults import LOCAL, LocalFaults, blame_of
+from pcp_p2p.core.faults import Boundary
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.net.connectivity import observations, verdict
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN
 
@@ -91,7 +92,7 @@ class SpeedServer:
     _busy: trio.Lock = field(default_factory=trio.Lock)
     _recent: deque[float] = field(default_factory=deque)
     refused: int = 0
-    faults: LocalFaults = field(default_factory=LocalFaults)  # the node's (pcp_p2p.core.faults)
+    boundary: Boundary = field(default_factory=lambda: Boundary(LogOnce(log)))  # the node's (pcp_p2p.core.faults)
 
     def admit(self, now: float) -> bool:
         """Whether one more test fits this minute's budget (and records it)."""
@@ -103,6 +104,7 @@ class SpeedServer:
         return True
 
     async def handle(self, stream: INetStream) -> None:
+        peer = stream.muxed_conn.peer_id.to_base58()
         try:
             if self._busy.locked() or not self.admit(self.clock()):
                 self.refused += 1
@@ -117,10 +119,7 @@ class SpeedServer:
                     await stream.write(b"\x01")
                     await _send_zeros(stream, down)
         except Exception as exc:  # a stranger's broken test: close, nothing else; a bug of ours: logged, counted
-            if blame_of(exc) == LOCAL:
-                self.faults.record(exc, "speed")
-            else:
-                log.debug("speed test ended: %s", exc)
+            self.boundary.judge(peer, exc, "speed", level=logging.DEBUG)
         finally:
             await close_stream(stream)
 

@@ -128,7 +128,7 @@ class Messenger:
             self._handlers.pop(t, None)
 
     async def send(self, peer_id: str, msg: Message, *, timeout: float | None = None) -> None:
-        """Deliver ``msg`` to ``peer_id``; raises PeerGone/PeerTimeout/ProtocolError."""
+        """Deliver ``msg`` to ``peer_id``; raises PeerGone/PeerTimeout/ProtocolError (InternalFault: a bug of ours)."""
         timeout = timeout or self.node.config.op_timeout
         data = encode(msg)
         log.debug("send %s (%d bytes) to %s", msg.TAG, len(data), peer_id)
@@ -139,8 +139,8 @@ class Messenger:
                 stream = await self.node.host.new_stream(pid, [MSG_PROTOCOL])
             except trio.Cancelled:
                 raise
-            except Exception as exc:
-                raise PeerGone(f"cannot open a stream to {peer_id}: {exc or type(exc).__name__}") from exc
+            except Exception as exc:  # the transport's failure is PeerGone; a bug of ours a local fault
+                raise self.node.boundary.failure(exc, "message", f"opening a stream to {peer_id}") from exc
             try:
                 await write_frame(stream, data, timeout=timeout)
                 ack = await read_exact(stream, 1)
@@ -184,8 +184,8 @@ class Messenger:
             raise
         except trio.Cancelled:
             raise
-        except Exception as exc:
-            raise PeerGone(f"cannot reach {peer_id}: {exc or type(exc).__name__}") from exc
+        except Exception as exc:  # (the same rule as a stream's: pcp_p2p.core.faults.Boundary.failure)
+            raise self.node.boundary.failure(exc, "message", f"reaching {peer_id}") from exc
 
     async def handle(self, stream: INetStream) -> None:
         try:

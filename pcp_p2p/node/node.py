@@ -60,8 +60,8 @@ from pcp_p2p.blob.routing import DhtRouting
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.core.addrs import local_networks
-from pcp_p2p.core.errors import ConfigError, PcpError, PeerGone, PeerTimeout
-from pcp_p2p.core.faults import LOCAL, WORLD_BROKE, Blame, Boundary, InternalFault, LocalFaults, blame_of
+from pcp_p2p.core.errors import ConfigError, PcpError, PeerTimeout
+from pcp_p2p.core.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
 from pcp_p2p.core.identity import Identity, load_or_create_identity
 from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
@@ -294,10 +294,11 @@ class Node:
         self.messenger = Messenger(self)
         self.record_validator = PcpRecordValidator(config.record_kinds)  # replaced by open_node with the DHT's own
         self.bootstrapped = trio.Event()
-        self.log_once = LogOnce(log)
         # The error boundary (pcp_p2p.core.faults): rejected inputs by reason ("swim:BadSignature", ...),
-        # and this node's own bugs met while handling them (local_faults), for status and metrics.
-        self.boundary = Boundary(self.log_once, blobs.faults)
+        # and this node's own bugs met while handling them (local_faults), for status and metrics. One
+        # per node: open_node hands the same one to the blob server, the DHT and the speed server.
+        self.boundary = blobs.boundary
+        self.log_once = self.boundary.log_once
         self.rejected: Counter[str] = self.boundary.rejected
         self._changed = trio.Event()
         self._signed_record: SignedRecord | None = None
@@ -416,15 +417,6 @@ class Node:
         except PcpError as exc:
             self.log_once("self", exc, "member record put failed")
 
-    def _dht_failure(self, what: str, exc: Exception) -> PcpError:
-        """What a failed DHT operation raises to its caller: our own bug is counted as a local
-        fault (the boundary's rule) and raised as an ``InternalFault``; anything else (a peer's
-        refusal, a broken stream) means the DHT could not be reached: ``PeerGone``."""
-        if blame_of(exc) == LOCAL:
-            self.boundary.faults.record(exc, "dht")
-            return InternalFault(f"{what} failed on this node")
-        return PeerGone(f"{what} failed: {exc}")
-
     async def put_record(self, signed: SignedRecord, *, timeout: float | None = None) -> None:
         """Store a signed record in the DHT (with a deadline)."""
         with trio.move_on_after(timeout or self.config.op_timeout) as scope:
@@ -433,7 +425,7 @@ class Node:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                raise self._dht_failure(f"DHT put of {signed.key}", exc) from exc
+                raise self.boundary.failure(exc, "dht", f"DHT put of {signed.key}") from exc  # (our bug: InternalFault)
         if scope.cancelled_caught:
             raise PeerTimeout(f"DHT put of {signed.key} timed out")
 
@@ -446,7 +438,7 @@ class Node:
             except trio.Cancelled:
                 raise
             except Exception as exc:
-                raise self._dht_failure(f"DHT get of {key}", exc) from exc
+                raise self.boundary.failure(exc, "dht", f"DHT get of {key}") from exc
         if scope.cancelled_caught:
             raise PeerTimeout(f"DHT get of {key} timed out")
         if value is None:
@@ -784,6 +776,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     advertiser = Advertiser(identity.peer_id, local_ips)
     install(host, advertiser)
     faults = LocalFaults()  # the node's own bugs, whichever boundary met them (Node.boundary, blobs, DHT)
+    boundary = Boundary(LogOnce(log), faults)  # the one rule, shared by every boundary of the node
     record_validator = PcpRecordValidator(config.record_kinds, faults=faults)
     validator = NamespacedValidator({"pcp": record_validator}, strict_validation=True)
     dht = PcpKadDHT(
@@ -794,7 +787,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
         strict_validation=True,
         networks=local_networks(),  # whose private addresses its table keeps and passes on
     )
-    dht.faults = faults
+    dht.boundary = boundary
     gossipsub = GossipSub(
         protocols=[PROTOCOL_ID_V11, PROTOCOL_ID],
         degree=6,
@@ -806,7 +799,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
     traffic = Traffic()
     count_host_traffic(host, traffic)
-    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic, faults=faults)
+    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic, boundary=boundary)
     connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips,
                                 advertiser=advertiser)
     async with host.run(listen_addrs=listen), connectivity.running():
@@ -819,7 +812,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
-                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer(faults=faults).handle)  # pcp doctor's bandwidth
+                host.set_stream_handler(SPEED_PROTOCOL, SpeedServer(boundary=boundary).handle)  # pcp doctor's bandwidth
                 node._signed_member_record()
                 nursery.start_soon(node._record_loop)
                 nursery.start_soon(node._swim_loop)

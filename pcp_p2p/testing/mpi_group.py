@@ -211,7 +211,7 @@ def _audit_round(engine: GroupEngine, auditor: InnerEngine, theta: dict[str, np.
     req = sign(audit.AuditRequest(
         run_id="group-run", term=0, round=1, attempt=0, worker=worker.peer_id, submission_cid=cid_of(sub_bytes),
         beacon="b", assignment=a, target="t", artifact_cid="a", dataset_cid="d", auditor=auditor_id.peer_id,
-        shepherd=shepherd.peer_id), shepherd)
+        shepherd=shepherd.peer_id, shepherd_term=0), shepherd)
     job = audit.AuditJob(req, auditor_id, chunk_steps=CHUNK_STEPS)
     job.on_blob(req.submission_cid, sub_bytes)
     job.on_blob(params_cid(theta), pack_tensors(theta, "fp32"))

@@ -345,6 +345,10 @@ class AuditRequest(Message):
     dataset_cid: str
     auditor: str
     shepherd: str
+    # The term whose lease ``shepherd`` holds as it asks: ``term`` itself, or a later one when
+    # its term took the attempt over from a shepherd that died (``Shepherd.adopt``). The
+    # auditors check the asker's authority against this term, the draw against ``term``.
+    shepherd_term: int
     signature: bytes = b""
 
 
@@ -441,11 +445,14 @@ def plan_audits(
     accepted: Mapping[str, Submission],
     beacon: str,
     targets: Mapping[str, str],
+    shepherd_term: int,
 ) -> list[PlannedAudit]:
     """The audits a commit draws: for each accepted submission the draw selects, a signed request.
 
     ``targets``: worker -> target for the roster (from their Joins); a worker
     with no other worker of its target cannot be audited this round.
+    ``shepherd_term``: the term this shepherd holds (later than the submissions'
+    own when it took their attempt over from a dead shepherd).
     """
     out: list[PlannedAudit] = []
     ann = announcement
@@ -466,7 +473,7 @@ def plan_audits(
                 run_id=run_id, term=sub.term, round=sub.round, attempt=sub.attempt, worker=worker,
                 submission_cid=cid_of(sub_bytes), beacon=beacon, assignment=assignment, target=target,
                 artifact_cid=ann.artifacts.get(target, ""), dataset_cid=ann.dataset_cid,
-                auditor=auditor, shepherd=identity.peer_id,
+                auditor=auditor, shepherd=identity.peer_id, shepherd_term=shepherd_term,
             ),
             identity,
         )
@@ -478,11 +485,16 @@ def plan_audits(
 
 
 def check_request(req: AuditRequest, *, run_id: str, rate: float, is_shepherd: ShepherdCheck) -> None:
-    """Refuse a request not signed by the term's shepherd, for another run, or not drawn."""
+    """Refuse a request not signed by the shepherd of the term it names, for another run, or not drawn.
+
+    The term that must be the asker's is ``shepherd_term``: the submission's own, or a
+    later one whose shepherd took the attempt over (a failover; never an earlier one)."""
     if req.run_id != run_id:
         raise VerificationError(f"audit request for another run {req.run_id:.20}")
-    if not is_shepherd(req.term, req.shepherd):
-        raise NotElected(f"{req.shepherd:.16}… is not the shepherd of term {req.term}")
+    if req.shepherd_term < req.term:
+        raise VerificationError(f"an audit asked in term {req.shepherd_term} for a submission of term {req.term}")
+    if not is_shepherd(req.shepherd_term, req.shepherd):
+        raise NotElected(f"{req.shepherd:.16}… is not the shepherd of term {req.shepherd_term}")
     verify(req, req.shepherd)
     if req.auditor == req.worker:
         raise RejectedUpdate("a worker cannot audit itself")
@@ -762,8 +774,8 @@ def verify_evidence(ev: Evidence, *, rate: float | None = None, is_shepherd: She
     """Check evidence from anyone; the offender's peer id, or a VerificationError.
 
     Checks: the worker signed the submission and every request names exactly
-    it; the term's shepherd signed every request (and held the term, if
-    ``is_shepherd`` is given); with ``rate``, the draw selected it; at least
+    it; one shepherd signed every request (and held its ``shepherd_term``, the
+    submission's term or a later one, if ``is_shepherd`` is given); with ``rate``, the draw selected it; at least
     ``min_reports`` MISMATCH reports by distinct auditors other than the worker,
     each signed and answering its own request, all agreeing on what the replay
     produced; and what they contradict is really what the worker signed.
@@ -773,8 +785,9 @@ def verify_evidence(ev: Evidence, *, rate: float | None = None, is_shepherd: She
     first = ev.requests[0]
     for req in ev.requests:
         if (req.run_id, req.term, req.round, req.attempt, req.worker, req.submission_cid, req.beacon,
-                req.shepherd) != (first.run_id, first.term, first.round, first.attempt, first.worker,
-                                  first.submission_cid, first.beacon, first.shepherd):
+                req.shepherd, req.shepherd_term) != (first.run_id, first.term, first.round, first.attempt,
+                                                     first.worker, first.submission_cid, first.beacon,
+                                                     first.shepherd, first.shepherd_term):
             raise VerificationError("evidence: the requests are about different submissions")
         try:
             check_submission(req, ev.submission)
@@ -782,8 +795,10 @@ def verify_evidence(ev: Evidence, *, rate: float | None = None, is_shepherd: She
             raise VerificationError(f"evidence: the submission does not check out: {exc}") from exc
         verify(req, req.shepherd)
     sub = decode(ev.submission, Submission)
-    if is_shepherd is not None and not is_shepherd(first.term, first.shepherd):
-        raise NotElected(f"evidence: {first.shepherd:.16}… was not the shepherd of term {first.term}")
+    if first.shepherd_term < first.term:
+        raise VerificationError("evidence: the audit was asked in a term before the submission's")
+    if is_shepherd is not None and not is_shepherd(first.shepherd_term, first.shepherd):
+        raise NotElected(f"evidence: {first.shepherd:.16}… was not the shepherd of term {first.shepherd_term}")
     if rate is not None and not should_audit(first.run_id, first.term, first.round, first.attempt, first.worker,
                                              rate, first.beacon):
         raise VerificationError("evidence: the audit draw did not select this submission")

@@ -91,20 +91,19 @@ class AuditDesk:
 
     def on_commit(
         self, announcement: RoundAnnouncement, accepted: Mapping[str, Submission], beacon: str,
-        targets: Mapping[str, str], draw: bool = True,
+        targets: Mapping[str, str], *, term: int,
     ) -> list[Effect]:
         """The round committed with ``accepted``: extend the chains and send the drawn audits.
 
-        ``draw=False``: the chains only (an attempt taken over from the term before,
-        ``Shepherd.adopt``: its submissions name a term this shepherd did not hold,
-        so no auditor would take a request for them from it)."""
+        ``term``: the committing shepherd's. An attempt taken over from the term before
+        (``Shepherd.adopt``) is audited like any other: its submissions and announcement
+        name the dead term, and each request also names ``term``, the one whose lease
+        the auditors check this shepherd holds (``AuditRequest.shepherd_term``)."""
         self.chain.committed(accepted.values())
         effects: list[Effect] = []
-        if not draw:
-            return effects
         for planned in plan_audits(run_id=self.run_id, rate=self.rate, identity=self.identity,
                                    announcement=announcement, accepted=accepted, beacon=beacon,
-                                   targets=targets):
+                                   targets=targets, shepherd_term=term):
             req = planned.request
             self.open[req.submission_cid] = _Case(planned.submission_bytes, dict(targets), [req])
             self.audited += 1

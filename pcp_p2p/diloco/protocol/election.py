@@ -53,12 +53,14 @@ term an honest node claims.
 
 Lifecycle of a term, as seen by one node::
 
-    VACANT   --tick, I rank first among live candidates-->   HOLDER   (PublishLease, BecomeShepherd)
+    VACANT   --tick, I rank first among live candidates-->   HOLDER   (PublishLease, BecomeShepherd;
+                                                                       not while claims_paused_until)
     VACANT   --valid lease of a newer term-->                FOLLOWER (FollowShepherd)
     VACANT   --claim_timeout_s without a lease-->            VACANT   (the next term is up for claim)
     HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal)
     HOLDER   --commit completing rotate_every rounds-->      VACANT   (StepDown "rotation")
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
+    HOLDER   --resign: its set-up failed here-->             VACANT   (StepDown "resigned")
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
     HOLDER   --tick, heartbeat_s since the last beat-->      HOLDER   (SendHeartbeat)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
@@ -393,6 +395,10 @@ class Election:
         # check_final checks against. Not a lease this node claimed since: its own claim after
         # a restart says nothing of who held that term while it was down.
         self.witnessed: Lease | None = None
+        # This node makes no claim before this time (the run machine's back-off after a set-up
+        # that failed here): it stays a candidate, so a term it ranks first in is skipped after
+        # claim_timeout_s, as for any candidate that does not claim, and the next is up.
+        self.claims_paused_until: float | None = None
 
     # --- queries -------------------------------------------------------------------
 
@@ -440,9 +446,11 @@ class Election:
             now = self.vacant_since if self._now is None else self._now
             if self.settle_until is not None and now < self.settle_until:
                 return self.settle_until
-            # re-rank when the next skipped term comes up
+            # re-rank when the next skipped term comes up (or this node may claim again)
             n = int((now - self.vacant_since) // c.claim_timeout_s)
-            return self.vacant_since + (n + 1) * c.claim_timeout_s
+            wake = self.vacant_since + (n + 1) * c.claim_timeout_s
+            paused = self.claims_paused_until
+            return paused if paused is not None and now < paused < wake else wake
         return None
 
     def heartbeat(self, now: float) -> Heartbeat | None:
@@ -576,6 +584,19 @@ class Election:
             return []
         return self._end_term(now, "failover")
 
+    def resign(self, term: int, now: float) -> list[ElectionEffect]:
+        """This node holds ``term`` but cannot lead it (its set-up failed here): give the term up now
+        (``StepDown(term, "resigned")``) instead of renewing a lease under which nobody leads.
+        Its heartbeats stop, so followers fail over within ``suspect_s``; the next term goes to
+        whoever ranks first for it: this node counts itself out of that ranking, as its followers
+        do once its heartbeats stop (unless it is the only candidate: then it claims again once
+        ``claims_paused_until`` has passed)."""
+        self._now = now
+        if self.role is not Role.HOLDER or self.lease is None or self.lease.term != term:
+            return []
+        self._suspect(self.peer_id, now)
+        return self._end_term(now, "resigned")
+
     def on_heartbeat(self, hb: Heartbeat, now: float) -> list[ElectionEffect]:
         """A heartbeat arrived straight from ``hb.holder``.
 
@@ -598,18 +619,28 @@ class Election:
         if hb.sent_at > now + self.config.max_skew_s:
             return [Rejected(hb.holder, ExpiredRecord(f"heartbeat sent {hb.sent_at - now:.1f} s in the future"))]
         self._heard(hb.holder, now)
-        if (self.role is Role.VACANT and not self.ended_by_rotation and now < lease.expiry
-                and self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover"):
-            self.role = Role.FOLLOWER  # suspected too early: it is alive, and nobody took its term
-            self.vacant_since = None
-            self.settle_until = None
-            self.history[-1].ended = None
+        self._follow_again(now)
         return []
 
     def _heard(self, holder: str, now: float) -> None:
         if self.lease is not None and holder == self.lease.holder:
             self.last_heard = now
         self.suspected.pop(holder, None)
+
+    def _follow_again(self, now: float) -> None:
+        """The holder of the term this node failed over from was just heard (its heartbeat or a
+        renewal), and no later term was accepted: it was slow, not dead, so it is followed again
+        and its term did not end after all. Not after a rotation (the term is over by plan), nor
+        for this node's own lease, an expired one, or a holder that announced its departure."""
+        lease = self.lease
+        if (self.role is not Role.VACANT or self.ended_by_rotation or lease is None or lease.holder == self.peer_id
+                or now >= lease.expiry or lease.holder in self.departed):
+            return
+        self.role = Role.FOLLOWER
+        self.vacant_since = None
+        self.settle_until = None
+        if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
+            self.history[-1].ended = None
 
     def _suspect(self, holder: str, now: float) -> None:
         self.suspected[holder] = now
@@ -639,11 +670,7 @@ class Election:
             if lease.issued > cur.issued:
                 self.lease = lease  # a renewal
                 self._heard(lease.holder, now)
-                if self.role is Role.VACANT and not self.ended_by_rotation and lease.holder != self.peer_id:
-                    self.role = Role.FOLLOWER  # it came back before we failed over
-                    self.vacant_since = None
-                    if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
-                        self.history[-1].ended = None  # the term goes on: it did not end after all
+                self._follow_again(now)
             return []
         effects: list[ElectionEffect] = []
         if cur is not None:
@@ -822,11 +849,15 @@ class Election:
         ``suspect_s``): it is presumed dead even where the membership view has
         not caught up yet. A verifier that still hears it keeps it in, so a claim
         that left it out is held back there until that node's own silence agrees
-        (or the lease lapses). After a rotation it stays in.
+        (or the lease lapses). After a rotation it stays in, and so it does when no
+        other candidate is left: a sole candidate whose term ended (its set-up failed
+        there, or it was suspected while merely slow) must be able to claim again, or
+        the run would stall for good.
         """
         age = max(0.0, (self.view_at if self.view_at is not None else claimed_at) - claimed_at)
         cands = {p for p in self.view if self.uptime.get(p, float("inf")) - age >= self.config.min_uptime_s}
-        if prev is not None and prev.term < term and (prev.expiry <= claimed_at or prev.holder in self.suspected):
+        if (prev is not None and prev.term < term and (prev.expiry <= claimed_at or prev.holder in self.suspected)
+                and cands - {prev.holder}):
             cands.discard(prev.holder)
         order = ranked(self.run_id, term, cands)
         return order[0] if order else None
@@ -960,6 +991,8 @@ class Election:
             assert term is not None
             if self.settle_until is not None and now < self.settle_until:
                 return []  # the latest lease and commit may be on their way: claim from those
+            if self.claims_paused_until is not None and now < self.claims_paused_until:
+                return []  # this node's own claims wait (see claims_paused_until)
             if self.expected_holder(term, now) == self.peer_id:
                 return self._claim(term, now)
         return []
@@ -1028,6 +1061,7 @@ class Election:
         self.ended_by_rotation = False
         self.vacant_since = None
         self.role = Role.HOLDER
+        self.suspected.pop(self.peer_id, None)  # (counted out after it resigned a term: see resign)
         self.last_beat = now  # the new lease goes to every member: the first heartbeat
         self.history.append(TermRecord(term, self.peer_id, lease.from_round))
         return [

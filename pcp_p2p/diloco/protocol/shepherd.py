@@ -49,8 +49,9 @@ under its own term. Every check on a submission still applies (signature, the
 announcement's assignment and caps, the robust rule, the score and the
 val-jump guard); the only rounds adopted are those that start from the θ the
 term continues from, so nothing is combined that another θ produced. An
-adopted attempt draws no audits: the requests would name the dead term, whose
-shepherd the auditors rightly refuse to answer for (docs/election.md).
+adopted attempt is audited like any other: each request names the dead term
+(the submission's, which the draw hashes) and this one
+(``AuditRequest.shepherd_term``, the lease the auditors check it holds).
 
 Transitions (``*`` = every input not listed leaves the phase unchanged)::
 
@@ -742,7 +743,7 @@ class Shepherd:
         self.theta_cid = theta_cid
         self.attempt = 0
         self.round_agg = None
-        adopted, self.adopted, self.close_at = self.adopted, None, None
+        self.adopted = self.close_at = None
         self.commits.append(record)
         recipients = sorted(set(self.roster) | set(participants))
         effects: list[Effect] = [
@@ -755,7 +756,7 @@ class Shepherd:
         if self.audits is not None:  # drawn with the new θ's CID, which no worker knew when it submitted
             effects += self.audits.on_commit(
                 agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
-                {w: j.target for w, j in self.roster.items()}, draw=adopted is None,
+                {w: j.target for w, j in self.roster.items()}, term=self.term,
             )
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)

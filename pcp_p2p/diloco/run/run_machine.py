@@ -21,9 +21,11 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   are refused.
 - **A lost term's set-up is cancelled** (``CancelSetUp``) as soon as another node
   holds it or this one steps down; **a term whose set-up failed** (three attempts on
-  a node: no checkpoint, no θ, a compile error) is not renewed, so its lease lapses
-  and the next term is claimed instead of the run stalling behind a holder that
-  cannot lead.
+  a node: no checkpoint, no θ, a compile error) is given up at once
+  (``Election.resign``), and this node claims no term for a while, 10 s doubling
+  with each failure in a row to 5 min (a success resets it; the phase says
+  ``set-up failed: <why>; next try in N s``): the run neither stalls behind a
+  holder that cannot lead nor, on a sole candidate, fails again every few seconds.
 - **No new term after the last round**: the election knows the run's length
   (``ElectionConfig.rounds``) and claims nothing once the final commit is known;
   a lease or a term any input would still publish or set up is dropped here
@@ -52,7 +54,8 @@ Transitions (inputs down the side; what changes and the effects it yields):
 input                      effect
 =========================  =================================================================
 ``start``                  election starts: ``LookUpLease``, ``LookUpCommit(for_election)``
-``on_members`` (1 s)       candidates filtered (admission, departures) to the election;
+``on_members`` (1 s)       candidates filtered (admission, departures), uptime counted from
+                           when this node first saw each (``uptime``), to the election;
                            owner-record lookups (stop, allowlist) and catch-up when due
 ``on_message`` Lease       election: ``PublishLease``/``SetUpShepherd``/follow/step down
 ``on_message`` Heartbeat   election (a follower that stops hearing them fails over);
@@ -68,7 +71,8 @@ input                      effect
 ``on_replicated``          the held commit and everything after it go out
 ``shepherd_built``         the shepherd exists (if the term is still ours): ``StoreBlob`` θ;
                            after a failover it takes over the attempt in flight (``adopt``)
-``setup_ended``            compiling over: the kept joins are replayed
+``setup_ended``            compiling over: the kept joins are replayed; a held term that was
+                           not set up is given up (``StepDown``) and claims back off
 ``tick``                   every machine's deadlines
 ``stop``                   the owner's order: ``Stopped``, ``RunEnded``
 =========================  =================================================================
@@ -82,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,6 +180,9 @@ REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
 CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
+SETUP_BACKOFF_S = 10.0  # after a term whose set-up failed here, no claim for this long ...
+SETUP_BACKOFF_MAX_S = 300.0  # ... doubling with each failure in a row, up to this; a success resets it
+FIRST_LOOK_S = 5.0  # members first seen this soon after this node's first view may predate it (see candidates)
 
 WORKER, SHEPHERD = "worker", "shepherd"
 
@@ -184,7 +192,7 @@ class Member:
     """What the run machine needs of one live member record (the pump reads membership)."""
 
     peer_id: str
-    started_at: float  # on the member's own clock
+    started_at: float  # on the member's own clock, as it says: a floor on its uptime, never proof of one
     can_compile: bool = True
     worker: bool = True  # role: a worker (not a client)
     in_run: bool = True  # lists this run
@@ -246,7 +254,9 @@ class RunMachine:
         self._saved_term: int | None = None
         self._last_lookup: dict[str, float] = {}
         self._last_catch_up: float | None = None
-        self._cannot_lead: int | None = None  # a term held here whose set-up failed for good
+        self._setup_failures = 0  # terms in a row whose set-up failed here (the back-off's exponent)
+        self._view_began: float | None = None  # this node's first view of the members
+        self._first_seen: dict[str, float] = {}  # member -> when this node first saw it (candidates)
 
     @classmethod
     def for_spec(
@@ -303,6 +313,7 @@ class RunMachine:
         """The live members (once a second): the election's candidates, and the lookups now due."""
         def go() -> None:
             self.members = list(members)
+            self._observe(now)
             if not self.stop_latch.stopped and self._due(STOP_KIND, STOP_LOOKUP_EVERY_S, now):
                 self._out.append(LookUpOwnerRecord(STOP_KIND))  # a stop this node missed while down
             if (self.worker is None and not self._final_committed() and self._last_catch_up is not None
@@ -383,6 +394,8 @@ class RunMachine:
                 log.info("run %s: term %d ended while it was being set up", self.run_id[:16], shepherd.term)
                 return
             self.shepherd = shepherd
+            self._setup_failures = 0  # set up: the next failure backs off from the start again
+            self.election.claims_paused_until = None
             # The term's starting θ must be fetchable by the workers.
             self._round(SHEPHERD, [StoreBlob(shepherd.theta_cid, shepherd.theta_bytes)], now)
             self._take_over_attempt(shepherd, now)
@@ -405,6 +418,15 @@ class RunMachine:
         here and, through the member record, on every worker."""
         self.setup_error = error
 
+    def setup_phase(self, now: float) -> str | None:
+        """Why this node, elected, could not set the run up, and when it tries again (``None``: it could)."""
+        if self.setup_error is None:
+            return None
+        paused = self.election.claims_paused_until
+        if paused is None or now >= paused or self.becoming:
+            return self.setup_error
+        return f"{self.setup_error}; next try in {math.ceil(paused - now):.0f} s"
+
     def setup_ended(self, term: int, now: float) -> list[RunEffect]:
         """The set-up of ``term`` is over (built, failed or cancelled): replay the kept joins."""
         def go() -> None:
@@ -412,12 +434,17 @@ class RunMachine:
                 self.becoming_term = None
             self.becoming = False
             if self.still_holds(term) and (self.shepherd is None or self.shepherd.term != term):
-                # Held, and nobody leads it: stop renewing the lease so that it lapses and the
-                # next term is claimed (by whoever ranks first for it, with what it holds).
-                log.warning("run %s: term %d could not be set up here (%s); letting its lease lapse",
-                            self.run_id[:16], term, self.setup_error)
-                self._cannot_lead = term
-                self._out.append(Leads(False))
+                # Held, and nobody leads it: give the term up now (its heartbeats stop, so the
+                # followers fail over at once), and claim none for a while: as the only candidate
+                # this node would otherwise claim the next term at once and fail again, for ever.
+                # The wait doubles with each failure in a row (a success resets it); other
+                # candidates claim meanwhile (Election.claims_paused_until).
+                self._setup_failures += 1
+                wait = min(SETUP_BACKOFF_MAX_S, SETUP_BACKOFF_S * 2 ** (self._setup_failures - 1))
+                self.election.claims_paused_until = now + wait
+                log.warning("run %s: term %d could not be set up here (%s); giving it up, next claim in %.0f s",
+                            self.run_id[:16], term, self.setup_error, wait)
+                self._election(self.election.resign(term, now), now)
             early, self._early = self._early, []
             for sender, msg in early:
                 self._message(sender, msg, now)
@@ -469,10 +496,32 @@ class RunMachine:
 
     # -- queries --------------------------------------------------------------------------
 
+    def _observe(self, now: float) -> None:
+        """Note when each member of the latest view was first seen here (a member that leaves
+        the view is forgotten: one that comes back is new again, so bounded by the view)."""
+        if self._view_began is None:
+            self._view_began = now
+        first_look = now - self._view_began < FIRST_LOOK_S
+        self._first_seen = {m.peer_id: self._first_seen.get(m.peer_id, -math.inf if first_look else now)
+                            for m in self.members}
+
+    def uptime(self, m: Member, now: float) -> float:
+        """How long ``m`` has been up, as far as this node can tell.
+
+        A member's ``started_at`` is its own word: a fresh key could date it back to look
+        eligible at once (``min_uptime_s``), or to look eligible when an honest holder
+        claimed its term and so outrank it there (``Election._expected_for``). So this node
+        counts uptime from no earlier than when it first saw the member itself. Only members
+        already in view during this node's first look (``FIRST_LOOK_S``) are taken at their
+        word: this node cannot tell them from members that were up long before it started.
+        """
+        floor = self._first_seen.get(m.peer_id, now)
+        return max(0.0, now - max(m.started_at, floor))
+
     def candidates(self, now: float) -> list[Candidate]:
         """The live members that may lead the run, as the election ranks them."""
         return [
-            Candidate(m.peer_id, max(0.0, now - m.started_at), m.can_compile, m.reachability)
+            Candidate(m.peer_id, self.uptime(m, now), m.can_compile, m.reachability)
             for m in self.members
             # a member that cannot compile never leads (``election.eligible``): not a candidate,
             # which spares the shepherd's view of the whole run a check per member
@@ -731,8 +780,6 @@ class RunMachine:
             effects = [e for e in effects if not isinstance(e, (PublishLease, BecomeShepherd))]
         for e in effects:
             if isinstance(e, PublishLease):
-                if e.renewal and e.lease.term == self._cannot_lead:
-                    continue  # a term this node cannot lead lapses (see ``setup_ended``)
                 self._out.append(e)
                 if not e.renewal:
                     log.info("run %s: this node claims term %d", self.run_id[:16], e.lease.term)

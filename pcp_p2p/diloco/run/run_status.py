@@ -45,7 +45,7 @@ def phase_of(rt: RunRuntime, shepherd_live: bool) -> str:
         started = False  # leading, and the round waits for joins: the quorum is what is missing
     phase = run_phase(PhaseInputs(
         base=m.phase, ended=rt.finished.is_set() or m.phase in ENDED,
-        setup_error=m.setup_error if m.shepherd is None else None,
+        setup_error=m.setup_phase(rt.clock()) if m.shepherd is None else None,
         compiling=m.becoming,
         shepherd_state=member.record.state if member is not None else None,
         started=started, members=members_of(rt), quorum=rt.spec.round.min_quorum,
