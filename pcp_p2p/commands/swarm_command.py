@@ -29,6 +29,7 @@ import trio
 
 from pcp_p2p.core.errors import ConfigError, PcpError
 from pcp_p2p.core.shutdown import run_until_signal
+from pcp_p2p.diloco.protocol.spec import MODEL_PRESETS
 
 if TYPE_CHECKING:
     from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess
@@ -44,7 +45,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--workers", type=int, default=4, help="number of worker nodes (default 4)")
     p.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
-    p.add_argument("--model", default="tiny", choices=["tiny", "small", "medium"], help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", choices=MODEL_PRESETS,
+                   help="model preset: tiny 0.2M, small 1M, medium 10.8M or large 99.7M parameters (default tiny; "
+                   "batches are split to fit the nodes' free memory)")
     p.add_argument("--time-budget", type=float, default=5.0, help="seconds of inner training per round (default 5)")
     p.add_argument("--churn", type=float, default=0.0,
                    help="per committed round, the chance that a random worker is SIGKILLed (it is restarted "
