@@ -133,6 +133,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"run {run_id} created: {args.rounds} rounds of {args.time_budget:.0f} s, model {args.model}")
 
         history: dict[int, dict[str, Any]] = {}
+        seen_at: dict[int, float] = {}  # when this command first saw each round committed (its clock)
         failovers = 0
         killed: dict[str, tuple[NodeProcess, int]] = {}  # peer id -> (process, round killed at)
         rejoined: list[str] = []
@@ -153,6 +154,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 for h in st.get("history", []):
                     if h["round"] not in history:
                         history[h["round"]] = h
+                        seen_at[h["round"]] = time.monotonic() - t0
                         val = f"{h['val_loss']:.4f}" if h.get("val_loss") is not None else "-"
                         _say(f"round {h['round']:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
                              f"workers {h['participants']}  ({time.monotonic() - t0:.0f} s)")
@@ -191,7 +193,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             _say("sample from the final θ:")
             _say(sample)
     rounds = [history[r] for r in sorted(history)]
+    pace = round_pace(args.model, rounds, seen_at)
+    _say(f"{pace['params']:,} parameters ({args.model}); median round {pace['round_s']} s; "
+         f"{pace['tokens_per_s']} tokens/s committed")
     return {
+        **pace,
         "run_id": run_id,
         "seed": args.seed,
         "workers": args.workers,
@@ -234,6 +240,24 @@ async def _churn(
             await swarm.kill(proc, signal.SIGKILL)
             killed[proc.peer_id] = (proc, committed_round)
             _say(f"  churn: SIGKILLed {proc.peer_id[-12:]} mid-run")
+
+
+def round_pace(model: str, rounds: list[dict[str, Any]], seen_at: dict[int, float]) -> dict[str, Any]:
+    """The model's size and the swarm's pace: the median time between consecutive commits and the
+    tokens committed per second after the first commit (which waits for the compile), both as this
+    command saw them (it polls each second, so a round time is ±1 s)."""
+    from itertools import pairwise
+
+    from pcp_p2p.compile.model import num_params, preset
+    from pcp_p2p.diloco.algorithm.data import CharDataset
+
+    nums = sorted(seen_at)
+    gaps = sorted(seen_at[b] - seen_at[a] for a, b in pairwise(nums) if b == a + 1)
+    span = seen_at[nums[-1]] - seen_at[nums[0]] if len(nums) > 1 else 0.0
+    tokens = sum(int(h.get("tokens") or 0) for h in rounds if h["round"] != nums[0]) if nums else 0
+    return {"params": num_params(preset(model, CharDataset.load("shakespeare").vocab_size)),
+            "round_s": round(gaps[len(gaps) // 2], 1) if gaps else None,
+            "tokens_per_s": round(tokens / span) if span > 0 else None}
 
 
 def write_loss_plot(path: Path, rounds: list[dict[str, Any]], run_id: str) -> Path | None:

@@ -17,7 +17,7 @@ A worker's peak memory at micro-batch M is modelled as
 - ``CALL_COPIES`` fp32 copies of the P parameters in the executor child at a
   train call's peak: θ, m and v uploaded (with their transfer copies, which
   the child's never-trimmed heap keeps), the call's outputs beside its inputs,
-  the gradient and its accumulator. Measured: 14 (medium, below).
+  the gradient and its accumulator. Measured: 14-16 (medium), 2 spare.
 - ``2·kept_states``: the m and v of every inner state the worker keeps for
   audits (``engine.KEEP_STATES``).
 - ``NODE_COPIES``: θ as the node process holds it in a round (the announced θ,
@@ -30,8 +30,8 @@ A worker's peak memory at micro-batch M is modelled as
 The constants are measured, not derived: peak ``VmData`` (what
 ``RLIMIT_DATA`` limits; ~140 MB above the peak RSS) of the executor child over
 two train calls at x86-64-v4 (``bench/memory.py`` prints measured against
-modelled). The model must never be below what it predicts; it is up to ~1.6x
-above for small models, whose allocations glibc's padding rounds up.
+modelled; docs/compile.md has the table). The model must never be below the
+measured peak; it is 1.1-1.5x above it on small and medium.
 
 This module imports nothing heavy: workers and the shepherd's planning use it.
 """
