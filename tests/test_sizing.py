@@ -139,3 +139,30 @@ def test_free_memory_sees_a_data_rlimit() -> None:
     from pcp_p2p.net.capabilities import free_memory_bytes
 
     assert free_memory_bytes() > 0
+
+
+def test_the_term_set_up_sizes_from_the_runs_member_records() -> None:
+    """Members of other runs do not count; a member's refusal comes from its own record."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.diloco.run.engine import KEEP_STATES
+    from pcp_p2p.diloco.run.run_setup import TermSetUp
+
+    cfg, spec = PRESETS["small"], _spec("small", 64, 128)
+
+    def member(free: int, runs: tuple[str, ...] = ("run",)) -> SimpleNamespace:
+        return SimpleNamespace(record=SimpleNamespace(runs=runs, capabilities=SimpleNamespace(memory_free_bytes=free)))
+
+    members = {"a": member(train_memory_bytes(cfg, 128, 64, KEEP_STATES)),
+               "b": member(train_memory_bytes(cfg, 128, 16, KEEP_STATES)),
+               "other-run": member(train_memory_bytes(cfg, 128, 2, KEEP_STATES), runs=("another",)),
+               "short": member(1 << 20)}
+    rt = SimpleNamespace(run_id="run", spec=spec, dataset=SimpleNamespace(vocab_size=cfg.vocab_size),
+                         node=SimpleNamespace(membership=SimpleNamespace(live=lambda: list(members.values()),
+                                                                         get=members.get)))
+    setup = TermSetUp(rt)  # type: ignore[arg-type]  # only the fields the plan reads
+    plan = setup.memory_plan()
+    assert plan.micro_batch == 16
+    assert setup.memory_refusal(plan, "a") is None and setup.memory_refusal(plan, "unknown") is None
+    assert "out of memory" in (setup.memory_refusal(plan, "short") or "")
+    assert "micro-batch 16 of 64" in (setup.memory_refusal(plan, "other-run") or "")

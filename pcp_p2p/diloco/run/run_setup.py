@@ -81,7 +81,7 @@ class TermSetUp:
         member = self.rt.node.membership.get(peer)
         return plan.why_not(member.record.capabilities.memory_free_bytes) if member is not None else None
 
-    async def build_artifacts(self, targets: list[str], micro_batch: int) -> list[Artifact]:
+    async def build_artifacts(self, targets: list[str], micro_batch: int = 0) -> list[Artifact]:
         """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
         this task's cancellation stops at once: the thread is abandoned and the compiler
         process it runs is killed (``CompileCancelled`` there)."""
