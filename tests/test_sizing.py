@@ -142,7 +142,8 @@ def test_free_memory_sees_a_data_rlimit() -> None:
 
 
 def test_the_term_set_up_sizes_from_the_runs_member_records() -> None:
-    """Members of other runs do not count; a member's refusal comes from its own record."""
+    """Members of other runs and peers the run does not admit do not count (a stranger cannot shrink
+    everyone's micro-batch); a member's refusal comes from its own record."""
     from types import SimpleNamespace
 
     from pcp_p2p.diloco.run.engine import KEEP_STATES
@@ -150,14 +151,18 @@ def test_the_term_set_up_sizes_from_the_runs_member_records() -> None:
 
     cfg, spec = PRESETS["small"], _spec("small", 64, 128)
 
-    def member(free: int, runs: tuple[str, ...] = ("run",)) -> SimpleNamespace:
-        return SimpleNamespace(record=SimpleNamespace(runs=runs, capabilities=SimpleNamespace(memory_free_bytes=free)))
+    def member(peer: str, free: int, runs: tuple[str, ...] = ("run",)) -> SimpleNamespace:
+        return SimpleNamespace(record=SimpleNamespace(peer_id=peer, runs=runs,
+                                                      capabilities=SimpleNamespace(memory_free_bytes=free)))
 
-    members = {"a": member(train_memory_bytes(cfg, 128, 64, KEEP_STATES)),
-               "b": member(train_memory_bytes(cfg, 128, 16, KEEP_STATES)),
-               "other-run": member(train_memory_bytes(cfg, 128, 2, KEEP_STATES), runs=("another",)),
-               "short": member(1 << 20)}
+    members = {"a": member("a", train_memory_bytes(cfg, 128, 64, KEEP_STATES)),
+               "b": member("b", train_memory_bytes(cfg, 128, 16, KEEP_STATES)),
+               "other-run": member("other-run", train_memory_bytes(cfg, 128, 2, KEEP_STATES), runs=("another",)),
+               "banned": member("banned", train_memory_bytes(cfg, 128, 1, KEEP_STATES)),
+               "short": member("short", 1 << 20)}
+    admission = SimpleNamespace(why_not=lambda peer: "banned" if peer == "banned" else None)
     rt = SimpleNamespace(run_id="run", spec=spec, dataset=SimpleNamespace(vocab_size=cfg.vocab_size),
+                         machine=SimpleNamespace(admission=admission),
                          node=SimpleNamespace(membership=SimpleNamespace(live=lambda: list(members.values()),
                                                                          get=members.get)))
     setup = TermSetUp(rt)  # type: ignore[arg-type]  # only the fields the plan reads

@@ -72,8 +72,9 @@ class TermSetUp:
         from pcp_p2p.diloco.run import engine
 
         assert rt.dataset is not None
+        admission = rt.machine.admission
         free = [m.record.capabilities.memory_free_bytes for m in rt.node.membership.live()
-                if rt.run_id in m.record.runs]
+                if rt.run_id in m.record.runs and admission.why_not(m.record.peer_id) is None]
         return plan_memory(rt.spec, engine.model_config(rt.spec, rt.dataset.vocab_size), free, engine.KEEP_STATES)
 
     def memory_refusal(self, plan: MemoryPlan, peer: str) -> str | None:
