@@ -6,7 +6,8 @@ it: one progress line per committed round, optional churn (workers killed with
 SIGKILL mid-run and restarted with their data dir), and a summary at the end —
 rounds committed, loss and validation loss per round, time to first
 contribution of rejoining workers, whether every live node holds the same
-committed θ, and a sample of text from the final θ.
+committed θ, the model's parameters, the median round time and the tokens
+committed per second, and a sample of text from the final θ.
 
 Every node runs in a process group of its own and all of them are killed when
 the swarm ends, also on Ctrl+C or on failure: nothing is left running.
