@@ -19,7 +19,9 @@ against them.
 The H steps are a ``lax.scan``, which lowers to one ``stablehlo.while``: the
 artifact does not grow with H. Each step: forward, cross-entropy, gradients,
 global-norm clipping, AdamW with bias correction (decoupled weight decay on
-matrices only, as nanoGPT).
+matrices only, as nanoGPT). With ``micro_batch`` M < B the loss and gradient
+are accumulated over B/M passes of M sequences (an inner ``lax.scan``): the
+same step, with one pass's activations alive at a time.
 
 ``eval``: ``(param/*, x, y) -> (loss,)`` with x, y int32 (B, T).
 
