@@ -34,3 +34,14 @@ def test_loss_plot_is_a_png(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = write_loss_plot(tmp_path / "loss.png", rounds, "bafkreitest")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert write_loss_plot(tmp_path / "none.png", [], "x") is None
+
+
+def test_round_pace_counts_commits_after_the_first() -> None:
+    from pcp_p2p.commands.swarm_command import round_pace
+
+    rounds = [{"round": r, "tokens": 1000 * r} for r in (1, 2, 3, 4)]
+    pace = round_pace("small", rounds, {1: 30.0, 2: 36.0, 3: 43.0, 4: 48.0})
+    assert 1.0e6 < pace["params"] < 1.05e6  # small, with the corpus's vocabulary
+    assert pace["round_s"] == 6.0  # median of 6, 7 and 5 s
+    assert pace["tokens_per_s"] == round((2000 + 3000 + 4000) / 18.0)  # round 1 waited for the compile
+    assert round_pace("tiny", [], {})["round_s"] is None

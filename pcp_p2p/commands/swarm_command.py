@@ -6,7 +6,8 @@ it: one progress line per committed round, optional churn (workers killed with
 SIGKILL mid-run and restarted with their data dir), and a summary at the end —
 rounds committed, loss and validation loss per round, time to first
 contribution of rejoining workers, whether every live node holds the same
-committed θ, and a sample of text from the final θ.
+committed θ, the model's parameters, the median round time and the tokens
+committed per second, and a sample of text from the final θ.
 
 Every node runs in a process group of its own and all of them are killed when
 the swarm ends, also on Ctrl+C or on failure: nothing is left running.
@@ -29,6 +30,7 @@ import trio
 
 from pcp_p2p.core.errors import ConfigError, PcpError
 from pcp_p2p.core.shutdown import run_until_signal
+from pcp_p2p.diloco.protocol.spec import MODEL_PRESETS
 
 if TYPE_CHECKING:
     from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess
@@ -44,7 +46,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--workers", type=int, default=4, help="number of worker nodes (default 4)")
     p.add_argument("--rounds", type=int, default=10, help="outer rounds to train (default 10)")
-    p.add_argument("--model", default="tiny", choices=["tiny", "small", "medium"], help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", choices=MODEL_PRESETS,
+                   help="model preset: tiny 0.2M, small 1M, medium 10.8M or large 99.7M parameters (default tiny; "
+                   "batches are split to fit the nodes' free memory)")
     p.add_argument("--time-budget", type=float, default=5.0, help="seconds of inner training per round (default 5)")
     p.add_argument("--churn", type=float, default=0.0,
                    help="per committed round, the chance that a random worker is SIGKILLed (it is restarted "
@@ -130,6 +134,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         _say(f"run {run_id} created: {args.rounds} rounds of {args.time_budget:.0f} s, model {args.model}")
 
         history: dict[int, dict[str, Any]] = {}
+        seen_at: dict[int, float] = {}  # when this command first saw each round committed (its clock)
         failovers = 0
         killed: dict[str, tuple[NodeProcess, int]] = {}  # peer id -> (process, round killed at)
         rejoined: list[str] = []
@@ -150,6 +155,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 for h in st.get("history", []):
                     if h["round"] not in history:
                         history[h["round"]] = h
+                        seen_at[h["round"]] = time.monotonic() - t0
                         val = f"{h['val_loss']:.4f}" if h.get("val_loss") is not None else "-"
                         _say(f"round {h['round']:>3}/{args.rounds}  loss {h['loss']:.4f}  val {val}  "
                              f"workers {h['participants']}  ({time.monotonic() - t0:.0f} s)")
@@ -188,7 +194,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             _say("sample from the final θ:")
             _say(sample)
     rounds = [history[r] for r in sorted(history)]
+    pace = round_pace(args.model, rounds, seen_at)
+    _say(f"{pace['params']:,} parameters ({args.model}); median round {pace['round_s']} s; "
+         f"{pace['tokens_per_s']} tokens/s committed")
     return {
+        **pace,
         "run_id": run_id,
         "seed": args.seed,
         "workers": args.workers,
@@ -231,6 +241,24 @@ async def _churn(
             await swarm.kill(proc, signal.SIGKILL)
             killed[proc.peer_id] = (proc, committed_round)
             _say(f"  churn: SIGKILLed {proc.peer_id[-12:]} mid-run")
+
+
+def round_pace(model: str, rounds: list[dict[str, Any]], seen_at: dict[int, float]) -> dict[str, Any]:
+    """The model's size and the swarm's pace: the median time between consecutive commits and the
+    tokens committed per second after the first commit (which waits for the compile), both as this
+    command saw them (it polls each second, so a round time is ±1 s)."""
+    from itertools import pairwise
+
+    from pcp_p2p.compile.model import num_params, preset
+    from pcp_p2p.diloco.algorithm.data import CharDataset
+
+    nums = sorted(seen_at)
+    gaps = sorted(seen_at[b] - seen_at[a] for a, b in pairwise(nums) if b == a + 1)
+    span = seen_at[nums[-1]] - seen_at[nums[0]] if len(nums) > 1 else 0.0
+    tokens = sum(int(h.get("tokens") or 0) for h in rounds if h["round"] != nums[0]) if nums else 0
+    return {"params": num_params(preset(model, CharDataset.load("shakespeare").vocab_size)),
+            "round_s": round(gaps[len(gaps) // 2], 1) if gaps else None,
+            "tokens_per_s": round(tokens / span) if span > 0 else None}
 
 
 def write_loss_plot(path: Path, rounds: list[dict[str, Any]], run_id: str) -> Path | None:

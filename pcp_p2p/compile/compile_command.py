@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="H, AdamW steps per train call")
     p.add_argument("--batch", type=int, default=ProgramOptions.batch, help="B, sequences per step")
     p.add_argument("--seq", type=int, default=None, help="T, tokens per sequence (default: block size)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="M, sequences per forward/backward pass: a step accumulates B/M passes (M divides B; "
+                   "default 0: the whole batch at once); see docs/compile.md, memory-aware sizing")
     p.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: 65)")
     p.add_argument("--data-dir", type=Path, default=None,
                    help="node data directory (identity key, compile cache)")
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not programs:
         raise ConfigError(f"unknown programs {unknown}; choose from {', '.join(PROGRAMS)}")
     opts = ProgramOptions(inner_steps=args.inner_steps, batch=args.batch,
-                          seq=args.seq if args.seq is not None else cfg.block_size)
+                          seq=args.seq if args.seq is not None else cfg.block_size, micro_batch=args.micro_batch)
     targets = parse_targets(args.targets)
     data_dir = args.data_dir or default_data_dir()
     identity = load_or_create_identity(data_dir)

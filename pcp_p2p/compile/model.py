@@ -65,11 +65,14 @@ class GPTConfig:
 
 
 # Parameter counts for the character vocabulary of tiny-shakespeare (65):
-#   tiny ≈ 0.21M, small ≈ 1.0M, medium ≈ 10.7M.
+#   tiny ≈ 0.21M, small ≈ 1.0M, medium ≈ 10.7M, large ≈ 99.7M.
+# ``large`` is GPT-2 small's width (768, 12 heads) two layers deeper, so that with a
+# character vocabulary (whose embedding is tiny) it still reaches ~100M parameters.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(block_size=64, n_layer=4, n_head=4, n_embd=64),
     "small": GPTConfig(block_size=128, n_layer=5, n_head=4, n_embd=128),
     "medium": GPTConfig(block_size=256, n_layer=6, n_head=6, n_embd=384),
+    "large": GPTConfig(block_size=512, n_layer=14, n_head=12, n_embd=768),
 }
 
 

@@ -19,7 +19,9 @@ against them.
 The H steps are a ``lax.scan``, which lowers to one ``stablehlo.while``: the
 artifact does not grow with H. Each step: forward, cross-entropy, gradients,
 global-norm clipping, AdamW with bias correction (decoupled weight decay on
-matrices only, as nanoGPT).
+matrices only, as nanoGPT). With ``micro_batch`` M < B the loss and gradient
+are accumulated over B/M passes of M sequences (an inner ``lax.scan``): the
+same step, with one pass's activations alive at a time.
 
 ``eval``: ``(param/*, x, y) -> (loss,)`` with x, y int32 (B, T).
 
@@ -64,18 +66,29 @@ class ProgramOptions:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # global-norm clip; 0 disables it
+    # M: a train step's gradient is accumulated over B/M micro-batches of M sequences, so the
+    # activations held at once are M sequences' (pcp_p2p.compile.memory sizes M); 0 = B (one pass).
+    micro_batch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("inner_steps", "batch", "seq", "sample_batch"):
             value = getattr(self, name)
             if type(value) is not int or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        m = self.micro_batch
+        if type(m) is not int or m < 0 or (m and self.batch % m):
+            raise ConfigError(f"micro_batch must be 0 or divide batch {self.batch}, got {m!r}")
         for name in ("beta1", "beta2", "eps", "weight_decay", "grad_clip"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative number, got {value!r}")
         if not (self.beta1 < 1 and self.beta2 < 1):
             raise ConfigError("AdamW betas must be below 1")
+
+    @property
+    def micro_batches(self) -> int:
+        """How many micro-batches a train step's batch is split into (1: no accumulation)."""
+        return self.batch // self.micro_batch if self.micro_batch else 1
 
     def to_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
@@ -160,6 +173,39 @@ def _adamw(opts: ProgramOptions, names: tuple[str, ...], params: Tensors, grads:
     return new_p, new_m, new_v, step
 
 
+def _loss_and_grads(cfg: GPTConfig, opts: ProgramOptions, params: Tensors, x: jax.Array,
+                    y: jax.Array) -> tuple[jax.Array, Tensors]:
+    """The batch's mean loss and its gradient, in ``opts.micro_batches`` passes.
+
+    Split in K equal micro-batches, the batch's mean loss is the mean of theirs and so
+    is its gradient: the same step as one pass (up to the order of float sums), while
+    only one micro-batch's activations are alive at a time. K = 1 lowers exactly the
+    one-pass program, so an unsized run's artifacts keep their StableHLO hash.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def one_pass(xb: jax.Array, yb: jax.Array) -> tuple[jax.Array, Tensors]:
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, xb, yb))(params)
+        return loss, grads
+
+    k = opts.micro_batches
+    if k == 1:
+        return one_pass(x, y)
+    B, T = x.shape
+    xm, ym = x.reshape(k, B // k, T), y.reshape(k, B // k, T)  # micro-batch i: rows i*M .. i*M+M-1
+
+    def accumulate(acc: tuple[jax.Array, Tensors],
+                   mb: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, Tensors], None]:
+        loss, grads = one_pass(*mb)
+        return (acc[0] + loss, {n: acc[1][n] + grads[n] for n in grads}), None
+
+    zeros = {n: jnp.zeros_like(params[n]) for n in params}
+    (loss_sum, grad_sum), _ = lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros), (xm, ym))
+    return loss_sum / k, {n: g / k for n, g in grad_sum.items()}
+
+
 def _train(cfg: GPTConfig, opts: ProgramOptions) -> Program:
     H, B, T = opts.inner_steps, opts.batch, opts.seq
     names = tuple(param_shapes(cfg))
@@ -174,7 +220,6 @@ def _train(cfg: GPTConfig, opts: ProgramOptions) -> Program:
     outputs = (*state_specs(cfg), TensorSpec("losses", (H,), "float32"))
 
     def train(*args: jax.Array) -> tuple[jax.Array, ...]:
-        import jax
         from jax import lax
 
         params = dict(zip(names, args[:n]))
@@ -185,7 +230,7 @@ def _train(cfg: GPTConfig, opts: ProgramOptions) -> Program:
         def inner_step(carry: TrainCarry, batch: tuple[jax.Array, jax.Array]) -> tuple[TrainCarry, jax.Array]:
             params, m, v, step = carry
             x, y = batch  # (B, T) each
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(cfg, p, x, y))(params)
+            loss, grads = _loss_and_grads(cfg, opts, params, x, y)
             return _adamw(opts, names, params, grads, m, v, step, lr), loss
 
         (params, m, v, step), losses = lax.scan(inner_step, (params, m, v, step), (xs, ys))

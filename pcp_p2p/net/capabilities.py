@@ -71,6 +71,9 @@ class Capabilities(Message):
     group_ranks: int = 0
     group_gflops: float = 0.0
     group_devices: tuple[str, ...] = ()
+    # Memory this node can still take for training, measured at start-up (free_memory_bytes):
+    # what the shepherd sizes the run's micro-batch from (pcp_p2p.compile.memory). 0: not measured.
+    memory_free_bytes: int = 0
 
 
 def cpu_info() -> tuple[str, tuple[str, ...]]:
@@ -95,6 +98,72 @@ def memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _meminfo_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo: what the kernel can give without swapping (Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Limit minus usage of this process's memory cgroup (v2, else v1), or None if unlimited."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "":  # v2: the unified hierarchy
+            limit, usage = _read_int(root / rel / "memory.max"), _read_int(root / rel / "memory.current")
+        elif "memory" in controllers.split(","):  # v1; a container usually sees its own group at the root
+            base = root / "memory"
+            limit, usage = _read_int(base / "memory.limit_in_bytes"), _read_int(base / "memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 "no limit" is ~2^63
+            found.append(max(0, limit - usage))
+    return min(found) if found else None
+
+
+def _rlimit_cap() -> int | None:
+    """The lower of this process's data and address-space soft limits (``ulimit -d``/``-v``),
+    which the executor child inherits: a training process can never map more than that."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    caps = [soft for soft in (resource.getrlimit(r)[0] for r in (resource.RLIMIT_DATA, resource.RLIMIT_AS))
+            if soft != resource.RLIM_INFINITY]
+    return min(caps) if caps else None
+
+
+def free_memory_bytes() -> int:
+    """Memory this node can take for training now: the least of what the kernel has available,
+    what this process's memory cgroup still allows, and its data/address-space rlimits.
+
+    A container's cgroup limit or a ``ulimit`` binds long before the host's free RAM does,
+    and a training step that crosses it dies (OOM kill, failed allocation), so the shepherd
+    sizes batches from the tightest of them (docs/compile.md, "Memory-aware sizing").
+    0 when none can be read.
+    """
+    known = [x for x in (_meminfo_available(), _cgroup_headroom(), _rlimit_cap()) if x is not None]
+    return max(0, min(known)) if known else 0
 
 
 # Run in a child process whose BLAS has one thread: see measure_gflops.
@@ -229,4 +298,5 @@ def probe(backend: str = "auto", *, benchmark_s: float = 0.25) -> Capabilities:
         versions=versions,
         can_compile=can_compile,
         throughput_measured_at=round(time.time(), 1) if benchmark_s > 0 else 0.0,
+        memory_free_bytes=free_memory_bytes(),
     )

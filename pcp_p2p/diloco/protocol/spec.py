@@ -13,7 +13,7 @@ Example (every key optional; these are the defaults)::
     seed = 0
 
     [model]
-    preset = "tiny"
+    preset = "tiny"          # or "small", "medium", "large" (~100M parameters; docs/compile.md)
 
     [inner]            # AdamW, run locally by each worker
     lr = 1e-3
@@ -84,7 +84,8 @@ from pcp_p2p.core.identity import Identity, verify_signature
 from pcp_p2p.diloco.algorithm.robust import AGGREGATION_RULES, AggregationPolicy
 from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
 
-MODEL_PRESETS = ("tiny", "small", "medium")
+MODEL_PRESETS = ("tiny", "small", "medium", "large")
+"""``model.preset``: the named shapes of pcp_p2p.compile.model.PRESETS (0.2M, 1M, 10.8M, 99.7M parameters)."""
 DELTA_CODECS = ("int8", "fp32", "topk2")
 """``round.delta_codec``: int8 (dense, ~1 byte/parameter), fp32 (exact), topk2 (the largest of
 every 16 values, 3-bit values, error feedback: ~0.47 bit/parameter; pcp_p2p.diloco.algorithm.sparse)."""
@@ -312,7 +313,7 @@ def parse_spec(text: str) -> RunSpec:
     if "model" in doc:
         model = doc["model"]
         if not isinstance(model, dict) or set(model) - {"preset"} or type(model.get("preset", "tiny")) is not str:
-            raise ConfigError("run spec: [model] takes one key, preset = \"tiny\"|\"small\"|\"medium\"")
+            raise ConfigError(f"run spec: [model] takes one key, preset = one of {MODEL_PRESETS}")
         kwargs["model"] = model.get("preset", "tiny")
     for key, cls in _SECTIONS.items():
         if key in doc:

@@ -71,13 +71,16 @@ class Replay:
     losses: tuple[float, ...]
 
 
-def program_options(spec: RunSpec) -> ProgramOptions:
+def program_options(spec: RunSpec, micro_batch: int = 0) -> ProgramOptions:
+    """The compiled programs' options; ``micro_batch`` is the term's memory plan
+    (:mod:`~pcp_p2p.diloco.protocol.sizing`; 0 = the whole batch in one pass)."""
     from pcp_p2p.compile.programs import ProgramOptions
 
     i = spec.inner
     return ProgramOptions(
         inner_steps=CHUNK_STEPS, batch=i.batch_size, seq=i.seq_len,
         beta1=i.beta1, beta2=i.beta2, weight_decay=i.weight_decay, grad_clip=i.grad_clip,
+        micro_batch=0 if micro_batch == i.batch_size else micro_batch,
     )
 
 
@@ -99,16 +102,17 @@ def initial_theta(spec: RunSpec, vocab_size: int) -> dict[str, np.ndarray]:
 
 def build_train_artifacts(
     spec: RunSpec, vocab_size: int, targets: Sequence[str], identity: Identity, cache_dir: Path,
-    cancel: threading.Event | None = None,
+    cancel: threading.Event | None = None, micro_batch: int = 0,
 ) -> list[Artifact]:
-    """Compile (or take from the on-disk cache) the train program for ``targets``; ``cancel`` stops it
+    """Compile (or take from the on-disk cache) the train program for ``targets`` at ``micro_batch``
+    sequences per pass (0: the whole batch); ``cancel`` stops it
     (:class:`~pcp_p2p.core.errors.CompileCancelled`, the compiler process killed)."""
     from pcp_p2p.compile.cache import ArtifactCache
     from pcp_p2p.compile.pipeline import build_artifacts
     from pcp_p2p.compile.targets import get_target
 
     return build_artifacts(
-        spec.model, model_config(spec, vocab_size), program_options(spec), ["train"],
+        spec.model, model_config(spec, vocab_size), program_options(spec, micro_batch), ["train"],
         [get_target(t) for t in targets], identity, cache=ArtifactCache(cache_dir), cancel=cancel,
     )
 

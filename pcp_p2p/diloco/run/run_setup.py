@@ -26,6 +26,7 @@ from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
 from pcp_p2p.diloco.protocol.election import BecomeShepherd
 from pcp_p2p.diloco.protocol.lifecycle import COMPILING, SETUP_FAILED
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.sizing import MemoryPlan, plan_memory
 from pcp_p2p.diloco.run.run_effects import SetUpEnded, ShepherdBuilt
 from pcp_p2p.wire import encode
 
@@ -45,6 +46,7 @@ class TermSetUp:
         self.scope: trio.CancelScope | None = None  # cancels the set-up in progress
         self.evaluate: Evaluator | None = None
         self.standby: list[Artifact] = []  # artifacts built and signed ahead of a takeover
+        self.standby_micro_batch = 0  # the micro-batch they were compiled for
         self.ready = False  # the standby is hot: artifacts and evaluator built (status shows it)
 
     def wanted_targets(self) -> list[str]:
@@ -63,7 +65,24 @@ class TermSetUp:
                 wanted.add(allowed[0])
         return sorted(wanted)
 
-    async def build_artifacts(self, targets: list[str]) -> list[Artifact]:
+    def memory_plan(self) -> MemoryPlan:
+        """The term's micro-batch, sized for the least free memory among the run's members
+        (their signed member records; :mod:`~pcp_p2p.diloco.protocol.sizing`)."""
+        rt = self.rt
+        from pcp_p2p.diloco.run import engine
+
+        assert rt.dataset is not None
+        admission = rt.machine.admission
+        free = [m.record.capabilities.memory_free_bytes for m in rt.node.membership.live()
+                if rt.run_id in m.record.runs and admission.why_not(m.record.peer_id) is None]
+        return plan_memory(rt.spec, engine.model_config(rt.spec, rt.dataset.vocab_size), free, engine.KEEP_STATES)
+
+    def memory_refusal(self, plan: MemoryPlan, peer: str) -> str | None:
+        """Why ``peer`` cannot train at ``plan`` (its advertised free memory), or None."""
+        member = self.rt.node.membership.get(peer)
+        return plan.why_not(member.record.capabilities.memory_free_bytes) if member is not None else None
+
+    async def build_artifacts(self, targets: list[str], micro_batch: int = 0) -> list[Artifact]:
         """The train artifacts for ``targets`` (compiled, or from the cache), in a thread that
         this task's cancellation stops at once: the thread is abandoned and the compiler
         process it runs is killed (``CompileCancelled`` there)."""
@@ -76,7 +95,8 @@ class TermSetUp:
 
         def build() -> list[Artifact]:
             return engine.build_train_artifacts(rt.spec, dataset.vocab_size, targets, rt.node.identity,
-                                                rt.node.config.data_dir / "artifact-cache", cancel=cancel)
+                                                rt.node.config.data_dir / "artifact-cache", cancel=cancel,
+                                                micro_batch=micro_batch)
 
         try:
             # trio_typing's stubs (a libp2p dependency) shadow trio's own types and predate abandon_on_cancel
@@ -114,7 +134,9 @@ class TermSetUp:
         rt = self.rt
         assert rt.dataset is not None
         try:
-            self.standby = await self.build_artifacts(self.wanted_targets())
+            micro_batch = self.memory_plan().micro_batch
+            self.standby = await self.build_artifacts(self.wanted_targets(), micro_batch)
+            self.standby_micro_batch = micro_batch
             await self.build_evaluator()
             self.ready = True
             log.info("run %s: standby ready (artifacts cached, evaluator built)", rt.run_id[:16])
@@ -169,10 +191,13 @@ class TermSetUp:
         dataset_cid = await rt.io.keep(await trio.to_thread.run_sync(encode_dataset, rt.dataset), for_run=True)
         rt.io.pins.for_dataset(dataset_cid)
         wanted = self.wanted_targets()
-        standby = self.standby if self.standby and sorted(a.manifest.target for a in self.standby) == wanted else None
-        log.info("run %s: term %d: compiling the train program for %s", rt.run_id[:16], eff.term,
-                 ", ".join(sorted(wanted)))
-        arts = standby or await self.build_artifacts(sorted(wanted))
+        plan = self.memory_plan()
+        standby = self.standby if (self.standby and sorted(a.manifest.target for a in self.standby) == wanted
+                                   and self.standby_micro_batch == plan.micro_batch) else None
+        log.info("run %s: term %d: compiling the train program for %s, %d of the %d sequences per pass "
+                 "(%d MiB modelled per worker)", rt.run_id[:16], eff.term, ", ".join(sorted(wanted)),
+                 plan.micro_batch, plan.batch, plan.need_bytes >> 20)
+        arts = standby or await self.build_artifacts(sorted(wanted), plan.micro_batch)
         artifacts: dict[str, str] = {}
         rt.artifacts.clear()
         for art in arts:
@@ -193,7 +218,8 @@ class TermSetUp:
         return Shepherd(
             spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
             state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
-            end_round=eff.end_round, admit=m.admission.why_not, score=evaluate.score,
+            end_round=eff.end_round, score=evaluate.score,
+            admit=lambda peer: m.admission.why_not(peer) or self.memory_refusal(plan, peer),
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
 
