@@ -64,9 +64,9 @@ Lifecycle of a term, as seen by one node::
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
     HOLDER   --tick, heartbeat_s since the last beat-->      HOLDER   (SendHeartbeat)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
-    FOLLOWER --no heartbeat from the holder for its window-->  VACANT   (failover; holder suspected;
+    FOLLOWER --no beat from the holder for its window-->     VACANT   (failover; holder suspected;
                                                                        window: suspect_after_s, adaptive)
-    FOLLOWER --tick that late: this node itself stalled-->   FOLLOWER (grace: 2 heartbeats more, once)
+    FOLLOWER --tick 2 beats past due: we stalled, not it-->  FOLLOWER (grace: 2 heartbeats more, once)
     VACANT   --the suspected holder's heartbeat, term open--> FOLLOWER (it was slow, not dead;
                                                                        this node's patience doubles)
     FOLLOWER --the holder announced its departure-->         VACANT   (failover, at once)
@@ -138,9 +138,9 @@ class Lease(Message):
 class Heartbeat(Message):
     """The holder of ``term`` is alive: sent straight to the run's members every ``heartbeat_s``.
 
-    Signed like a lease; a follower that has heard none for ``suspect_s``
-    suspects the holder and fails over without waiting for the lease to lapse
-    (see ``Election.on_heartbeat``)."""
+    Signed like a lease; a follower that has heard none for its suspicion window
+    (``Election.suspect_after_s``: ``suspect_s`` at least, adaptive) suspects the holder
+    and fails over without waiting for the lease to lapse (see ``Election.on_heartbeat``)."""
 
     run_id: str
     term: int
