@@ -7,6 +7,7 @@ whole run machine on trio's ``MockClock`` (:mod:`pcp_p2p.testing.run_harness`).
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import trio
 from trio.testing import MockClock
@@ -14,6 +15,8 @@ from trio.testing import MockClock
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.effects import Rejected
 from pcp_p2p.diloco.protocol.election import (
+    MIN_GAPS,
+    PATIENCE_DECAY_BEATS,
     Candidate,
     Election,
     ElectionConfig,
@@ -45,9 +48,9 @@ def run_where(first0: int, first1_order: list[int]) -> str:
     raise AssertionError("no such run id")
 
 
-def swarm(run: str) -> list[Election]:
+def swarm(run: str, config: ElectionConfig = CONFIG) -> list[Election]:
     """Three elections that all see each other; term 0 claimed and followed at t = 1."""
-    es = [Election(run, ident, CONFIG) for ident in IDS]
+    es = [Election(run, ident, config) for ident in IDS]
     view = [Candidate(i.peer_id, 100.0) for i in IDS]
     leases = []
     for e in es:
@@ -185,3 +188,119 @@ def test_a_killed_shepherd_is_replaced_within_the_suspicion_window_on_mock_time(
     # suspect_s of silence, the settling lookups, one claim: well under the 10 s lease.
     assert took < cfg.election.suspect_window_s + cfg.election.settle_s + 1.0, took
     assert ROUNDS == r.final.round + 1
+
+
+# --- adaptive suspicion: a slow holder is not a dead one ---------------------------------------
+
+QUICK = dataclasses.replace(CONFIG, heartbeat_s=0.25, suspect_s=1.5)  # the run machine's timing
+
+
+def alive(holder: Election, follower: Election, t: float) -> None:
+    """The holder's machine steps at ``t`` and its beat (or lease renewal) reaches ``follower`` at once."""
+    out = holder.tick(t)
+    renewals = [x.lease for x in out if isinstance(x, PublishLease)]
+    for lease in renewals:
+        follower.on_lease(lease, t)
+    if not renewals:
+        beat = holder.heartbeat(t)
+        assert beat is not None
+        follower.on_heartbeat(beat, t)
+
+
+def until(follower: Election, t: float) -> None:
+    """Tick ``follower`` at every wake-up it asks for before ``t``, on time (a scheduled node)."""
+    while (w := follower.next_wakeup) is not None and w < t and follower.role is Role.FOLLOWER:
+        follower.tick(w)
+
+
+def test_a_jittery_but_alive_holder_is_not_suspected_once_the_window_has_adapted() -> None:
+    """Beats up to 2.1 s apart (1.4 x suspect_s: a loaded machine) from a live holder: a fixed
+    1.5 s window suspects it again and again; the adapted one never does."""
+    holder, f, _ = swarm(run_where(0, [1]), QUICK)
+    rng = random.Random(7)
+    # The first beats (before there are enough to adapt on) come within the least window.
+    gaps = [min(1.4, rng.uniform(0.3, 2.1)) for _ in range(MIN_GAPS)]
+    gaps += [2.1] + [rng.uniform(0.3, 2.1) for _ in range(60)]
+    t = 1.0
+    for gap in gaps:
+        until(f, t + gap)
+        assert f.role is Role.FOLLOWER and not f.suspected, t + gap
+        t += gap
+        alive(holder, f, t)
+    assert f.suspect_after_s > 2.1 and f.patience == 1.0  # never falsely suspected
+
+
+def test_a_holder_that_stops_is_suspected_within_the_adapted_window() -> None:
+    holder, f, _ = swarm(run_where(0, [1]), QUICK)
+    t = 1.0
+    for _ in range(20):  # a steady beat: the window stays suspect_s
+        t += 0.25
+        alive(holder, f, t)
+    assert f.suspect_after_s == QUICK.suspect_window_s and f.next_wakeup == t + 1.5
+    until(f, t + 1.5)
+    assert f.role is Role.FOLLOWER
+    f.tick(t + 1.5)
+    assert f.role is Role.VACANT and holder.peer_id in f.suspected  # 1.5 s after its last beat
+
+    holder, f, _ = swarm(run_where(0, [1]), QUICK)
+    rng, t = random.Random(3), 1.0
+    for gap in [0.5] * MIN_GAPS + [rng.uniform(0.3, 2.1) for _ in range(40)]:
+        t += gap
+        alive(holder, f, t)
+    window = f.suspect_after_s
+    assert 1.5 < window < QUICK.lease_s and f.next_wakeup == t + window  # widened, and bounded
+    until(f, t + window)
+    assert f.role is Role.FOLLOWER
+    f.tick(t + window)  # the holder died after its last beat: suspected one adapted window later
+    assert f.role is Role.VACANT and holder.peer_id in f.suspected
+    assert t + window < f.lease.expiry  # long before its lease lapses
+
+
+def test_a_false_suspicion_doubles_the_patience_and_on_time_beats_halve_it() -> None:
+    holder, f, _ = swarm(run_where(0, [1]), QUICK)
+    alive(holder, f, 1.25)
+    f.tick(2.75)
+    assert f.role is Role.VACANT  # 1.5 s of silence: suspected
+    alive(holder, f, 2.9)  # it was only slow
+    assert f.role is Role.FOLLOWER and f.patience == 2.0
+    assert f.next_wakeup == 2.9 + 2 * 1.5  # (too few gaps to adapt yet: the least window, doubled)
+    f.tick(2.9 + 2.9)
+    assert f.role is Role.FOLLOWER  # 2.9 s of silence: a fixed window would have suspected again
+    alive(holder, f, 5.85)
+    assert f.patience == 2.0  # (that gap was late)
+    t = 5.85
+    for _ in range(PATIENCE_DECAY_BEATS):
+        t += 0.25
+        alive(holder, f, t)
+    assert f.patience == 1.0  # halved back after a run of on-time beats
+    for _ in range(32):  # the slow gaps age out of the kept ones too
+        t += 0.25
+        alive(holder, f, t)
+    assert f.suspect_after_s == QUICK.suspect_window_s
+
+
+def test_a_late_tick_gives_the_holder_grace_for_its_queued_beats() -> None:
+    """This node was not scheduled: its tick comes long after it was due, and the holder's beats
+    sit in its queue behind it. One grace of two heartbeats lets them in before any suspicion."""
+    for queued in (True, False):
+        holder, f, _ = swarm(run_where(0, [1]), QUICK)
+        for t in (1.25, 1.5, 1.75):
+            alive(holder, f, t)
+        assert f.next_wakeup == 3.25
+        f.tick(4.25)  # due at 3.25, runs a second late
+        assert f.role is Role.FOLLOWER and f.next_wakeup == 4.75
+        if queued:
+            beat = holder.heartbeat(3.0)
+            assert beat is not None
+            f.on_heartbeat(beat, 4.3)  # sent at 3.0, queued behind the stalled tick
+            f.tick(4.75)
+            assert f.role is Role.FOLLOWER and not f.suspected
+        else:
+            f.tick(4.74)
+            assert f.role is Role.FOLLOWER
+            f.tick(4.75)  # nothing came: the holder is suspected after the grace
+            assert f.role is Role.VACANT and holder.peer_id in f.suspected
+    holder, f, _ = swarm(run_where(0, [1]), QUICK)
+    alive(holder, f, 1.25)
+    f.tick(2.8)  # on time (within two heartbeats of due): no grace
+    assert f.role is Role.VACANT

@@ -290,7 +290,8 @@ def test_a_failover_successor_takes_over_the_attempt_its_worker_holds(tmp_path) 
     mb.on_message(a.peer_id, ann, 3.0)
     assert mb.worker is not None and mb.worker.current == ann
     # A dies: B's silence passes suspect_s, the lookups find nothing newer, and B claims term 1.
-    t = 3.0 + BEATING.suspect_window_s + 0.1
+    # (B last heard A at 1.6, its lease; a tick much later than that would give A a late tick's grace.)
+    t = 1.6 + BEATING.suspect_window_s + 0.1
     mb.tick(t)
     mb.on_lease_lookup(None, t)
     setups = [e for e in mb.on_commit_lookup(None, True, t) + mb.tick(t) if isinstance(e, SetUpShepherd)]

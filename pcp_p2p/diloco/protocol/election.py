@@ -64,8 +64,11 @@ Lifecycle of a term, as seen by one node::
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
     HOLDER   --tick, heartbeat_s since the last beat-->      HOLDER   (SendHeartbeat)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
-    FOLLOWER --no heartbeat from the holder for suspect_s--> VACANT   (failover; holder suspected)
-    VACANT   --the suspected holder's heartbeat, term open--> FOLLOWER (it was slow, not dead)
+    FOLLOWER --no beat from the holder for its window-->     VACANT   (failover; holder suspected;
+                                                                       window: suspect_after_s, adaptive)
+    FOLLOWER --tick 2 beats past due: we stalled, not it-->  FOLLOWER (grace: 2 heartbeats more, once)
+    VACANT   --the suspected holder's heartbeat, term open--> FOLLOWER (it was slow, not dead;
+                                                                       this node's patience doubles)
     FOLLOWER --the holder announced its departure-->         VACANT   (failover, at once)
 """
 
@@ -73,6 +76,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import statistics
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +101,15 @@ from pcp_p2p.wire import Message, decode, wire_message
 
 LEASE_KIND = "lease"
 MAX_DEPARTED = 1024  # departures remembered; the oldest are forgotten first
+
+# Adaptive suspicion (see ElectionConfig.suspect_s and Election.suspect_after_s).
+GAP_SAMPLES = 32  # inter-arrival gaps of the holder's beats kept (8 s of beats at 0.25 s)
+MIN_GAPS = 8  # gaps needed before they widen the window
+SUSPECT_K = 1.5  # the window covers SUSPECT_K x the largest gap kept ...
+SUSPECT_C = 4.0  # ... and mean + SUSPECT_C standard deviations of the gaps
+MAX_PATIENCE = 8.0  # a false suspicion doubles the window, up to this factor
+PATIENCE_DECAY_BEATS = 16  # on-time beats in a row that halve it again
+LATE_TICK_BEATS = 2.0  # a tick this many heartbeats past due means this node itself stalled: grace, once
 
 
 @wire_message("diloco.lease", max_size=4 * 1024)
@@ -124,9 +138,9 @@ class Lease(Message):
 class Heartbeat(Message):
     """The holder of ``term`` is alive: sent straight to the run's members every ``heartbeat_s``.
 
-    Signed like a lease; a follower that has heard none for ``suspect_s``
-    suspects the holder and fails over without waiting for the lease to lapse
-    (see ``Election.on_heartbeat``)."""
+    Signed like a lease; a follower that has heard none for its suspicion window
+    (``Election.suspect_after_s``: ``suspect_s`` at least, adaptive) suspects the holder
+    and fails over without waiting for the lease to lapse (see ``Election.on_heartbeat``)."""
 
     run_id: str
     term: int
@@ -214,7 +228,17 @@ class ElectionConfig:
     suspect_s: float | None = None
     """A follower that heard no heartbeat (nor renewal) from the holder this long suspects it
     (default ``3 * heartbeat_s``): it fails over, and leaves the holder out of the next
-    term's ranking, without waiting for the lease to lapse."""
+    term's ranking, without waiting for the lease to lapse.
+
+    This is the *least* window (``suspect_window_s``). A fixed window is wrong on a loaded
+    machine: there a live holder's beats come 1–2 s apart (its steps and py-libp2p's stream
+    set-up stall), and followers that suspect it fail over back and forth, losing rounds. So
+    each follower widens its own window from what it observes (``Election.suspect_after_s``):
+    to ``SUSPECT_K`` x the largest recent gap between the holder's beats and to their mean +
+    ``SUSPECT_C`` standard deviations (phi-accrual style), times a patience that doubles on
+    every false suspicion; never beyond ``lease_s``, so suspicion still comes before the
+    lease's own lapse. Beats ``heartbeat_s`` apart (a quiet machine) leave it at ``suspect_s``:
+    failover there stays as fast as before."""
 
     def validate(self) -> ElectionConfig:
         if not (0 < self.renew_every_s < self.lease_s):
@@ -366,7 +390,22 @@ class Role(enum.Enum):
 
 
 class Election:
-    """One node's view of who leads one run. Feed it inputs; carry out its effects."""
+    """One node's view of who leads one run. Feed it inputs; carry out its effects.
+
+    Suspicion (a follower's, of a holder that stopped beating) adapts to what this node
+    observes, because a live holder on a loaded machine is slow, not dead:
+
+    - the gaps between the current holder's beats (renewals count) are kept, the last
+      ``GAP_SAMPLES`` of this term and holder, and widen the window (``suspect_after_s``);
+    - a suspected holder heard again (``_follow_again``: it was slow) doubles ``patience``,
+      which halves again after ``PATIENCE_DECAY_BEATS`` on-time beats in a row;
+    - a ``tick`` that comes ``LATE_TICK_BEATS`` heartbeats or more past the window's end means
+      this node itself was not scheduled, and the holder's beats may be queued behind that
+      tick: the holder gets two more heartbeats' grace, once per silence, before it is suspected.
+
+    All of it only ever delays suspicion up to ``lease_s`` after the holder was last heard:
+    the lease's lapse (+ ``grace_s``) still ends a term whose holder is really gone.
+    """
 
     def __init__(self, run_id: str, identity: Identity, config: ElectionConfig | None = None) -> None:
         self.run_id = run_id
@@ -388,6 +427,15 @@ class Election:
         self.settle_until: float | None = None  # no claim before: lookups are on their way
         self.last_heard: float | None = None  # when the current holder last showed it is alive (our clock)
         self.suspected: dict[str, float] = {}  # holder -> since when this node has not heard it
+        # Adaptive suspicion (see the class docstring): gaps between the current holder's beats,
+        # for (term, holder); the patience factor; on-time beats since it last changed; and the
+        # end of the grace a late tick gave (with the last_heard it was given for).
+        self.gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
+        self.gaps_of: tuple[int, str] | None = None
+        self.patience = 1.0
+        self.on_time = 0
+        self.grace_until: float | None = None
+        self.grace_for: float | None = None
         self.last_beat: float | None = None  # as the holder: when our last heartbeat (or lease) went out
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
@@ -440,7 +488,9 @@ class Election:
         if self.role is Role.FOLLOWER and self.lease is not None:
             due = self.lease.expiry + c.grace_s
             if c.heartbeats and self.last_heard is not None:
-                due = min(due, self.last_heard + c.suspect_window_s)
+                due = min(due, self.last_heard + self.suspect_after_s)
+                if self.grace_until is not None and self.grace_for == self.last_heard:
+                    due = max(due, min(self.grace_until, self.lease.expiry + c.grace_s))
             return due
         if self.role is Role.VACANT and self.vacant_since is not None:
             now = self.vacant_since if self._now is None else self._now
@@ -452,6 +502,21 @@ class Election:
             paused = self.claims_paused_until
             return paused if paused is not None and now < paused < wake else wake
         return None
+
+    @property
+    def suspect_after_s(self) -> float:
+        """How long this node, a follower, waits without a beat before it suspects the holder.
+
+        ``suspect_window_s`` at least; widened to what the holder's observed beat gaps
+        warrant (``SUSPECT_K`` x the largest kept, mean + ``SUSPECT_C`` standard deviations,
+        once ``MIN_GAPS`` are kept), times ``patience``; at most ``lease_s``, so a holder
+        that is really gone is still suspected before its lease lapses."""
+        c = self.config
+        window = c.suspect_window_s
+        if len(self.gaps) >= MIN_GAPS:
+            mean, sd = statistics.fmean(self.gaps), statistics.pstdev(self.gaps)
+            window = max(window, SUSPECT_K * max(self.gaps), mean + SUSPECT_C * sd)
+        return min(c.lease_s, window * self.patience)
 
     def heartbeat(self, now: float) -> Heartbeat | None:
         """The signed heartbeat this node would send at ``now``: ``None`` unless heartbeats are on
@@ -623,8 +688,21 @@ class Election:
         return []
 
     def _heard(self, holder: str, now: float) -> None:
-        if self.lease is not None and holder == self.lease.holder:
+        lease = self.lease
+        if lease is not None and holder == lease.holder:
+            key = (lease.term, holder)
+            if key != self.gaps_of:  # a new holder or term: its beats tell nothing of this one's
+                self.gaps.clear()
+                self.gaps_of = key
+            elif self.last_heard is not None and now > self.last_heard:
+                gap = now - self.last_heard
+                self.gaps.append(gap)
+                self.on_time = self.on_time + 1 if gap < self.config.suspect_window_s else 0
+                if self.on_time >= PATIENCE_DECAY_BEATS and self.patience > 1.0:
+                    self.patience = max(1.0, self.patience / 2)
+                    self.on_time = 0
             self.last_heard = now
+            self.grace_until = self.grace_for = None
         self.suspected.pop(holder, None)
 
     def _follow_again(self, now: float) -> None:
@@ -639,6 +717,9 @@ class Election:
         self.role = Role.FOLLOWER
         self.vacant_since = None
         self.settle_until = None
+        # This node gave up on a holder that was only slow: it waits longer before the next time.
+        self.patience = min(MAX_PATIENCE, self.patience * 2)
+        self.on_time = 0
         if self.history and self.history[-1].term == lease.term and self.history[-1].ended == "failover":
             self.history[-1].ended = None
 
@@ -790,7 +871,7 @@ class Election:
         c = self.config
         return (c.heartbeats and self.role is Role.FOLLOWER and self.lease is not None
                 and self.lease.holder not in self.suspected
-                and self.last_heard is not None and now < self.last_heard + c.suspect_window_s)
+                and self.last_heard is not None and now < self.last_heard + self.suspect_after_s)
 
     def _claim_base(self, now: float) -> int:
         """The lowest term up for claim: one past the current term, or past a held-back
@@ -976,7 +1057,15 @@ class Election:
         if self.role is Role.FOLLOWER and lease is not None:
             if now >= lease.expiry + c.grace_s:
                 return self._end_term(now, "failover")
-            if c.heartbeats and self.last_heard is not None and now >= self.last_heard + c.suspect_window_s:
+            due = None if self.last_heard is None else self.last_heard + self.suspect_after_s
+            if c.heartbeats and due is not None and now >= due:
+                if now - due >= LATE_TICK_BEATS * c.heartbeat_s and self.grace_for != self.last_heard:
+                    # This tick comes long after it was due: this node was not scheduled, and the
+                    # holder's beats may be queued behind it. Let them in first (once per silence).
+                    self.grace_for, self.grace_until = self.last_heard, now + 2 * c.heartbeat_s
+                    return []
+                if self.grace_for == self.last_heard and self.grace_until is not None and now < self.grace_until:
+                    return []
                 self._suspect(lease.holder, now)
                 return self._end_term(now, "failover")
             return []
