@@ -57,7 +57,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
+from pcp_p2p.diloco.algorithm.checkpoint import checkpoint_theta_bytes
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.departures import make_leave
@@ -250,8 +252,8 @@ class RunRuntime:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
                 self.post(MessageIn(sender, msg))
                 raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
-            with trio.move_on_after(REPLICATE_TIMEOUT_S):
-                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
+            with trio.move_on_after(REPLICATE_TIMEOUT_S):  # by swarming: every participant fetches it now
+                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender, swarm=msg.participants)
             if not self.io.store.has(msg.checkpoint_cid):
                 # A shepherd killed while we fetched took the only copy with it; a commit
                 # nobody else holds must not become the round the next term starts from.
@@ -568,12 +570,15 @@ class RunRuntime:
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
         self.post(Replicated(commit, list(acked)))
 
-    async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
-        """Hold the latest committed checkpoints so any candidate can take over the run."""
+    async def _replicate_checkpoint(self, cid: str, hint: str | None = None,
+                                    swarm: tuple[str, ...] | None = None) -> None:
+        """Hold the latest committed checkpoints so any candidate can take over the run.
+
+        ``swarm``: the commit's participants, who all fetch it at once (:mod:`pcp_p2p.blob.swarm`)."""
         if cid in self._replicas:
             return
         try:
-            await self.io.fetch_bytes(cid, hint, max_size=self.state_bound(2))
+            await self.io.fetch_bytes(cid, hint, max_size=self.state_bound(2), swarm=swarm)
         except PcpError as exc:
             self.node.log_once("self", exc, "replicating a checkpoint failed")
             return
@@ -613,13 +618,55 @@ class RunRuntime:
             # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
             artifact = who == "worker" and self._is_artifact(cid)
             bound = (1 << 20) if artifact else self.state_bound(1)  # a manifest weighs a few KiB
-            data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound)
+            theta = who == "worker" and not artifact
+            data = await self._theta_from_checkpoint(cid) if theta else None
+            if data is None:
+                data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact,
+                                                 max_size=bound, swarm=self._swarm_for(cid) if theta else None)
             if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
             self.post(BlobFailed(who, cid, exc))
             return
         self.post(BlobIn(who, cid, data))
+
+    def _swarm_for(self, cid: str) -> tuple[str, ...] | None:
+        """Who fetches θ ``cid`` at the same moment, as a signed record says: the last commit's
+        participants, or the current announcement's workers (``None``: not a round's θ)."""
+        w = self.machine.worker
+        if w is None:
+            return None
+        rec, ann = w.last_commit, w.current
+        if rec is not None and rec.theta_cid == cid:
+            return rec.participants
+        if ann is not None and ann.theta_cid == cid:
+            return tuple(a.worker for a in ann.assignments)
+        return None
+
+    async def _theta_from_checkpoint(self, cid: str) -> bytes | None:
+        """θ ``cid`` out of the last commit's checkpoint, when that commit names it.
+
+        The checkpoint (θ and the outer momentum) is replicated by every participant anyway,
+        and its θ bundle is byte-identical to the θ blob: taking θ from it saves every worker
+        a second download of the same bytes, and the origin a second swarm's root. ``None``
+        when there is no such checkpoint or it cannot be had (θ is then fetched itself)."""
+        w = self.machine.worker
+        rec = w.last_commit if w is not None else None
+        if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid:
+            return None
+        await self._replicate_checkpoint(rec.checkpoint_cid, hint=rec.shepherd, swarm=rec.participants)
+        if not self.io.store.has(rec.checkpoint_cid):
+            return None
+        try:
+            ckpt = await trio.to_thread.run_sync(self.io.store.read, rec.checkpoint_cid)
+            theta = checkpoint_theta_bytes(ckpt)
+        except PcpError as exc:
+            self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
+            return None
+        if await trio.to_thread.run_sync(cid_of, theta) != cid:  # (its CID was checked, not that it holds θ)
+            return None
+        await self.io.keep(theta)
+        return theta
 
     def _is_artifact(self, cid: str) -> bool:
         w = self.machine.worker
