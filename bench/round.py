@@ -68,20 +68,14 @@ TENSORS = 4  # θ as this many equal tensors
 
 async def serve(data_dir: Path) -> None:
     import libp2p
-    import numpy as np
     import trio
-    from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
     from multiaddr import Multiaddr
 
     from pcp_p2p.blob.routing import MemoryRouting
     from pcp_p2p.blob.service import BlobService
     from pcp_p2p.blob.store import BlobStore
-    from pcp_p2p.blob.tensor_codec import decode_tensors, encode_tensors
-    from pcp_p2p.core.cid import cid_of
     from pcp_p2p.core.identity import Identity
-    from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, checkpoint_theta_bytes, encode_checkpoint
-    from pcp_p2p.diloco.algorithm.outer import OuterState
     from pcp_p2p.net.traffic import Traffic
 
     ident = Identity.generate()
@@ -91,83 +85,124 @@ async def serve(data_dir: Path) -> None:
         store = BlobStore(data_dir / "blobs", 2 << 30)
         svc = BlobService(host, store, MemoryRouting().for_peer(info), ident, traffic=Traffic())
         svc.register()
-        peers: dict[str, PeerInfo] = {}
-        state: OuterState | None = None
-        bufs: list[bytearray] = []
-
-        def say(obj: dict[str, Any]) -> None:
-            print(json.dumps(obj), flush=True)
-
-        say({"peer": ident.peer_id, "addrs": [str(a) for a in host.get_addrs()]})
-        size = PARAMS // TENSORS
-        while True:
-            line = await trio.to_thread.run_sync(sys.stdin.readline)
-            if not line:
-                return
+        node = BenchNode(svc)
+        print(json.dumps({"peer": ident.peer_id, "addrs": [str(a) for a in host.get_addrs()]}), flush=True)
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
-            op = cmd["op"]
-            if op == "peers":
-                peers = {p: PeerInfo(ID.from_base58(p), [Multiaddr(a) for a in addrs])
-                         for p, addrs in cmd["peers"].items() if p != ident.peer_id}
-                for p in peers.values():
-                    await host.connect(p)
-                say({"ok": True})
-            elif op == "init":  # the shepherd: θ_0, zero momentum
-                rng = np.random.default_rng(0)
-                state = OuterState.initial({f"w{k}": rng.standard_normal(size, dtype=np.float32)
-                                            for k in range(TENSORS)})
-                say({"ok": True})
-            elif op == "delta":
-                rng = np.random.default_rng(cmd["seed"])
-                delta = {f"w{k}": rng.standard_normal(size, dtype=np.float32) * 1e-3 for k in range(TENSORS)}
-                payload = await trio.to_thread.run_sync(lambda: encode_tensors(delta, codec="int8"))
-                cid = await trio.to_thread.run_sync(lambda: store.put_bytes(payload))
-                say({"cid": cid, "t": time.monotonic()})
-            elif op == "aggregate":
-                assert state is not None
-                subs = cmd["subs"]
-                while len(bufs) < len(subs):
-                    bufs.append(bytearray(PARAMS + 64 * 1024 * 1024 // 64))
-                views: list[Any] = [None] * len(subs)
+            print(json.dumps(await getattr(node, cmd.pop("op"))(**cmd)), flush=True)
 
-                async def one(k: int, cid: str, peer: str) -> None:
-                    views[k] = await svc.fetch_into(cid, bufs[k], providers=[peers[peer]])
 
-                async with trio.open_nursery() as n:
-                    for k, (cid, peer) in enumerate(subs):
-                        n.start_soon(one, k, cid, peer)
+class BenchNode:
+    """One bench process's part of the round flow: each method answers one driver command."""
 
-                def outer() -> tuple[bytes, str]:
-                    assert state is not None
-                    decoded = [decode_tensors(bytes(v), max_bytes=8 * PARAMS) for v in views]
-                    for name in state.theta:
-                        mean = sum(d[name] for d in decoded) / len(decoded)
-                        state.momentum[name] *= 0.9
-                        state.momentum[name] += mean
-                        state.theta[name] -= 0.7 * (mean + 0.9 * state.momentum[name])
-                    return encode_checkpoint(Checkpoint("bench", 0, state))
+    def __init__(self, svc: Any) -> None:
+        from pcp_p2p.diloco.algorithm.outer import OuterState
 
-                ckpt, theta_cid = await trio.to_thread.run_sync(outer)
-                ckpt_cid = await trio.to_thread.run_sync(lambda: store.put_bytes(ckpt))
-                await trio.to_thread.run_sync(lambda: store.put_bytes(checkpoint_theta_bytes(ckpt)))  # (as StoreBlob)
-                say({"ckpt": ckpt_cid, "theta": theta_cid, "theta_bytes": len(checkpoint_theta_bytes(ckpt)),
-                     "t": time.monotonic()})
-            elif op == "fetch":  # the checkpoint, then θ (out of it, or fetched)
-                providers = [peers[p] for p in cmd["providers"]]
-                await svc.fetch(cmd["ckpt"], providers=providers, ordered=cmd["ordered"], announce=False)
-                if cmd.get("theta"):
-                    if cmd["theta_from_ckpt"]:
-                        ckpt = await trio.to_thread.run_sync(store.read, cmd["ckpt"])
-                        theta = checkpoint_theta_bytes(ckpt)
-                        if await trio.to_thread.run_sync(cid_of, theta) != cmd["theta"]:
-                            raise SystemExit("θ in the checkpoint does not match its CID")
-                        await trio.to_thread.run_sync(lambda: store.put_bytes(theta))
-                    else:
-                        await svc.fetch(cmd["theta"], providers=[peers[cmd["shepherd"]]], announce=False)
-                say({"t": time.monotonic()})
-            elif op == "traffic":
-                assert svc.traffic is not None
-                say(svc.traffic.snapshot())
+        self.svc = svc
+        self.peers: dict[str, Any] = {}
+        self.state: OuterState | None = None
+        self.bufs: list[bytearray] = []
+        self.size = PARAMS // TENSORS
+
+    async def peers_are(self, peers: dict[str, list[str]]) -> dict[str, Any]:
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+        from multiaddr import Multiaddr
+
+        me = self.svc.peer_id
+        self.peers = {p: PeerInfo(ID.from_base58(p), [Multiaddr(a) for a in addrs])
+                      for p, addrs in peers.items() if p != me}
+        for p in self.peers.values():
+            await self.svc.host.connect(p)
+        return {"ok": True}
+
+    async def init(self) -> dict[str, Any]:
+        """The shepherd's θ_0 and zero momentum."""
+        import numpy as np
+
+        from pcp_p2p.diloco.algorithm.outer import OuterState
+
+        rng = np.random.default_rng(0)
+        self.state = OuterState.initial({f"w{k}": rng.standard_normal(self.size, dtype=np.float32)
+                                         for k in range(TENSORS)})
+        return {"ok": True}
+
+    async def delta(self, seed: int) -> dict[str, Any]:
+        """A worker's Δ, int8-encoded and stored (its submission would name it now)."""
+        import numpy as np
+        import trio
+
+        from pcp_p2p.blob.tensor_codec import encode_tensors
+
+        def make() -> str:
+            rng = np.random.default_rng(seed)
+            d = {f"w{k}": rng.standard_normal(self.size, dtype=np.float32) * 1e-3 for k in range(TENSORS)}
+            cid: str = self.svc.store.put_bytes(encode_tensors(d, codec="int8"))
+            return cid
+
+        return {"cid": await trio.to_thread.run_sync(make), "t": time.monotonic()}
+
+    async def aggregate(self, subs: list[tuple[str, str]]) -> dict[str, Any]:
+        """The shepherd: fetch the Δs into memory, average, outer Nesterov step, checkpoint and θ stored."""
+        import trio
+
+        from pcp_p2p.blob.tensor_codec import decode_tensors
+        from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, checkpoint_theta_bytes, encode_checkpoint
+
+        state = self.state
+        assert state is not None
+        while len(self.bufs) < len(subs):
+            self.bufs.append(bytearray(PARAMS + (1 << 20)))
+        views: list[memoryview] = []
+
+        async def one(k: int, cid: str, peer: str) -> None:
+            views.append(await self.svc.fetch_into(cid, self.bufs[k], providers=[self.peers[peer]]))
+
+        async with trio.open_nursery() as n:
+            for k, (cid, peer) in enumerate(subs):
+                n.start_soon(one, k, cid, peer)
+
+        def outer() -> tuple[str, str, int]:
+            decoded = [decode_tensors(bytes(v), max_bytes=8 * PARAMS) for v in views]
+            for name in state.theta:
+                mean = sum(d[name] for d in decoded) / len(decoded)
+                state.momentum[name] *= 0.9
+                state.momentum[name] += mean
+                state.theta[name] -= 0.7 * (mean + 0.9 * state.momentum[name])
+            ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, state))
+            theta = checkpoint_theta_bytes(ckpt)
+            self.svc.store.put_bytes(theta)  # the shepherd's StoreBlob of θ and of the checkpoint
+            return self.svc.store.put_bytes(ckpt), theta_cid, len(theta)
+
+        ckpt_cid, theta_cid, theta_bytes = await trio.to_thread.run_sync(outer)
+        return {"ckpt": ckpt_cid, "theta": theta_cid, "theta_bytes": theta_bytes, "t": time.monotonic()}
+
+    async def fetch(self, ckpt: str, providers: list[str], ordered: bool, theta: str, theta_from_ckpt: bool,
+                    shepherd: str = "") -> dict[str, Any]:
+        """A worker: the checkpoint, then θ (out of the checkpoint, or fetched from the shepherd)."""
+        import trio
+
+        from pcp_p2p.core.cid import cid_of
+        from pcp_p2p.diloco.algorithm.checkpoint import checkpoint_theta_bytes
+
+        store = self.svc.store
+        await self.svc.fetch(ckpt, providers=[self.peers[p] for p in providers], ordered=ordered, announce=False)
+        if not theta_from_ckpt:
+            await self.svc.fetch(theta, providers=[self.peers[shepherd]], announce=False)
+            return {"t": time.monotonic()}
+
+        def extract() -> None:
+            data = checkpoint_theta_bytes(store.read(ckpt))
+            if cid_of(data) != theta:
+                raise SystemExit("θ in the checkpoint does not match its CID")
+            store.put_bytes(data)
+
+        await trio.to_thread.run_sync(extract)
+        return {"t": time.monotonic()}
+
+    async def traffic(self) -> dict[str, int]:
+        snapshot: dict[str, int] = self.svc.traffic.snapshot()
+        return snapshot
 
 
 # --- the driver -----------------------------------------------------------------------------------
@@ -176,7 +211,7 @@ async def serve(data_dir: Path) -> None:
 class Proc:
     def __init__(self, root: Path, name: str) -> None:
         (root / name).mkdir(parents=True)
-        self.log = open(root / f"{name}.log", "wb")  # noqa: SIM115 (closed with the process)
+        self.log = open(root / f"{name}.log", "wb")
         self.p = subprocess.Popen(
             [sys.executable, __file__, "--serve", str(root / name)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self.log, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
@@ -264,7 +299,7 @@ def main() -> None:
             procs += workers
             everyone = {p.peer: p.addrs for p in procs}
             for p in procs:
-                p.ask(op="peers", peers=everyone)
+                p.ask(op="peers_are", peers=everyone)
             shepherd.ask(op="init")
             one_round("direct", 0, shepherd, workers)  # warm-up: connections, buffers, page cache
             for r in range(ROUNDS):

@@ -84,7 +84,7 @@ class BlobConfig:
     max_uploads_per_peer: int = 2  # of those, for one peer (its further requests wait apart)
     direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
     swarm_fanout: int = 2  # a relay tree's children per member (pcp_p2p.blob.swarm)
-    swarm_wait: float = 2.0  # the longest a request waits for a fetch of ours to start (BlobRequest.wait_ms)
+    swarm_wait: float = 1.0  # the longest a request waits for a fetch of ours to start (BlobRequest.wait_ms)
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
     @property

@@ -652,8 +652,8 @@ class RunRuntime:
         when there is no such checkpoint or it cannot be had (θ is then fetched itself)."""
         w = self.machine.worker
         rec = w.last_commit if w is not None else None
-        if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid:
-            return None
+        if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid or self.io.store.has(cid):
+            return None  # (held already: the shepherd's own worker, say)
         await self._replicate_checkpoint(rec.checkpoint_cid, hint=rec.shepherd, swarm=rec.participants)
         if not self.io.store.has(rec.checkpoint_cid):
             return None
