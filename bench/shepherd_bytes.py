@@ -141,25 +141,35 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
         }
 
 
-def main() -> None:
+def measure(ns: list[int] = NS) -> dict[str, Any]:
+    """The figures (also merged into ``bench/bandwidth.py``'s line)."""
     results: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pcp-bench-shepherd-") as tmp:
-        for n in NS:
+        for n in ns:
             results[n] = trio.run(arm, Path(tmp), n)
-    big, small = max(NS), min(NS)
+    big, small = max(ns), min(ns)
     ratio = results[big]["per_model"] / results[small]["per_model"]
-    print(json.dumps({
-        "headline": results[big]["per_model"],
-        "target": TARGET,
-        "better": "lower",
-        "unit": f"shepherd bytes in + out per round / fp32 θ bundle, {big} worker processes",
+    return {
         "shepherd_bytes_per_model": results[big]["per_model"],
         "shepherd_bytes_per_model_target": TARGET,
+        "shepherd_bytes_workers": big,
         "shepherd_bytes_by_n": {str(n): r["per_model"] for n, r in sorted(results.items())},
         "shepherd_bytes_flat_in_n": ratio <= FLAT,
         "shepherd_bytes_ratio_largest_to_smallest_n": round(ratio, 3),
+        "shepherd_bytes_detail": {str(n): r for n, r in sorted(results.items())},
+    }
+
+
+def main() -> None:
+    figures = measure()
+    print(json.dumps({
+        "headline": figures["shepherd_bytes_per_model"],
+        "target": TARGET,
+        "better": "lower",
+        "unit": f"shepherd bytes in + out per round / fp32 θ bundle, {figures['shepherd_bytes_workers']} worker "
+                "processes",
+        **figures,
         "before_swarming_computed_n16": 16.28,
-        "detail": {str(n): r for n, r in sorted(results.items())},
         "model": "tiny",
         "delta_codec": "topk2",
         "inner_budget_s": BUDGET_S,

@@ -665,7 +665,7 @@ class RunRuntime:
             return None
         if await trio.to_thread.run_sync(cid_of, theta) != cid:  # (its CID was checked, not that it holds θ)
             return None
-        await self.io.keep(theta)
+        self.io.store_later(cid, theta)  # stored, pinned and announced behind the machine's back: it trains now
         return theta
 
     def _is_artifact(self, cid: str) -> bool:
