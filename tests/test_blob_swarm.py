@@ -169,3 +169,39 @@ async def test_a_relay_that_vanishes_or_stalls_mid_fetch_does_not_stall_it(
         assert all(f.store.read(cid) == data for f in fetchers)
         children = [f for f in fetchers if upstream(cid, members, f.peer_id)[:1] == [root.peer_id]]
         assert children and all(root.peer_id in (c.last_fetch.failures if c.last_fetch else {}) for c in children)
+
+
+async def test_a_member_that_never_fetches_costs_its_children_one_bounded_wait(tmp_path: Path) -> None:
+    """Listed as a member (a signed record named it) but never fetching: asked by its children, it
+    answers not_found after its swarm_wait (0.3 s here), and they climb to the next ancestor."""
+    data = os.urandom(6 * CS)
+    async with network(tmp_path) as net:
+        origin = await net.node()
+        cid = await origin.publish(data)
+        nodes = [await net.node(swarm_wait=0.3) for _ in range(5)]
+        members = [n.peer_id for n in nodes]
+        idle = next(n for n in nodes if n.peer_id == tree_order(cid, members)[0])  # the root, say
+        fetchers = [n for n in nodes if n is not idle]
+        by_id = {n.peer_id: n for n in nodes}
+        errors: dict[str, Exception] = {}
+
+        async def one(f: BlobService) -> None:
+            chain = [info(by_id[p]) for p in upstream(cid, members, f.peer_id)]
+            try:
+                await f.fetch(cid, providers=[*chain, info(origin)], ordered=True, announce=False)
+            except Exception as exc:
+                errors[f.peer_id] = exc
+
+        start = trio.current_time()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                for f in fetchers:
+                    n.start_soon(one, f)
+        assert errors == {} and all(f.store.read(cid) == data for f in fetchers)
+        assert not idle.store.has(cid)
+        children = [f for f in fetchers if upstream(cid, members, f.peer_id)[:1] == [idle.peer_id]]
+        assert children
+        for c in children:
+            assert c.last_fetch is not None and "BlobNotFound" in c.last_fetch.failures[idle.peer_id]
+        # bounded by the 0.3 s wait, not by the request timeout (5 s here), which an unbounded wait would hit
+        assert trio.current_time() - start < 4.5

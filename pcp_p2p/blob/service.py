@@ -364,7 +364,10 @@ class BlobService(BlobServer):
         self.last_fetch = report
         # The manifest is bound to the CID (it hashes to it), so whoever sent
         # it, it is the right chunk list; only chunks can still be wrong.
-        merged = whole and len(providers) == 1 and providers[0].peer_id.to_base58() not in self._side_unreachable
+        # In order (a swarm), the first that answers is the one the data comes from: the same
+        # one exchange serves there too (a round trip less per hop of the relay tree).
+        merged = (whole and (len(providers) == 1 or ordered)
+                  and providers[0].peer_id.to_base58() not in self._side_unreachable)
         manifest, mcid, source, inline, offer = await self._get_manifest(
             cid, providers, manifest_cid, report, merged=merged, max_size=max_size, ordered=ordered)
         report.manifest_source = source
