@@ -621,8 +621,8 @@ class RunRuntime:
             theta = who == "worker" and not artifact
             data = await self._theta_from_checkpoint(cid) if theta else None
             if data is None:
-                data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact,
-                                                 max_size=bound, swarm=self._swarm_for(cid) if theta else None)
+                data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound,
+                                                 swarm=self._swarm_for(cid) if who == "worker" else None)
             if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
@@ -631,15 +631,15 @@ class RunRuntime:
         self.post(BlobIn(who, cid, data))
 
     def _swarm_for(self, cid: str) -> tuple[str, ...] | None:
-        """Who fetches θ ``cid`` at the same moment, as a signed record says: the last commit's
-        participants, or the current announcement's workers (``None``: not a round's θ)."""
+        """Who fetches ``cid`` at the same moment, as a signed record says: for a commit's θ its
+        participants; for the announcement's θ, dataset or artifacts its workers (``None``: none)."""
         w = self.machine.worker
         if w is None:
             return None
         rec, ann = w.last_commit, w.current
         if rec is not None and rec.theta_cid == cid:
             return rec.participants
-        if ann is not None and ann.theta_cid == cid:
+        if ann is not None and cid in (ann.theta_cid, ann.dataset_cid, *ann.artifacts.values()):
             return tuple(a.worker for a in ann.assignments)
         return None
 
@@ -688,10 +688,13 @@ class RunRuntime:
             ann = w.current
             if ann is None or not ann.dataset_cid:
                 raise VerificationError("the announcement names no dataset blob")
-            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True)
+            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True,
+                                             swarm=self._swarm_for(ann.dataset_cid))
             self.io.pins.for_dataset(ann.dataset_cid)
             self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
-        await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size)
+        ann = w.current
+        await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size,
+                                  swarm=tuple(a.worker for a in ann.assignments) if ann is not None else None)
         vmfb_path = self.io.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, shepherd)
         inner = engine.InnerEngine(executor, self.spec, self.dataset)
