@@ -152,6 +152,17 @@ class RunBlobs:
         in-memory limit goes through the store after all. A kept blob is pinned for the run's
         life (``for_run``: dataset, artifacts) or for its round.
         """
+        in_memory = await self.hold(cid, hint, keep=keep, for_run=for_run, max_size=max_size, swarm=swarm)
+        if in_memory is not None:
+            return in_memory
+        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+
+    async def hold(
+        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False,
+        max_size: int | None = None, swarm: Sequence[str] | None = None,
+    ) -> bytes | None:
+        """:meth:`fetch_bytes` without reading a kept blob back (``None``: it is in the store).
+        For a blob held for others (a replicated checkpoint) that this node does not read now."""
         storing = self.storing.get(cid)
         if storing is not None:
             await storing.wait()
@@ -170,7 +181,7 @@ class RunBlobs:
             keep = True  # (a blob above the in-memory limit went through the store)
         if keep:
             self.pin(cid, for_run)
-        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+        return None
 
     async def _fetch(self, cid: str, hint: str | None, *, keep: bool, max_size: int | None,
                      swarm: Sequence[str] | None) -> bytes | None:

@@ -578,7 +578,7 @@ class RunRuntime:
         if cid in self._replicas:
             return
         try:
-            await self.io.fetch_bytes(cid, hint, max_size=self.state_bound(2), swarm=swarm)
+            await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=swarm)
         except PcpError as exc:
             self.node.log_once("self", exc, "replicating a checkpoint failed")
             return
