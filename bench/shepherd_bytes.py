@@ -27,7 +27,7 @@ N = 16 (the headline) and at a smaller N (``PCP_BENCH_SHEPHERD_NS``, default
 "4,16"); ``shepherd_bytes_flat_in_n`` is true when the largest N's figure is
 at most 1.25x the smallest's.
 
-Knobs: ``PCP_BENCH_SHEPHERD_NS`` ("4,16"), ``PCP_BENCH_SHEPHERD_ROUNDS`` (6),
+Knobs: ``PCP_BENCH_SHEPHERD_NS`` ("4,16"), ``PCP_BENCH_SHEPHERD_ROUNDS`` (5),
 ``PCP_BENCH_SHEPHERD_BUDGET`` (2 s of inner steps per round).
 """
 
@@ -51,7 +51,7 @@ from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_c
 from pcp_p2p.node.status import to_json
 
 NS = [int(n) for n in os.environ.get("PCP_BENCH_SHEPHERD_NS", "4,16").split(",")]
-ROUNDS = int(os.environ.get("PCP_BENCH_SHEPHERD_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("PCP_BENCH_SHEPHERD_ROUNDS", "5"))
 BUDGET_S = float(os.environ.get("PCP_BENCH_SHEPHERD_BUDGET", "2"))
 WARM = 2  # rounds before the window opens (the first rounds also fetch the artifact, θ_0, ...)
 TARGET = 3.0
@@ -147,6 +147,7 @@ def measure(ns: list[int] = NS) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="pcp-bench-shepherd-") as tmp:
         for n in ns:
             results[n] = trio.run(arm, Path(tmp), n)
+            print(json.dumps({"workers": n, **results[n]}), file=sys.stderr, flush=True)  # (progress)
     big, small = max(ns), min(ns)
     ratio = results[big]["per_model"] / results[small]["per_model"]
     return {
