@@ -75,6 +75,11 @@ def test_the_fallback_plan_asks_only_the_first_standing_provider() -> None:
 
 # --- over libp2p ------------------------------------------------------------------------------------
 
+# The relays' socket stall limit where a test counts the origin's bytes: a relay waits for its own
+# parent's chunks, and on a loaded 2-core machine 0.5 s (test_blob_service's) can pass between two of
+# them; a child giving up would then climb to the origin and the count would measure the load.
+STALL = 3.0
+
 
 def _bad_send(sock, cipher, index, data, out):  # type: ignore[no-untyped-def]
     bad = bytearray(data)
@@ -108,7 +113,7 @@ async def test_eight_fetchers_get_the_blob_while_the_origin_serves_about_one_cop
         origin = await net.node()
         origin.traffic = Traffic()
         cid = await origin.publish(data)
-        fetchers = [await net.node() for _ in range(8)]
+        fetchers = [await net.node(stall_timeout=STALL) for _ in range(8)]
         assert await _swarm_fetch(origin, fetchers, cid) == {}
         for f in fetchers:
             assert f.store.read(cid) == data  # (committed only once every chunk matched the manifest)
@@ -125,7 +130,7 @@ async def test_a_small_blob_travels_inline_down_the_tree(tmp_path: Path) -> None
         origin = await net.node()
         origin.traffic = Traffic()
         cid = await origin.publish(data)
-        fetchers = [await net.node() for _ in range(6)]
+        fetchers = [await net.node(stall_timeout=STALL) for _ in range(6)]
         assert await _swarm_fetch(origin, fetchers, cid) == {}
         assert all(f.store.read(cid) == data for f in fetchers)
         # the root's fetch only, whatever the others did: manifests and control are a few hundred bytes
