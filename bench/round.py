@@ -185,7 +185,7 @@ class BenchNode:
         import trio
 
         from pcp_p2p.core.cid import cid_of
-        from pcp_p2p.diloco.algorithm.checkpoint import checkpoint_theta_bytes
+        from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 
         store = self.svc.store
         await self.svc.fetch(ckpt, providers=[self.peers[p] for p in providers], ordered=ordered, announce=False)
@@ -193,8 +193,9 @@ class BenchNode:
             await self.svc.fetch(theta, providers=[self.peers[shepherd]], announce=False)
             return {"t": time.monotonic()}
 
-        def extract() -> bytes:
-            data = checkpoint_theta_bytes(store.read(ckpt))
+        def extract() -> bytes:  # as the runtime does: only θ's range of the checkpoint
+            off, length = checkpoint_theta_span(store.read(ckpt, 0, min(THETA_HEAD, store.size(ckpt))))
+            data = store.read(ckpt, off, length)
             if cid_of(data) != theta:
                 raise SystemExit("θ in the checkpoint does not match its CID")
             return data

@@ -59,7 +59,7 @@ import trio
 
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
-from pcp_p2p.diloco.algorithm.checkpoint import checkpoint_theta_bytes
+from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.departures import make_leave
@@ -657,9 +657,14 @@ class RunRuntime:
         await self._replicate_checkpoint(rec.checkpoint_cid, hint=rec.shepherd, swarm=rec.participants)
         if not self.io.store.has(rec.checkpoint_cid):
             return None
+        store, ckpt = self.io.store, rec.checkpoint_cid
+
+        def extract() -> bytes:  # only θ's range: the momentum, half the checkpoint, is not read
+            off, length = checkpoint_theta_span(store.read(ckpt, 0, min(THETA_HEAD, store.size(ckpt))))
+            return store.read(ckpt, off, length)
+
         try:
-            ckpt = await trio.to_thread.run_sync(self.io.store.read, rec.checkpoint_cid)
-            theta = checkpoint_theta_bytes(ckpt)
+            theta = await trio.to_thread.run_sync(extract)
         except PcpError as exc:
             self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
             return None
