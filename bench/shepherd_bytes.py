@@ -105,6 +105,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
         watcher: NodeProcess | None = None
         participants: list[int] = []
         theta_cid = None
+        changes = 0
         with trio.move_on_after(600 + 60 * ROUNDS) as scope:
             while len(marks) <= ROUNDS - WARM:
                 await trio.sleep(POLL_S)
@@ -116,14 +117,20 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
                             break
                     continue
                 run_ = (await status_of(swarm, watcher)).get("run") or {}
-                if shepherd is not None and run_.get("shepherd") not in (None, shepherd.peer_id):
-                    raise RuntimeError(f"N={n}: the shepherd changed mid-measurement")
+                if run_.get("shepherd") in by_peer and shepherd is not None and run_["shepherd"] != shepherd.peer_id:
+                    # a failover (the set-up's election can move on): measure the new one from scratch
+                    shepherd = by_peer[run_["shepherd"]]
+                    marks.clear()
+                    participants.clear()
+                    changes += 1
                 rnd = run_.get("round") or 0
                 if shepherd is not None and rnd >= WARM and rnd not in marks:
                     net = (await status_of(swarm, shepherd)).get("network") or {}
                     marks[rnd] = (net.get("bytes_in", 0) + net.get("bytes_out", 0), time.monotonic())
                     participants.append(run_.get("participants") or 0)
                     theta_cid = run_.get("theta")
+                if rnd >= ROUNDS + 2 and len(marks) >= 2:  # the run ended (after a failover restarted the window)
+                    break
         if scope.cancelled_caught or len(marks) < 2 or shepherd is None:
             raise RuntimeError(f"N={n}: only rounds {sorted(marks)} were seen")
         first, last = min(marks), max(marks)
@@ -138,6 +145,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
             "round_s": round((marks[last][1] - marks[first][1]) / (last - first), 2),
             "rounds": [first, last],
             "participants": participants,
+            "shepherd_changes": changes,
         }
 
 
