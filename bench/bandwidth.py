@@ -44,12 +44,13 @@ encoded on the wire) every H steps. Headline: the ratio DP / DiLoCo with the
 sparse codec (goal ≥ 3000x), with ``val_loss_ratio`` = its final validation
 loss / DP's (goal ≤ 1.05) in the same line.
 
-``shepherd_bytes_per_model`` (issue #15, item 3) is *computed*, not measured
-with 16 processes: today every worker sends its Δ to the shepherd and fetches
-θ (exact fp32) from it, so one round moves N·(submission + θ + announcement +
-commit) bytes through the shepherd; divided by the model as it travels (the
-fp32 θ bundle) at N = 16. It grows as N (``shepherd_bytes_flat_in_n`` false)
-until aggregation moves off the shepherd's uplink.
+``shepherd_bytes_per_model`` (issue #15, item 3) is *measured* by
+``bench/shepherd_bytes.py`` (run from here, merged into this line; skip it
+with ``PCP_BENCH_SHEPHERD=0``): the shepherd's bytes in + out per round with
+16 ``pcp`` worker processes training the tiny GPT with ``topk2``, over the
+fp32 θ bundle, and the same at 4 workers (``shepherd_bytes_flat_in_n``).
+Before θ travelled by swarming it was computed here as N·(submission + θ +
+announcement + commit) / θ = 16.28 at N = 16, growing as N.
 """
 
 from __future__ import annotations
@@ -64,17 +65,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/diloco.py's machinery
 
 import diloco as base
+import shepherd_bytes
 
-from pcp_p2p.diloco.algorithm.params import pack_tensors
 from pcp_p2p.diloco.protocol.spec import FEEDBACK_CODECS, OuterOptimizer, RunSpec, parse_spec
-from pcp_p2p.wire import encode
 
 CODEC = os.environ.get("PCP_BENCH_CODEC", "topk2")
 SPARSE_RULE = os.environ.get("PCP_BENCH_SPARSE_RULE", "centered_clip")  # not trimmed_mean: see the docstring
 # SparseLoCo's outer step: error feedback already carries the momentum, so plain SGD (see above).
 SPARSE_OUTER_LR = float(os.environ.get("PCP_BENCH_SPARSE_OUTER_LR", "4.0"))
 SPARSE_MOMENTUM = float(os.environ.get("PCP_BENCH_SPARSE_MOMENTUM", "0.0"))
-SHEPHERD_N = 16
 TARGET = 3000
 
 
@@ -122,11 +121,11 @@ def main() -> None:
         }
 
     s, i = summary(sparse), summary(int8)
-    # The shepherd's traffic per round today (computed from the measured message sizes).
-    commit = sparse.log.commits[-1]
-    theta_bytes = len(pack_tensors(theta0, "fp32"))
-    ann = max(len(encode(a)) for a in sparse.log.announcements.values())
-    per_worker = s["submission_bytes"] + theta_bytes + ann + len(encode(commit))
+    # The shepherd's traffic per round, measured with real worker processes (bench/shepherd_bytes.py).
+    shepherd: dict = {"shepherd_bytes_per_model": None, "shepherd_bytes_per_model_target": shepherd_bytes.TARGET,
+                      "shepherd_bytes_note": "not measured (PCP_BENCH_SHEPHERD=0)"}
+    if os.environ.get("PCP_BENCH_SHEPHERD", "1") != "0":
+        shepherd = shepherd_bytes.measure()
     result = {
         "headline": s["bytes_ratio"],
         "target": TARGET,
@@ -145,12 +144,7 @@ def main() -> None:
         "sparse_aggregation_rule": sparse_spec.aggregation.rule,
         "sparse_outer": {"lr": sparse_spec.outer.lr, "momentum": sparse_spec.outer.momentum},
         "int8_outer": {"lr": int8_spec.outer.lr, "momentum": int8_spec.outer.momentum},
-        "shepherd_bytes_per_model": round(SHEPHERD_N * per_worker / theta_bytes, 2),
-        "shepherd_bytes_per_model_target": 3,
-        "shepherd_bytes_flat_in_n": False,
-        "shepherd_bytes_note": f"computed for N={SHEPHERD_N} from measured message sizes, not measured with "
-                               f"{SHEPHERD_N} processes; today every Δ goes to and θ (fp32) comes from the "
-                               "shepherd, so it grows as N (issue #15 item 3 not done)",
+        **shepherd,
         "params": n_params,
         "rounds": base.ROUNDS,
         "inner_steps": base.H,

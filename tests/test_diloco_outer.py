@@ -8,8 +8,10 @@ import pytest
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import ConfigError, MalformedMessage, ProtocolError
 from pcp_p2p.diloco.algorithm.checkpoint import (
+    THETA_HEAD,
     Checkpoint,
     checkpoint_theta_bytes,
+    checkpoint_theta_span,
     decode_checkpoint,
     encode_checkpoint,
 )
@@ -78,6 +80,18 @@ def test_checkpoint_round_trip_and_theta_identity():
     for junk in (b"", b"\x95\xa3abc", data[:-10]):
         with pytest.raises(MalformedMessage):
             decode_checkpoint(junk)
+
+
+@pytest.mark.parametrize("n", [3, 70_000])  # a small and a large θ (bin header widths differ)
+def test_theta_span_from_a_checkpoints_head_is_the_theta_bundle(n: int) -> None:
+    """A worker reads only θ's range of the checkpoint it replicated (``runtime._theta_from_checkpoint``)."""
+    state = OuterState.initial({"w": np.arange(n, dtype=np.float32), "b": np.ones(7, np.float32)})
+    data, theta_cid = encode_checkpoint(Checkpoint("run", 0, state, {"val_loss": 2.0}))
+    off, length = checkpoint_theta_span(data[:THETA_HEAD])
+    assert data[off : off + length] == checkpoint_theta_bytes(data) and cid_of(data[off : off + length]) == theta_cid
+    for junk in (b"", b"\x95\xa3abc", b"\x95\xaepcp-checkpoint\x01\x80\xa1x", b"garbage" * 9, data[:off - 1]):
+        with pytest.raises(MalformedMessage):
+            checkpoint_theta_span(junk)
 
 
 def test_norm_bound_admits_real_adam_and_refuses_absurd():

@@ -99,7 +99,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     stranger, shepherd = FlakyDht(fails=0), FlakyDht(fails=0)
     fetched: list[str] = []
 
-    async def fetch(cid: str, hint: str | None = None) -> None:
+    async def fetch(cid: str, hint: str | None = None, swarm: object = None) -> None:
         fetched.append(cid)
 
     # no lease known yet: the election keeps it until one arrives (nothing fetched, no ack)
@@ -126,7 +126,7 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     held: set[str] = set()
     rt, inbox = delivering_runtime(following(shepherd), held)
 
-    async def shepherd_gone(cid: str, hint: str | None = None) -> None:  # the fetch failed
+    async def shepherd_gone(cid: str, hint: str | None = None, swarm: object = None) -> None:  # the fetch failed
         return None
 
     rt._replicate_checkpoint = shepherd_gone  # type: ignore[method-assign]
@@ -135,7 +135,7 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     with pytest.raises(trio.WouldBlock):
         inbox.receive_nowait()  # and the run never sees it
 
-    async def fetched(cid: str, hint: str | None = None) -> None:
+    async def fetched(cid: str, hint: str | None = None, swarm: object = None) -> None:
         held.add(cid)
 
     rt._replicate_checkpoint = fetched  # type: ignore[method-assign]

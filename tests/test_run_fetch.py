@@ -18,6 +18,7 @@ from pcp_p2p.blob.store import BlobStore
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.run.pins import RunPins
 from pcp_p2p.diloco.run.run_blobs import RunBlobs
+from pcp_p2p.net.traffic import Traffic
 
 CS = 64 * 1024
 logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -58,3 +59,28 @@ async def test_a_shepherds_delta_is_fetched_into_memory_and_not_kept(tmp_path: P
         assert await rt.fetch_bytes(cids[2], keep=False) == big
         assert shepherd.store.has(cids[2])
 
+
+
+async def test_a_blob_asked_for_twice_at_once_is_fetched_once(tmp_path: Path) -> None:
+    """The commit's checkpoint is wanted by the replication and by θ's extraction at the same
+    moment: the second waits for the first's fetch instead of pulling the bytes again."""
+    routing = MemoryRouting()
+    data = os.urandom(12 * CS)
+    async with AsyncExitStack() as stack:
+        origin = await _service(stack, tmp_path / "o", routing)
+        fetcher = await _service(stack, tmp_path / "f", routing)
+        cid = await origin.publish(data)
+        origin.traffic = Traffic()  # the side channel's bytes out: what the fetches pulled
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        rt = _runtime(fetcher, nursery, tmp_path)
+        got: list[bytes | None] = []
+
+        async def one(hold: bool) -> None:
+            got.append(await (rt.hold(cid) if hold else rt.fetch_bytes(cid)))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, True)
+            n.start_soon(one, False)
+        assert sorted(got, key=lambda b: b is not None) == [None, data]  # hold() does not read it back
+        assert len(data) <= origin.traffic.bytes_out < 2 * len(data)  # the bytes crossed once
+        assert cid in rt.pins and fetcher.store.has(cid)

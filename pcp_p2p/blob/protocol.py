@@ -61,6 +61,7 @@ class BlobRequest(Message):
     first: int = 0
     count: int = 0
     via: str = "side"  # "side": TCP side channel; "stream": on this libp2p stream
+    wait_ms: int = 0  # a swarm fetch: wait this long (capped by the server) for a fetch of ours to start
 
     def __post_init__(self) -> None:
         if self.via not in ("side", "stream"):
@@ -69,6 +70,8 @@ class BlobRequest(Message):
             raise ValueError(f"unknown request kind {self.kind!r:.20}")
         if len(self.nonce) != NONCE_LEN:
             raise ValueError("nonce must be 16 bytes")
+        if self.wait_ms < 0:
+            raise ValueError("negative wait")
         if self.first < 0 or self.count < 0:
             raise ValueError("negative chunk range")
         if self.kind == "data" and (self.count == 0 or not self.manifest_cid):

@@ -124,6 +124,7 @@ class FileSink(ChunkSink):
         self.pending = pending
         self.fd = fd
         self.direct_fd = direct_fd
+        self.on_put: Callable[[int], None] | None = None  # told of each chunk once it is in the file
 
     @classmethod
     @contextmanager
@@ -159,6 +160,8 @@ class FileSink(ChunkSink):
             _pwrite_all(self.fd, view, offset)
             start_writeback(self.fd, offset, len(view))
         self.pending.chunk_verified(index)
+        if self.on_put is not None:
+            self.on_put(index)
 
     @property
     def complete(self) -> bool:

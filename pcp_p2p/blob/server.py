@@ -25,10 +25,12 @@ import mmap
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 import trio
@@ -81,6 +83,8 @@ class BlobConfig:
     max_uploads: int = 4  # concurrent uploads served; more requests queue for a slot
     max_uploads_per_peer: int = 2  # of those, for one peer (its further requests wait apart)
     direct_io: bool = True  # fetched chunks go to disk with O_DIRECT where the file system allows
+    swarm_fanout: int = 2  # a relay tree's children per member (pcp_p2p.blob.swarm)
+    swarm_wait: float = 1.0  # the longest a request waits for a fetch of ours to start (BlobRequest.wait_ms)
     side_host: str | None = None  # where side listeners bind; None: the host's listen IP
 
     @property
@@ -179,6 +183,59 @@ class _Upload:
     on_stream: Callable[[INetStream], Awaitable[None]] | None = None
 
 
+class PartialBlob:
+    """A blob this node is fetching into its store, served to others chunk by chunk.
+
+    Why: in a swarm (:mod:`pcp_p2p.blob.swarm`) a member relays a blob while
+    it is still arriving, so the chunks flow down the relay tree in a
+    pipeline. Only chunks that passed their hash are served: the fetch marks
+    each with :meth:`chunk_ok` once it is written to the temp file, and an
+    upload waits (:meth:`wait_chunk`, bounded by its pace) for the next one.
+    :meth:`end` wakes every waiting upload when the fetch ends either way.
+    The temp file is opened once, here: the commit renames it into the store
+    (and an abort unlinks it), so an upload opening it by name could miss it.
+    """
+
+    def __init__(self, manifest: ChunkManifest, manifest_bytes: bytes, path: Path) -> None:
+        self.manifest = manifest
+        self.manifest_bytes = manifest_bytes
+        self._fd: int | None = os.open(path, os.O_RDONLY)
+        self._cond = threading.Condition()
+        self._verified: set[int] = set()
+        self.ended = False
+        self.failed = False
+
+    def chunk_ok(self, index: int) -> None:
+        """Chunk ``index`` is verified and in the file (called from the verifier threads)."""
+        with self._cond:
+            self._verified.add(index)
+            self._cond.notify_all()
+
+    def end(self, *, failed: bool) -> None:
+        with self._cond:
+            self.ended, self.failed = True, failed
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._cond.notify_all()
+
+    def open(self) -> IO[bytes] | None:
+        """The temp file, for one upload (its own descriptor); ``None`` once the fetch ended."""
+        with self._cond:
+            return None if self._fd is None else os.fdopen(os.dup(self._fd), "rb")
+
+    def wait_chunk(self, index: int, timeout: float) -> bool:
+        """Block (a worker thread) until chunk ``index`` is here; ``False`` if it did not come
+        within ``timeout``. :class:`PeerGone` if the fetch failed without it."""
+        with self._cond:
+            self._cond.wait_for(lambda: index in self._verified or self.ended, timeout)
+            if index in self._verified:
+                return True
+            if self.failed:
+                raise PeerGone(f"the fetch of {self.manifest.cid} failed here: chunk {index} will not come")
+            return False
+
+
 class BlobServer:
     """Answers ``/pcp/blob/1.0.0`` requests from the store (see the module docstring)."""
 
@@ -189,6 +246,8 @@ class BlobServer:
     traffic: Traffic | None
     boundary: Boundary  # the node's error boundary (pcp_p2p.core.faults)
     _uploads: UploadSlots
+    _partials: dict[str, PartialBlob]  # blobs being fetched, served as their chunks arrive
+    _partial_added: trio.Event  # set, and replaced, whenever a partial holding is registered
 
     def register(self) -> None:
         """Serve ``/pcp/blob/1.0.0`` on the host."""
@@ -255,17 +314,24 @@ class BlobServer:
 
         The upload holds one of the upload slots; ``_handle`` releases it.
         """
+        partial = None
         if not self.store.has(req.cid):
-            await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
-            return None
-        mf_bytes = self.store.manifest_bytes(req.cid)
+            partial = self._partials.get(req.cid)
+            if partial is None and req.wait_ms:
+                partial = await self._await_partial(req.cid, min(req.wait_ms / 1000, self.config.swarm_wait))
+            if partial is None or (partial.ended and not partial.failed and self.store.has(req.cid)):
+                partial = None  # (a fetch that just committed: served from the store)
+                if not self.store.has(req.cid):
+                    await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
+                    return None
+        mf_bytes = partial.manifest_bytes if partial is not None else self.store.manifest_bytes(req.cid)
         if req.kind in ("manifest", "fetch"):
-            inline = self._inline(req.cid)
+            inline = self._inline(req.cid) if partial is None else None  # a partial one goes by chunks
             if req.kind == "manifest" or inline is not None:
                 reply = P.BlobReply(P.OK, manifest=mf_bytes, data=inline)
                 await P.write_frame(stream, reply, timeout=self.config.request_timeout)
                 return None
-        manifest = self.store.manifest(req.cid)
+        manifest = partial.manifest if partial is not None else self.store.manifest(req.cid)
         if req.kind == "fetch":  # the manifest, and a side channel for its first chunks
             mcid, first, count = cid_of(mf_bytes), 0, min(req.count, manifest.count)
         else:
@@ -281,9 +347,12 @@ class BlobServer:
         if slot is None:
             await P.write_frame(stream, P.BlobReply(P.BUSY), timeout=self.config.request_timeout)
             return None
+        opened = partial.open() if partial is not None else None
         try:
             # Held open: eviction cannot pull it away. Opening is one quick local syscall (ASYNC230).
-            file = open(self.store.path(req.cid), "rb")  # noqa: ASYNC230
+            # (A partial blob whose fetch ended meanwhile is in the store now, or gone.)
+            file = opened if opened is not None else open(self.store.path(req.cid), "rb")  # noqa: ASYNC230
+            partial = partial if opened is not None else None
         except (FileNotFoundError, BlobNotFound):  # evicted since the check above
             slot.release()
             await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
@@ -298,7 +367,7 @@ class BlobServer:
 
             async def on_stream(s: INetStream) -> None:
                 try:
-                    await self._stream_upload(s, file, manifest, first, count)
+                    await self._stream_upload(s, file, manifest, first, count, partial)
                 finally:
                     file.close()
 
@@ -327,7 +396,7 @@ class BlobServer:
 
         def upload() -> None:
             try:
-                self._upload(listener, file, key, info, manifest, first, count)
+                self._upload(listener, file, key, info, manifest, first, count, partial)
             finally:
                 listener.close()
                 file.close()
@@ -335,7 +404,8 @@ class BlobServer:
         return _Upload(slot, in_thread=upload)
 
     async def _stream_upload(
-        self, stream: INetStream, file: IO[bytes], manifest: ChunkManifest, first: int, count: int
+        self, stream: INetStream, file: IO[bytes], manifest: ChunkManifest, first: int, count: int,
+        partial: PartialBlob | None = None,
     ) -> None:
         fd = file.fileno()
         pace, start, due = self.config.pace, trio.current_time(), 0
@@ -344,6 +414,10 @@ class BlobServer:
                 offset, length = manifest.chunk_span(i)
                 due += length
                 scope.deadline = pace.deadline(start, due)  # a client reading slowly is cut here
+                if partial is not None:  # still arriving here: wait for it (by the same deadline)
+                    left = scope.deadline - trio.current_time()
+                    if not await trio.to_thread.run_sync(partial.wait_chunk, i, max(0.0, left)):
+                        raise PeerTimeout(f"chunk {i} of {manifest.cid} did not arrive here in time")
                 data = await trio.to_thread.run_sync(os.pread, fd, length, offset)
                 if len(data) != length:
                     raise PeerGone("blob file shorter than its manifest")
@@ -363,6 +437,7 @@ class BlobServer:
         manifest: ChunkManifest,
         first: int,
         count: int,
+        partial: PartialBlob | None = None,
     ) -> None:
         """Runs in a worker thread: accept the client, check its hello, send the chunks.
 
@@ -371,6 +446,8 @@ class BlobServer:
         ``handshake_timeout``, then the chunks paced by ``config.pace`` (the
         client must read them at ``min_rate`` on average). An idle or
         trickling client is cut at the deadline and the slot goes back.
+        From a ``partial`` blob (still being fetched here) each chunk is sent
+        once it is verified here, waited for under the same deadline.
         """
         clock = time.monotonic
         handshake_due = clock() + self.config.handshake_timeout
@@ -396,15 +473,29 @@ class BlobServer:
                 raise PeerGone("blob file does not have its manifest's size")
             out = bytearray(manifest.chunk_size + TAG_LEN)
             pace, start, due = self.config.pace, clock(), 0
-            with _map(fd, manifest.size) as mapped:
+            # A partial blob's file is still being written (with O_DIRECT): read each chunk with
+            # pread once it is verified, rather than through a mapping.
+            with _map(fd, manifest.size) if partial is None else nullcontext(None) as mapped:
                 for i in range(first, first + count):
                     offset, length = manifest.chunk_span(i)
                     due += HEADER.size + length + TAG_LEN
                     left = pace.remaining(start, due, clock())
                     if left <= 0:
                         raise PeerTimeout(f"client reads below {pace.min_rate / 1024:.0f} KiB/s: cut")
+                    if mapped is None:
+                        assert partial is not None
+                        if not partial.wait_chunk(i, left):
+                            raise PeerTimeout(f"chunk {i} of {manifest.cid} did not arrive here in time")
+                        data = memoryview(os.pread(fd, length, offset))
+                        if len(data) != length:
+                            raise PeerGone("partial blob file shorter than its manifest")
+                        left = pace.remaining(start, due, clock())
+                        if left <= 0:
+                            raise PeerTimeout(f"client reads below {pace.min_rate / 1024:.0f} KiB/s: cut")
+                    else:
+                        data = mapped[offset : offset + length]
                     sock.settimeout(left)  # a record is sent within the socket's timeout, as a whole
-                    self._send_chunk(sock, s2c, i, mapped[offset : offset + length], out)
+                    self._send_chunk(sock, s2c, i, data, out)
                     if self.traffic is not None:
                         self.traffic.sent(HEADER.size + length + TAG_LEN)
             sock.shutdown(socket.SHUT_WR)
@@ -415,6 +506,19 @@ class BlobServer:
             raise PeerGone(f"side channel broke: {exc}") from exc
         finally:
             sock.close()
+
+    async def _await_partial(self, cid: str, timeout: float) -> PartialBlob | None:
+        """The partial holding of ``cid`` once a fetch of ours starts, within ``timeout``.
+
+        A swarm member asks its relay-tree parent at about the moment the
+        parent learns of the blob itself: a short wait here saves it a hop up
+        the tree. No slot is held meanwhile; the wait is capped by the config.
+        """
+        partial = None
+        with trio.move_on_after(timeout):
+            while (partial := self._partials.get(cid)) is None and not self.store.has(cid):
+                await self._partial_added.wait()
+        return partial
 
     def _inline(self, cid: str) -> bytes | None:
         """The blob itself if it is small enough to ride in the manifest reply

@@ -34,7 +34,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.peerinfo import PeerInfo
 
 from pcp_p2p.blob import protocol as P
-from pcp_p2p.blob.chunks import ChunkManifest, parse_manifest
+from pcp_p2p.blob.chunks import ChunkManifest, manifest_bytes, parse_manifest
 from pcp_p2p.blob.receiver import (
     ChunkPool,
     ChunkSink,
@@ -44,7 +44,7 @@ from pcp_p2p.blob.receiver import (
     receive_batch,
 )
 from pcp_p2p.blob.routing import ContentRouting
-from pcp_p2p.blob.server import BlobConfig, BlobServer, UploadSlots, close_stream
+from pcp_p2p.blob.server import BlobConfig, BlobServer, PartialBlob, UploadSlots, close_stream
 from pcp_p2p.blob.sidechannel import (
     KIND_HELLO,
     RecordCipher,
@@ -56,6 +56,7 @@ from pcp_p2p.blob.sidechannel import (
     tune,
 )
 from pcp_p2p.blob.store import BlobStore
+from pcp_p2p.blob.swarm import FallbackPlan
 from pcp_p2p.blob.transfer import MAX_BATCH, FetchPlan
 from pcp_p2p.core.cid import cid_of, parse_cid
 from pcp_p2p.core.errors import (
@@ -117,6 +118,7 @@ class _Prepared:
     report: FetchReport
     inline: bytes | None  # the blob itself, when it came with the manifest
     offer: _SideOffer | None = None  # a side channel that came with the manifest
+    ordered: bool = False  # providers are fallbacks in order (a swarm fetch), not shared out
 
     def take_offer(self, provider: str, batch: list[int]) -> _SideOffer | None:
         """The offer, once, if it is for exactly this provider's ``batch``."""
@@ -179,6 +181,8 @@ class BlobService(BlobServer):
         # Peers whose side port we could not reach: fetched over the stream path.
         self._side_unreachable: set[str] = set()
         self._pools: list[ChunkPool] = []  # idle receive buffers, at most _POOLS_KEPT
+        self._partials = {}  # blobs being fetched into the store: served chunk by chunk meanwhile
+        self._partial_added = trio.Event()
 
     # --- public API ------------------------------------------------------------
 
@@ -216,6 +220,7 @@ class BlobService(BlobServer):
         pin: bool = False,
         announce: bool = True,
         max_size: int | None = None,
+        ordered: bool = False,
     ) -> Path | bytes:
         """The blob's path in the store, or the bytes of ``byte_range = (start, end)``.
 
@@ -229,6 +234,14 @@ class BlobService(BlobServer):
         the exact manifest bytes as well. ``max_size``: a manifest declaring
         more bytes is refused (:class:`OversizedMessage`) before any chunk
         moves — the caller knows how large such a blob can honestly be.
+
+        ``ordered`` (a swarm fetch, :mod:`pcp_p2p.blob.swarm`): ``providers``
+        are tried in order, each asked to wait up to ``config.swarm_wait``
+        for a fetch of its own to start; the manifest comes from the first
+        that answers and every chunk from the first still standing, the
+        later ones only taking over from one that fails. While a whole blob
+        is fetched, its verified chunks are served to others (a partial
+        holding), so a relay tree forwards a blob as it arrives.
         """
         parse_cid(cid)  # MalformedMessage for a non-CID
         if self.store.has(cid):
@@ -238,15 +251,29 @@ class BlobService(BlobServer):
             if pin:
                 self.store.pin(cid)
             return self.store.path(cid)
-        prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None, max_size=max_size)
+        prep = await self._prepare(cid, providers, manifest_cid, whole=byte_range is None, max_size=max_size,
+                                   ordered=ordered)
         if byte_range is not None:
             return await self._fetch_range(prep, byte_range)
+        partial: PartialBlob | None = None
+        failed = True
         try:
             pending = await trio.to_thread.run_sync(self.store.begin, cid, prep.manifest)
             with pending, FileSink.open(pending, direct=self.config.direct_io) as sink:
+                if cid not in self._partials:  # (a second fetch of the same blob serves nothing more)
+                    partial = PartialBlob(prep.manifest, manifest_bytes(prep.manifest), pending.path)
+                    sink.on_put = partial.chunk_ok
+                    self._partials[cid] = partial
+                    self._partial_added.set()
+                    self._partial_added = trio.Event()
                 await self._pull(prep, range(prep.manifest.count), sink)
                 path = await trio.to_thread.run_sync(pending.commit)
+                failed = False
         finally:
+            if partial is not None:
+                partial.end(failed=failed)
+                if self._partials.get(cid) is partial:
+                    del self._partials[cid]
             await self._decline(prep)
         if pin:
             self.store.pin(cid)
@@ -321,7 +348,7 @@ class BlobService(BlobServer):
 
     async def _prepare(
         self, cid: str, providers: list[PeerInfo] | None, manifest_cid: str | None, *, whole: bool,
-        max_size: int | None = None,
+        max_size: int | None = None, ordered: bool = False,
     ) -> _Prepared:
         """Providers (from the DHT unless given) and the manifest, checked against ``cid``.
 
@@ -339,16 +366,22 @@ class BlobService(BlobServer):
         self.last_fetch = report
         # The manifest is bound to the CID (it hashes to it), so whoever sent
         # it, it is the right chunk list; only chunks can still be wrong.
-        merged = whole and len(providers) == 1 and providers[0].peer_id.to_base58() not in self._side_unreachable
+        # In order (a swarm), the first that answers is the one the data comes from: the same
+        # one exchange serves there too (a round trip less per hop of the relay tree).
+        merged = (whole and (len(providers) == 1 or ordered)
+                  and providers[0].peer_id.to_base58() not in self._side_unreachable)
         manifest, mcid, source, inline, offer = await self._get_manifest(
-            cid, providers, manifest_cid, report, merged=merged, max_size=max_size)
+            cid, providers, manifest_cid, report, merged=merged, max_size=max_size, ordered=ordered)
         report.manifest_source = source
         # A provider that sent a manifest that is not this CID's holds other
         # content or lies: it gets no data requests. The one that gave the
-        # manifest goes first: it is known to be alive.
+        # manifest goes first: it is known to be alive. In order (a swarm),
+        # those before it did not answer: they are passed over.
+        if ordered:
+            providers = providers[[p.peer_id.to_base58() for p in providers].index(source):]
         providers = [p for p in providers if p.peer_id.to_base58() not in report.bad_manifest]
         providers.sort(key=lambda p: p.peer_id.to_base58() != source)
-        return _Prepared(manifest, mcid, providers, report, inline, offer)
+        return _Prepared(manifest, mcid, providers, report, inline, offer, ordered)
 
     async def _fetch_range(self, prep: _Prepared, byte_range: tuple[int, int]) -> bytes:
         start, end = byte_range
@@ -366,7 +399,7 @@ class BlobService(BlobServer):
 
     async def _get_manifest(
         self, cid: str, providers: list[PeerInfo], want_mcid: str | None, report: FetchReport,
-        *, merged: bool = False, max_size: int | None = None,
+        *, merged: bool = False, max_size: int | None = None, ordered: bool = False,
     ) -> tuple[ChunkManifest, str, str, bytes | None, _SideOffer | None]:
         """The manifest, its CID, who sent it, the blob if it came inline, and
         (``merged``: a ``fetch`` request) the side channel that came with it."""
@@ -376,8 +409,9 @@ class BlobService(BlobServer):
             try:
                 report.requests += 1
                 nonce = secrets.token_bytes(P.NONCE_LEN)
-                req = (P.BlobRequest("fetch", cid, nonce, count=MAX_BATCH) if merged
-                       else P.BlobRequest("manifest", cid, nonce))
+                wait_ms = int(self.config.swarm_wait * 1000) if ordered else 0
+                req = (P.BlobRequest("fetch", cid, nonce, count=MAX_BATCH, wait_ms=wait_ms) if merged
+                       else P.BlobRequest("manifest", cid, nonce, wait_ms=wait_ms))
                 reply, ip = await self._request(info, req)
                 manifest = parse_manifest(
                     reply.manifest, expect_cid=cid, expect_manifest_cid=want_mcid,
@@ -463,7 +497,8 @@ class BlobService(BlobServer):
                 if not providers:
                     raise
         by_id = {p.peer_id.to_base58(): p for p in providers}
-        pull = _Pull(prep, sink, FetchPlan(wanted, list(by_id)))
+        plan = FallbackPlan(wanted, list(by_id)) if prep.ordered else FetchPlan(wanted, list(by_id))
+        pull = _Pull(prep, sink, plan)
         async with trio.open_nursery() as nursery:
             for pid, info in by_id.items():
                 nursery.start_soon(self._worker, info, pid, pull)

@@ -53,6 +53,39 @@ def checkpoint_theta_bytes(data: bytes) -> bytes:
     return _split(data)[1]
 
 
+THETA_HEAD = 64 * 1024
+"""How many leading bytes of a checkpoint :func:`checkpoint_theta_span` reads (its metadata is small)."""
+
+_BIN_HEADERS = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin8/16/32: the length's width
+
+
+def checkpoint_theta_span(head: bytes) -> tuple[int, int]:
+    """``(offset, length)`` of the θ bundle inside a checkpoint, from its first bytes.
+
+    Why: a worker takes θ out of the checkpoint it replicated (the bundle is
+    byte-identical to the θ blob), and reading only that range instead of
+    decoding the whole checkpoint skips the momentum, half of its bytes. The
+    range is only a claim: the caller checks what it reads against θ's CID.
+    :class:`MalformedMessage` if ``head`` does not start like a checkpoint.
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_ext_len=0, max_buffer_size=len(head) + 1)
+    unpacker.feed(head)
+    try:
+        if unpacker.read_array_header() != 5 or unpacker.unpack() != MAGIC or unpacker.unpack() != VERSION:
+            raise MalformedMessage("not a pcp checkpoint")
+        unpacker.skip()  # the metadata
+        at = unpacker.tell()
+    except MalformedMessage:
+        raise
+    except Exception as exc:
+        raise MalformedMessage(f"checkpoint head is not msgpack: {type(exc).__name__}") from exc
+    width = _BIN_HEADERS.get(head[at]) if at < len(head) else None
+    if width is None or at + 1 + width > len(head):
+        raise MalformedMessage("checkpoint θ is not a msgpack bin")
+    length = int.from_bytes(head[at + 1 : at + 1 + width], "big")
+    return at + 1 + width, length
+
+
 def _split(data: bytes) -> tuple[dict[Any, Any], bytes, bytes]:
     """A checkpoint's metadata, θ bundle and momentum bundle, its framing checked."""
     try:

@@ -1,5 +1,11 @@
 """A run's blobs on one node: fetched (hinted peer first, retried), stored, pinned and announced.
 
+A blob every worker wants at once (θ's checkpoint after a commit, θ itself) is
+fetched by swarming when the caller names the ``swarm`` (the peers a signed
+record says are fetching it too): from this node's ancestors in the blob's
+relay tree first, the hinted origin last (:mod:`pcp_p2p.blob.swarm`), so the
+origin's uplink carries about one copy whatever the number of workers.
+
 I/O only: which blob is fetched when, and for which machine, is the run
 machine's call (:mod:`pcp_p2p.diloco.run.run_machine`); this module carries it out
 against the node's :class:`~pcp_p2p.blob.service.BlobService` and keeps the
@@ -9,7 +15,7 @@ run's pin ledger (:mod:`pcp_p2p.diloco.run.pins`) on disk.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +23,7 @@ import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
+from pcp_p2p.blob.swarm import upstream
 from pcp_p2p.core.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError
 from pcp_p2p.diloco.run.pins import RunPins
 
@@ -43,6 +50,7 @@ class RunBlobs:
         self.nursery = nursery
         self.default_hint = hint
         self.storing: dict[str, trio.Event] = {}  # blobs being stored: nobody names them before
+        self.fetching: dict[str, trio.Event] = {}  # blobs being fetched into the store: fetched once
         self.pins = RunPins.load(work_dir / PINS_FILE)  # what this run keeps pinned, and until when
 
     @property
@@ -131,43 +139,80 @@ class RunBlobs:
 
     async def fetch_bytes(
         self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False,
-        max_size: int | None = None,
+        max_size: int | None = None, swarm: Sequence[str] | None = None,
     ) -> bytes:
         """A blob, from the hinted peer first (a blob just published may not have a provider
         record in the DHT yet), then from any provider, retrying a few times while provider
-        records propagate.
+        records propagate. With ``swarm`` (the peers fetching it too, as a signed record named
+        them), from this node's relay-tree ancestors first and the hinted origin last. A blob
+        already being fetched for the store is waited for, not fetched twice.
 
         ``keep=False`` is for a Δ the shepherd averages once and nobody asks it for again: it
         is fetched into memory only, not written to disk, pinned or announced. A blob above the
         in-memory limit goes through the store after all. A kept blob is pinned for the run's
         life (``for_run``: dataset, artifacts) or for its round.
         """
+        in_memory = await self.hold(cid, hint, keep=keep, for_run=for_run, max_size=max_size, swarm=swarm)
+        if in_memory is not None:
+            return in_memory
+        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+
+    async def hold(
+        self, cid: str, hint: str | None = None, *, keep: bool = True, for_run: bool = False,
+        max_size: int | None = None, swarm: Sequence[str] | None = None,
+    ) -> bytes | None:
+        """:meth:`fetch_bytes` without reading a kept blob back (``None``: it is in the store).
+        For a blob held for others (a replicated checkpoint) that this node does not read now."""
         storing = self.storing.get(cid)
         if storing is not None:
             await storing.wait()
+        while keep and (flight := self.fetching.get(cid)) is not None:
+            await flight.wait()  # (if that fetch failed, this one tries for itself)
         if not self.blobs.store.has(cid):
-            hinted = self.peer_info(hint or self.default_hint())
-            delay = 0.5
-            for attempt in range(FETCH_ATTEMPTS):
-                providers = [hinted] if hinted and attempt % 2 == 0 else None
-                try:
-                    if not keep:
-                        try:
-                            return bytes(await self.blobs.fetch_into(cid, providers=providers, max_size=max_size))
-                        except OversizedMessage:
-                            keep = True
-                    await self.blobs.fetch(cid, pin=True, providers=providers, announce=False, max_size=max_size)
-                    self.announce_later(cid)
-                    break
-                except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
-                    if attempt == FETCH_ATTEMPTS - 1:
-                        raise
-                    log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 8.0)
+            if keep:
+                self.fetching[cid] = trio.Event()
+            try:
+                in_memory = await self._fetch(cid, hint, keep=keep, max_size=max_size, swarm=swarm)
+            finally:
+                if keep:
+                    self.fetching.pop(cid).set()
+            if in_memory is not None:
+                return in_memory
+            keep = True  # (a blob above the in-memory limit went through the store)
         if keep:
             self.pin(cid, for_run)
-        return await trio.to_thread.run_sync(self.blobs.store.read, cid)
+        return None
+
+    async def _fetch(self, cid: str, hint: str | None, *, keep: bool, max_size: int | None,
+                     swarm: Sequence[str] | None) -> bytes | None:
+        """Fetch ``cid`` into the store; with ``keep=False`` into memory, returning its bytes."""
+        origin = hint or self.default_hint()
+        hinted = self.peer_info(origin)
+        swarmed: list[PeerInfo] = []
+        if swarm is not None and hinted is not None and self.node is not None:
+            me = self.node.peer_id
+            chain = upstream(cid, [p for p in swarm if p != origin], me, self.blobs.config.swarm_fanout)
+            swarmed = [i for i in map(self.peer_info, chain) if i is not None] + [hinted]
+        delay = 0.5
+        for attempt in range(FETCH_ATTEMPTS):
+            providers = (swarmed or [hinted]) if hinted and attempt % 2 == 0 else None
+            try:
+                if not keep:
+                    try:
+                        return bytes(await self.blobs.fetch_into(cid, providers=providers, max_size=max_size))
+                    except OversizedMessage:
+                        keep = True
+                await self.blobs.fetch(cid, pin=True, providers=providers, announce=False, max_size=max_size,
+                                       ordered=providers is swarmed and len(swarmed) > 1)
+                self.announce_later(cid)
+                return None
+            except (PeerError, BlobNotFound) as exc:  # not provided yet, or provider gone
+                if attempt == FETCH_ATTEMPTS - 1:
+                    raise
+                log.debug("fetch of %s failed (%s); retrying in %.1f s", cid, exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 8.0)
+        return None  # (not reached: the last attempt returns or raises)
 
     def peer_info(self, peer_id: str | None) -> PeerInfo | None:
         from pcp_p2p.node.node import transport_addrs

@@ -92,6 +92,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pcp_p2p.blob.swarm import tree_order
 from pcp_p2p.core.errors import HeldBack, NotElected, PcpError, RemoteError, StaleMessage, VerificationError
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
@@ -856,8 +857,12 @@ class RunMachine:
                 self._held = [effects[first:]]
                 peers = [e.to for e in self._held[0] if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
-                # Workers that just submitted to this round are the likeliest to be alive.
-                targets = sorted(peers, key=lambda p: p not in commit.participants)[:REPLICAS]
+                # Workers that just submitted to this round are the likeliest to be alive; among
+                # them, the checkpoint's relay-tree root and its first child (pcp_p2p.blob.swarm),
+                # so the second fetches it from the first and the origin's uplink carries one copy.
+                tree = tree_order(commit.checkpoint_cid, [p for p in commit.participants if p != self.peer_id])
+                rank = {p: i for i, p in enumerate(tree)}
+                targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))[:REPLICAS]
                 self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S))
                 return
         self._round_now(who, effects, now)

@@ -57,7 +57,9 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
+from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.departures import make_leave
@@ -250,8 +252,8 @@ class RunRuntime:
                 # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
                 self.post(MessageIn(sender, msg))
                 raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
-            with trio.move_on_after(REPLICATE_TIMEOUT_S):
-                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender)
+            with trio.move_on_after(REPLICATE_TIMEOUT_S):  # by swarming: every participant fetches it now
+                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender, swarm=msg.participants)
             if not self.io.store.has(msg.checkpoint_cid):
                 # A shepherd killed while we fetched took the only copy with it; a commit
                 # nobody else holds must not become the round the next term starts from.
@@ -568,12 +570,15 @@ class RunRuntime:
             n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
         self.post(Replicated(commit, list(acked)))
 
-    async def _replicate_checkpoint(self, cid: str, hint: str | None = None) -> None:
-        """Hold the latest committed checkpoints so any candidate can take over the run."""
+    async def _replicate_checkpoint(self, cid: str, hint: str | None = None,
+                                    swarm: tuple[str, ...] | None = None) -> None:
+        """Hold the latest committed checkpoints so any candidate can take over the run.
+
+        ``swarm``: the commit's participants, who all fetch it at once (:mod:`pcp_p2p.blob.swarm`)."""
         if cid in self._replicas:
             return
         try:
-            await self.io.fetch_bytes(cid, hint, max_size=self.state_bound(2))
+            await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=swarm)
         except PcpError as exc:
             self.node.log_once("self", exc, "replicating a checkpoint failed")
             return
@@ -613,13 +618,60 @@ class RunRuntime:
             # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
             artifact = who == "worker" and self._is_artifact(cid)
             bound = (1 << 20) if artifact else self.state_bound(1)  # a manifest weighs a few KiB
-            data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound)
+            theta = who == "worker" and not artifact
+            data = await self._theta_from_checkpoint(cid) if theta else None
+            if data is None:
+                data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound,
+                                                 swarm=self._swarm_for(cid) if who == "worker" else None)
             if artifact:
                 await self._prepare_artifact(data)
         except PcpError as exc:
             self.post(BlobFailed(who, cid, exc))
             return
         self.post(BlobIn(who, cid, data))
+
+    def _swarm_for(self, cid: str) -> tuple[str, ...] | None:
+        """Who fetches ``cid`` at the same moment, as a signed record says: for a commit's θ its
+        participants; for the announcement's θ, dataset or artifacts its workers (``None``: none)."""
+        w = self.machine.worker
+        if w is None:
+            return None
+        rec, ann = w.last_commit, w.current
+        if rec is not None and rec.theta_cid == cid:
+            return rec.participants
+        if ann is not None and cid in (ann.theta_cid, ann.dataset_cid, *ann.artifacts.values()):
+            return tuple(a.worker for a in ann.assignments)
+        return None
+
+    async def _theta_from_checkpoint(self, cid: str) -> bytes | None:
+        """θ ``cid`` out of the last commit's checkpoint, when that commit names it.
+
+        The checkpoint (θ and the outer momentum) is replicated by every participant anyway,
+        and its θ bundle is byte-identical to the θ blob: taking θ from it saves every worker
+        a second download of the same bytes, and the origin a second swarm's root. ``None``
+        when there is no such checkpoint or it cannot be had (θ is then fetched itself)."""
+        w = self.machine.worker
+        rec = w.last_commit if w is not None else None
+        if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid or self.io.store.has(cid):
+            return None  # (held already: the shepherd's own worker, say)
+        await self._replicate_checkpoint(rec.checkpoint_cid, hint=rec.shepherd, swarm=rec.participants)
+        if not self.io.store.has(rec.checkpoint_cid):
+            return None
+        store, ckpt = self.io.store, rec.checkpoint_cid
+
+        def extract() -> bytes:  # only θ's range: the momentum, half the checkpoint, is not read
+            off, length = checkpoint_theta_span(store.read(ckpt, 0, min(THETA_HEAD, store.size(ckpt))))
+            return store.read(ckpt, off, length)
+
+        try:
+            theta = await trio.to_thread.run_sync(extract)
+        except PcpError as exc:
+            self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
+            return None
+        if await trio.to_thread.run_sync(cid_of, theta) != cid:  # (its CID was checked, not that it holds θ)
+            return None
+        self.io.store_later(cid, theta)  # stored, pinned and announced behind the machine's back: it trains now
+        return theta
 
     def _is_artifact(self, cid: str) -> bool:
         w = self.machine.worker
@@ -641,10 +693,13 @@ class RunRuntime:
             ann = w.current
             if ann is None or not ann.dataset_cid:
                 raise VerificationError("the announcement names no dataset blob")
-            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True)
+            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True,
+                                             swarm=self._swarm_for(ann.dataset_cid))
             self.io.pins.for_dataset(ann.dataset_cid)
             self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
-        await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size)
+        ann = w.current
+        await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size,
+                                  swarm=tuple(a.worker for a in ann.assignments) if ann is not None else None)
         vmfb_path = self.io.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, shepherd)
         inner = engine.InnerEngine(executor, self.spec, self.dataset)

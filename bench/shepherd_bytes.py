@@ -1,0 +1,189 @@
+"""The shepherd's bytes per round, measured with N worker processes, over the model's size.
+
+Run: ``.venv/bin/python bench/shepherd_bytes.py`` (several minutes on 2 CPU cores:
+it starts 16 + 4 ``pcp`` node processes).
+
+Issue #15 item 3 (and #14's WAN rounds): the star through the shepherd's
+uplink is the wall, so its traffic must not grow with the swarm. Goal: at
+most 3 models' worth of bytes in + out per round with 16 worker processes,
+and flat in N.
+
+What runs: a bootstrap server and ``N`` ``pcp node join`` processes on
+127.0.0.1 (:mod:`pcp_p2p.node.local_swarm`) train the ``tiny`` GPT with the
+sparse codec (``topk2``: what the bandwidth bench's headline arm uses; a Δ is
+~1.5% of θ) for ``ROUNDS`` rounds, the real round flow end to end (signed
+messages, the election, heartbeats, the DHT, checkpoint replication, θ by
+swarming: :mod:`pcp_p2p.blob.swarm`). A non-shepherd worker's status is
+polled to see each commit; the shepherd's own counters (``pcp status``'s
+``network``: every byte on its libp2p connections, Noise and yamux included,
+plus its blob side channels, both directions) are read at the first commit
+after ``WARM`` and at the last, so the set-up (compiling, the artifact and
+dataset fetched once per run) is not counted. One status exchange with the
+shepherd falls inside the window (a few KiB).
+
+``shepherd_bytes_per_model`` = (bytes in + out) per round / the size of θ as
+it travels (the fp32 bundle, the unit of ``bench/bandwidth.py``). Measured at
+N = 16 (the headline) and at a smaller N (``PCP_BENCH_SHEPHERD_NS``, default
+"4,16"); ``shepherd_bytes_flat_in_n`` is true when the largest N's figure is
+at most 1.25x the smallest's.
+
+Knobs: ``PCP_BENCH_SHEPHERD_NS`` ("4,16"), ``PCP_BENCH_SHEPHERD_ROUNDS`` (5),
+``PCP_BENCH_SHEPHERD_BUDGET`` (2 s of inner steps per round).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import trio
+
+from pcp_p2p.core.errors import PcpError
+from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_command
+from pcp_p2p.node.status import to_json
+
+NS = [int(n) for n in os.environ.get("PCP_BENCH_SHEPHERD_NS", "4,16").split(",")]
+ROUNDS = int(os.environ.get("PCP_BENCH_SHEPHERD_ROUNDS", "5"))
+BUDGET_S = float(os.environ.get("PCP_BENCH_SHEPHERD_BUDGET", "2"))
+WARM = 2  # rounds before the window opens (the first rounds also fetch the artifact, θ_0, ...)
+TARGET = 3.0
+FLAT = 1.25
+POLL_S = 0.5
+
+
+def spec(n: int) -> str:
+    return f"""
+name = "shepherd-bytes"
+[model]
+preset = "tiny"
+[inner]
+lr = 3e-3
+[outer]
+lr = 4.0
+momentum = 0.0
+[round]
+time_budget_s = {BUDGET_S}
+max_inner_steps = 100000
+deadline_s = {BUDGET_S * 4 + 30 + n}
+rounds = {ROUNDS + 2}
+min_quorum = {max(2, n // 2)}
+delta_codec = "topk2"
+[aggregation]
+rule = "centered_clip"
+audit_rate = 0.0
+[election]
+rotate_every = 0
+"""
+
+
+async def status_of(swarm: LocalSwarm, proc: NodeProcess) -> dict[str, Any]:
+    try:
+        return to_json(await swarm.status(proc, timeout=10.0))
+    except PcpError:
+        return {}
+
+
+async def arm(root: Path, n: int) -> dict[str, Any]:
+    async with local_swarm(root / f"n{n}", extra_args=["--trust-any"]) as swarm:
+        boot = await swarm.start_bootstrap()
+        await swarm.add_workers(n, deadline_s=120 + 10 * n)
+        (root / f"n{n}.toml").write_text(spec(n))
+        await trio.to_thread.run_sync(lambda: subprocess.run(
+            [*pcp_command(), "run", "create", str(root / f"n{n}.toml"), "--bootstrap", boot.addr,
+             "--data-dir", str(root / f"owner{n}"), "--json"], capture_output=True, check=True, timeout=300))
+        by_peer = {w.peer_id: w for w in swarm.workers}
+        marks: dict[int, tuple[int, float]] = {}  # round -> (shepherd bytes in + out, time seen)
+        shepherd: NodeProcess | None = None
+        watcher: NodeProcess | None = None
+        participants: list[int] = []
+        theta_cid = None
+        changes = 0
+        with trio.move_on_after(600 + 60 * ROUNDS) as scope:
+            while len(marks) <= ROUNDS - WARM:
+                await trio.sleep(POLL_S)
+                if watcher is None:  # a worker that is not the shepherd tells us the rounds
+                    for w in swarm.workers:
+                        run_ = (await status_of(swarm, w)).get("run") or {}
+                        if run_.get("shepherd") in by_peer and run_["shepherd"] != w.peer_id:
+                            watcher, shepherd = w, by_peer[run_["shepherd"]]
+                            break
+                    continue
+                run_ = (await status_of(swarm, watcher)).get("run") or {}
+                if run_.get("shepherd") in by_peer and shepherd is not None and run_["shepherd"] != shepherd.peer_id:
+                    # a failover (the set-up's election can move on): measure the new one from scratch
+                    shepherd = by_peer[run_["shepherd"]]
+                    marks.clear()
+                    participants.clear()
+                    changes += 1
+                rnd = run_.get("round") or 0
+                if shepherd is not None and rnd >= WARM and rnd not in marks:
+                    net = (await status_of(swarm, shepherd)).get("network") or {}
+                    marks[rnd] = (net.get("bytes_in", 0) + net.get("bytes_out", 0), time.monotonic())
+                    participants.append(run_.get("participants") or 0)
+                    theta_cid = run_.get("theta")
+                if rnd >= ROUNDS + 2 and len(marks) >= 2:  # the run ended (after a failover restarted the window)
+                    break
+        if scope.cancelled_caught or len(marks) < 2 or shepherd is None:
+            raise RuntimeError(f"N={n}: only rounds {sorted(marks)} were seen")
+        first, last = min(marks), max(marks)
+        per_round = (marks[last][0] - marks[first][0]) / (last - first)
+        theta_bytes = (shepherd.data_dir / "blobs" / "data" / theta_cid).stat().st_size if theta_cid else None
+        if not theta_bytes:
+            raise RuntimeError("θ's size is unknown")
+        return {
+            "per_model": round(per_round / theta_bytes, 3),
+            "bytes_per_round": int(per_round),
+            "theta_bytes": theta_bytes,
+            "round_s": round((marks[last][1] - marks[first][1]) / (last - first), 2),
+            "rounds": [first, last],
+            "participants": participants,
+            "shepherd_changes": changes,
+        }
+
+
+def measure(ns: list[int] = NS) -> dict[str, Any]:
+    """The figures (also merged into ``bench/bandwidth.py``'s line)."""
+    results: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="pcp-bench-shepherd-") as tmp:
+        for n in ns:
+            results[n] = trio.run(arm, Path(tmp), n)
+            print(json.dumps({"workers": n, **results[n]}), file=sys.stderr, flush=True)  # (progress)
+    big, small = max(ns), min(ns)
+    ratio = results[big]["per_model"] / results[small]["per_model"]
+    return {
+        "shepherd_bytes_per_model": results[big]["per_model"],
+        "shepherd_bytes_per_model_target": TARGET,
+        "shepherd_bytes_workers": big,
+        "shepherd_bytes_by_n": {str(n): r["per_model"] for n, r in sorted(results.items())},
+        "shepherd_bytes_flat_in_n": ratio <= FLAT,
+        "shepherd_bytes_ratio_largest_to_smallest_n": round(ratio, 3),
+        "shepherd_bytes_detail": {str(n): r for n, r in sorted(results.items())},
+    }
+
+
+def main() -> None:
+    figures = measure()
+    print(json.dumps({
+        "headline": figures["shepherd_bytes_per_model"],
+        "target": TARGET,
+        "better": "lower",
+        "unit": f"shepherd bytes in + out per round / fp32 θ bundle, {figures['shepherd_bytes_workers']} worker "
+                "processes",
+        **figures,
+        "before_swarming_computed_n16": 16.28,
+        "model": "tiny",
+        "delta_codec": "topk2",
+        "inner_budget_s": BUDGET_S,
+    }))
+
+
+if __name__ == "__main__":
+    main()
