@@ -106,12 +106,4 @@ class FallbackPlan(FetchPlan):
             return None
         if provider != self.primary or not self.pending:
             return []
-        batch = [self.pending[0]]
-        k = 1
-        while k < len(self.pending) and len(batch) < self.max_batch and self.pending[k] == batch[-1] + 1:
-            batch.append(self.pending[k])
-            k += 1
-        del self.pending[:k]
-        for i in batch:
-            self.in_flight[i] = provider
-        return batch
+        return self._take(provider, self.max_batch)

@@ -64,7 +64,11 @@ class FetchPlan:
         if not self.pending:
             return []
         size = -(-len(self.pending) // (2 * len(self.active))) if len(self.active) > 1 else len(self.pending)
-        size = max(1, min(size, self.max_batch))
+        return self._take(provider, max(1, min(size, self.max_batch)))
+
+    def _take(self, provider: str, size: int) -> list[int]:
+        """The next run of consecutive pending chunks (at most ``size``), now in flight at ``provider``
+        (one request reads a contiguous range)."""
         batch = [self.pending[0]]
         k = 1
         while k < len(self.pending) and len(batch) < size and self.pending[k] == batch[-1] + 1:
