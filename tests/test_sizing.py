@@ -75,6 +75,18 @@ def test_plan_sizes_for_the_smallest_member_that_can_train() -> None:
     assert not plan_memory(spec, cfg, [big], KEPT).sized
 
 
+def test_one_member_cannot_shrink_everyones_micro_batch() -> None:
+    """Free memory is each member's own word: on an open run a fresh key advertising just enough for
+    one sequence per pass must not make every worker take B passes per step. Below a quarter of the
+    members it is left out (and refused for the term); from a quarter on, the members decide."""
+    cfg, spec = PRESETS["small"], _spec("small", 64, 128)
+    big = train_memory_bytes(cfg, 128, 64, KEPT)
+    one = train_memory_bytes(cfg, 128, 1, KEPT)  # just enough for one sequence per pass
+    plan = plan_memory(spec, cfg, [big, big, big, one], KEPT)
+    assert plan.micro_batch == 64 and plan.why_not(one) is not None
+    assert plan_memory(spec, cfg, [big, big, one, one], KEPT).micro_batch == 1
+
+
 def test_the_shepherd_refuses_a_join_it_cannot_fit() -> None:
     """The plan's reason reaches the worker as a typed, one-line RejectedUpdate from on_join."""
     from pcp_p2p.core.identity import Identity

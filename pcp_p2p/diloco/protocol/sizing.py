@@ -3,10 +3,16 @@ and which members that leaves out.
 
 The owner fixes the batch (``inner.batch_size``); the shepherd fixes, at each
 term's set-up, how many of its sequences a worker holds in memory at once: the
-largest micro-batch (:mod:`pcp_p2p.compile.memory`) that fits the *smallest*
-free memory any of the run's members advertises (``Capabilities.memory_free_bytes``,
-in their signed member records), leaving out members that could not train even
-one sequence per pass. One micro-batch per term, not one per node, so every
+largest micro-batch (:mod:`pcp_p2p.compile.memory`) that fits the smallest free
+memory the run's members advertise (``Capabilities.memory_free_bytes``, in their
+signed member records) once the lowest quarter of them is left out, and leaving
+out members that could not train even one sequence per pass. The quarter is
+there because the figure is each member's own word: on an open run a fresh key
+advertising just enough for one sequence would otherwise make every worker take
+B passes per step; now it takes more than a quarter of the members to shrink
+everyone's micro-batch, and those left out are refused for the term.
+
+One micro-batch per term, not one per node, so every
 artifact of the term runs the same sums in the same order and an audit replays
 a round on any worker's artifact of the same target as it was trained.
 
@@ -57,13 +63,14 @@ class MemoryPlan:
 
 
 def plan_memory(spec: RunSpec, cfg: GPTConfig, free: Iterable[int], kept_states: int) -> MemoryPlan:
-    """The largest micro-batch that fits the smallest member able to train at all.
+    """The largest micro-batch that fits the smallest member able to train at all, once the
+    lowest quarter of those is left out (see the module's docstring).
 
     ``free``: each member's advertised free bytes (0 = not measured, ignored). With no
     measured member the batch stays whole, as before sizing existed.
     """
     batch, seq = spec.inner.batch_size, spec.inner.seq_len
     least = fixed_bytes(cfg, kept_states) + per_sample_bytes(cfg, seq)
-    able = [f for f in free if f >= least]
-    m = (fit_micro_batch(cfg, batch, seq, min(able), kept_states) or 1) if able else batch
+    able = sorted(f for f in free if f >= least)
+    m = (fit_micro_batch(cfg, batch, seq, able[len(able) // 4], kept_states) or 1) if able else batch
     return MemoryPlan(batch, m, train_memory_bytes(cfg, seq, m, kept_states), least)
