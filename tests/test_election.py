@@ -109,6 +109,22 @@ def test_bad_config_is_a_config_error():
         ElectionConfig(lease_s=5.0, renew_every_s=5.0).validate()
 
 
+def test_standbys_are_the_failover_ranking_of_the_next_term_the_same_at_every_node():
+    """Who builds a hot standby: the first k of the next term's ranking, the holder left out
+    (who would claim it if the holder failed now), and every node computes the same list."""
+    first = order(0)[0]
+    es = [started(i) for i in IDS]
+    holder = next(e for e in es if e.peer_id == first.peer_id)
+    (pub,) = of(holder.tick(1.0), PublishLease)
+    for e in es:
+        if e is not holder:
+            e.on_lease(pub.lease, 1.1)
+    expected = [p for p in ranked(RUN, 1, [i.peer_id for i in IDS]) if p != first.peer_id][:3]
+    assert all(e.standbys(3) == expected for e in es)
+    assert first.peer_id not in expected and len(expected) == 3
+    assert started(IDS[0]).standbys(2) == ranked(RUN, 0, [i.peer_id for i in IDS])[:2]  # no lease yet: term 0
+
+
 # --- claiming, following, renewing -------------------------------------------------------
 
 

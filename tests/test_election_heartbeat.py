@@ -22,6 +22,7 @@ from pcp_p2p.diloco.protocol.election import (
     ElectionConfig,
     FollowShepherd,
     Heartbeat,
+    Lease,
     PublishLease,
     Role,
     SendHeartbeat,
@@ -195,16 +196,17 @@ def test_a_killed_shepherd_is_replaced_within_the_suspicion_window_on_mock_time(
 QUICK = dataclasses.replace(CONFIG, heartbeat_s=0.25, suspect_s=1.5)  # the run machine's timing
 
 
-def alive(holder: Election, follower: Election, t: float) -> None:
-    """The holder's machine steps at ``t`` and its beat (or lease renewal) reaches ``follower`` at once."""
+def alive(holder: Election, follower: Election | list[Election], t: float) -> None:
+    """The holder's machine steps at ``t`` and its beat (or lease renewal) reaches each follower at once."""
     out = holder.tick(t)
     renewals = [x.lease for x in out if isinstance(x, PublishLease)]
-    for lease in renewals:
-        follower.on_lease(lease, t)
-    if not renewals:
-        beat = holder.heartbeat(t)
-        assert beat is not None
-        follower.on_heartbeat(beat, t)
+    for f in follower if isinstance(follower, list) else [follower]:
+        for lease in renewals:
+            f.on_lease(lease, t)
+        if not renewals:
+            beat = holder.heartbeat(t)
+            assert beat is not None
+            f.on_heartbeat(beat, t)
 
 
 def until(follower: Election, t: float) -> None:
@@ -304,3 +306,29 @@ def test_a_late_tick_gives_the_holder_grace_for_its_queued_beats() -> None:
     alive(holder, f, 1.25)
     f.tick(2.8)  # on time (within two heartbeats of due): no grace
     assert f.role is Role.VACANT
+
+
+def test_what_followers_learned_of_the_swarm_carries_over_to_the_next_holder() -> None:
+    """The window learned from one holder's beats is kept when the term changes hands: a new
+    holder is busiest as it starts (its set-up), and meeting it with the bare least window
+    deposed every new holder of a loaded swarm in turn."""
+    old, b, c = swarm(run_where(0, [1]), QUICK)
+    rng, t = random.Random(5), 1.0
+    for gap in [0.5] * MIN_GAPS + [rng.uniform(0.3, 2.1) for _ in range(40)]:
+        t += gap
+        alive(old, [b, c], t)
+    learned = c.suspect_after_s
+    assert learned > 2.1
+    # The old holder dies after its beat at t; B suspects it, looks the lease up and claims term 1.
+    claims: list[Lease] = []
+    while not claims and (now := b.next_wakeup) is not None and now < t + 2 * learned:
+        claims = [x.lease for x in b.tick(now) if isinstance(x, PublishLease) and not x.renewal]
+    (claim,) = claims
+    assert claim.term == 1 and claim.holder == b.peer_id
+    until(c, now)
+    c.tick(now)
+    c.on_lease(claim, now)
+    assert c.role is Role.FOLLOWER and c.holder == b.peer_id
+    assert c.suspect_after_s == learned  # not the bare 1.5 s
+    c.tick(now + 2.0)  # the new holder is silent for 2 s while it sets up
+    assert c.role is Role.FOLLOWER and b.peer_id not in c.suspected

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -174,6 +175,14 @@ def test_eval_only_executor():
         assert 3.5 < ex.eval(xs[0], ys[0]) < 5.0
         with pytest.raises(ExecutorError):
             ex.train(LR, xs, ys)
+
+
+@pytest.mark.skipif(shutil.which("nice") is None, reason="no nice(1) here: the child runs at the node's priority")
+def test_the_executor_child_yields_to_the_node():
+    """Training steps run below the node's own priority (pcp_p2p.core.priority): a swarm's
+    heartbeats and lease renewals must not wait behind donated compute."""
+    with start("eval") as ex:
+        assert os.getpriority(os.PRIO_PROCESS, ex.pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)
 
 
 def test_concurrent_calls_are_serialised():

@@ -9,33 +9,19 @@ traces a training step for seconds after the loss, and tracing (pure Python,
 holding the GIL) no longer starves the trio thread that renews leases and
 answers probes while it runs.
 
-Children run at low priority (``nice``), read their input from stdin in one
+Children run at low priority (``nice``: :mod:`pcp_p2p.core.priority` says why), read their input from stdin in one
 piece, and are killed on every way out: error, timeout, cancel.
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
 
 from pcp_p2p.core.errors import CompileCancelled, CompileError
+from pcp_p2p.core.priority import COMPILE_NICENESS, low_priority
 
 CANCEL_POLL_S = 0.2  # how often a running child's cancel flag is looked at
-COMPILE_NICENESS = 10
-
-
-def low_priority() -> list[str]:
-    """``nice -n 10`` before a compile child, where ``nice`` exists.
-
-    Why: iree-compile keeps every core busy for a minute, and a node that compiles
-    (the shepherd setting up a term) must still renew its lease and answer its
-    peers; at equal priority its own compile starved it until its lease lapsed, the
-    term went to another node, whose compile starved it in turn. The priority does
-    not change the compiler's output.
-    """
-    tool = shutil.which("nice")
-    return [tool, "-n", str(COMPILE_NICENESS)] if tool else []
 
 
 def run_child(
@@ -49,7 +35,7 @@ def run_child(
     ``timeout``. ``what`` names the child in those errors.
     """
     try:
-        proc = subprocess.Popen([*low_priority(), *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*low_priority(COMPILE_NICENESS), *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=env)
     except OSError as exc:
         raise CompileError(f"cannot run {what}: {exc}") from exc

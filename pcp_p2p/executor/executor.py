@@ -69,6 +69,7 @@ from pcp_p2p.core.errors import (
     InvalidInput,
 )
 from pcp_p2p.core.launch import without_launch
+from pcp_p2p.core.priority import EXECUTOR_NICENESS, low_priority
 from pcp_p2p.executor import executor_child as proto
 from pcp_p2p.executor.cpu import CpuInfo, cpu_can_run, local_cpu
 
@@ -171,7 +172,7 @@ class Executor:
         env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), MALLOC_TUNABLES)))
         try:
             proc = subprocess.Popen(
-                [sys.executable, str(CHILD_SCRIPT)],
+                [*low_priority(EXECUTOR_NICENESS), sys.executable, str(CHILD_SCRIPT)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr_file,

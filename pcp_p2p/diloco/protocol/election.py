@@ -395,8 +395,9 @@ class Election:
     Suspicion (a follower's, of a holder that stopped beating) adapts to what this node
     observes, because a live holder on a loaded machine is slow, not dead:
 
-    - the gaps between the current holder's beats (renewals count) are kept, the last
-      ``GAP_SAMPLES`` of this term and holder, and widen the window (``suspect_after_s``);
+    - the gaps between the holder's beats (renewals count) are kept, the last ``GAP_SAMPLES``
+      (across terms and holders: they describe the machines and links), and widen the window
+      (``suspect_after_s``);
     - a suspected holder heard again (``_follow_again``: it was slow) doubles ``patience``,
       which halves again after ``PATIENCE_DECAY_BEATS`` on-time beats in a row;
     - a ``tick`` that comes ``LATE_TICK_BEATS`` heartbeats or more past the window's end means
@@ -427,9 +428,9 @@ class Election:
         self.settle_until: float | None = None  # no claim before: lookups are on their way
         self.last_heard: float | None = None  # when the current holder last showed it is alive (our clock)
         self.suspected: dict[str, float] = {}  # holder -> since when this node has not heard it
-        # Adaptive suspicion (see the class docstring): gaps between the current holder's beats,
-        # for (term, holder); the patience factor; on-time beats since it last changed; and the
-        # end of the grace a late tick gave (with the last_heard it was given for).
+        # Adaptive suspicion (see the class docstring): gaps between holders' beats, and the
+        # (term, holder) the last one was measured for; the patience factor; on-time beats since
+        # it last changed; and the end of the grace a late tick gave (with its last_heard).
         self.gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
         self.gaps_of: tuple[int, str] | None = None
         self.patience = 1.0
@@ -472,6 +473,15 @@ class Election:
         base = self._claim_base(now)
         skipped = int(max(0.0, now - self.vacant_since) // self.config.claim_timeout_s)
         return base + skipped
+
+    def standbys(self, k: int) -> list[str]:
+        """The first ``k`` candidates for the term after the current one, its holder left out:
+        who would claim it if the holder failed now (the ranking of a failover). Every node
+        computes the same list from the same view, so each knows whether to prepare."""
+        lease = self.lease
+        if lease is None:
+            return ranked(self.run_id, 0, self.view)[:k]
+        return ranked(self.run_id, lease.term + 1, set(self.view) - {lease.holder})[:k]
 
     def expected_holder(self, term: int, now: float) -> str | None:
         """Who should claim ``term`` at ``now`` in this node's view (``None``: nobody eligible)."""
@@ -691,8 +701,12 @@ class Election:
         lease = self.lease
         if lease is not None and holder == lease.holder:
             key = (lease.term, holder)
-            if key != self.gaps_of:  # a new holder or term: its beats tell nothing of this one's
-                self.gaps.clear()
+            if key != self.gaps_of:
+                # A new holder or term: no gap is measured across the change (last_heard was the
+                # old holder's), but the gaps learned are kept. They describe the machines and
+                # links beats cross, not one holder, and a new holder is busiest exactly when it
+                # starts (its set-up): forgetting them met it with the bare least window, and on a
+                # loaded swarm every new holder was deposed while it compiled (docs/diloco.md).
                 self.gaps_of = key
             elif self.last_heard is not None and now > self.last_heard:
                 gap = now - self.last_heard

@@ -244,9 +244,12 @@ class Stopped:
 
 @dataclass(frozen=True)
 class CommitAccepted:
-    """The worker accepted ``record`` (a new commit): a chance to prepare a standby takeover."""
+    """The worker accepted ``record`` (a new commit). ``standby``: this node is among the first
+    ``STANDBYS`` that would take the run over if its shepherd failed now, so it prepares the
+    takeover (a hot standby: artifacts compiled and signed, the evaluator built)."""
 
     record: CommitRecord
+    standby: bool = False
 
 
 @dataclass(frozen=True)

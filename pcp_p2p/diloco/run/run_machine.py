@@ -679,7 +679,7 @@ class RunMachine:
                         self.run_id[:16], rec.term, rec.round + 1, lost)
         if rec.checkpoint_cid:
             self._out.append(ReplicateCheckpoint(rec.checkpoint_cid))
-        self._out.append(CommitAccepted(rec))
+        self._out.append(CommitAccepted(rec, standby=self.peer_id in self.election.standbys(STANDBYS)))
         if self.peer_id in rec.participants:
             self.stats.contributed_rounds.append(rec.round + 1)  # 1-based, as people count
             if self.stats.first_contribution_s is None:
@@ -940,6 +940,12 @@ def max_claim_age(spec: RunSpec) -> float:
     return e.rotate_every * (r.deadline_s + 10.0) * 3 + e.claim_timeout_s + 2 * e.lease_s
 
 
+# Hot standbys: the nodes ranked first for the next term (the current holder left out) build the
+# takeover's artifacts and evaluator ahead. Not every node: sixteen compiles at once on one machine
+# starved a local swarm for minutes, and a volunteer's CPU is not spent on a takeover that the
+# ranking gives to someone else. Three covers the successor and two behind it (a standby that
+# fails in turn, or a skipped claim); a node that moves up later builds at the next commit.
+STANDBYS = 3
 HEARTBEATS_PER_RENEWAL = 8  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.25 s)
 SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (1.5 s)
 # (Before the runtime fed the machine off its event loop, a commit kept a shepherd from

@@ -462,7 +462,7 @@ class RunRuntime:
             elif isinstance(e, ReleasePins):
                 self.io.release_pins(e.round)
             elif isinstance(e, CommitAccepted):
-                if (not self._prewarmed and self.dataset is not None and self.machine.shepherd is None
+                if (e.standby and not self._prewarmed and self.dataset is not None and self.machine.shepherd is None
                         and self.node.capabilities.can_compile and n is not None):
                     self._prewarmed = True  # after the first commit: training is under way
                     n.start_soon(self.setup.prewarm)
