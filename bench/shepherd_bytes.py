@@ -100,7 +100,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
             [*pcp_command(), "run", "create", str(root / f"n{n}.toml"), "--bootstrap", boot.addr,
              "--data-dir", str(root / f"owner{n}"), "--json"], capture_output=True, check=True, timeout=300))
         by_peer = {w.peer_id: w for w in swarm.workers}
-        marks: dict[int, tuple[int, float]] = {}  # round -> (shepherd bytes in + out, time seen)
+        marks: dict[int, tuple[int, int, float]] = {}  # round -> (shepherd bytes in + out, of them blob, time seen)
         shepherd: NodeProcess | None = None
         watcher: NodeProcess | None = None
         participants: list[int] = []
@@ -126,7 +126,8 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
                 rnd = run_.get("round") or 0
                 if shepherd is not None and rnd >= WARM and rnd not in marks:
                     net = (await status_of(swarm, shepherd)).get("network") or {}
-                    marks[rnd] = (net.get("bytes_in", 0) + net.get("bytes_out", 0), time.monotonic())
+                    marks[rnd] = (net.get("bytes_in", 0) + net.get("bytes_out", 0),
+                                  net.get("blob_bytes_in", 0) + net.get("blob_bytes_out", 0), time.monotonic())
                     participants.append(run_.get("participants") or 0)
                     theta_cid = run_.get("theta")
                 if rnd >= ROUNDS + 2 and len(marks) >= 2:  # the run ended (after a failover restarted the window)
@@ -135,14 +136,17 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
             raise RuntimeError(f"N={n}: only rounds {sorted(marks)} were seen")
         first, last = min(marks), max(marks)
         per_round = (marks[last][0] - marks[first][0]) / (last - first)
+        blob_per_round = (marks[last][1] - marks[first][1]) / (last - first)
         theta_bytes = (shepherd.data_dir / "blobs" / "data" / theta_cid).stat().st_size if theta_cid else None
         if not theta_bytes:
             raise RuntimeError("θ's size is unknown")
         return {
             "per_model": round(per_round / theta_bytes, 3),
             "bytes_per_round": int(per_round),
+            "blob_bytes_per_round": int(blob_per_round),  # side-channel data (θ, checkpoints, Δs)
+            "control_bytes_per_round": int(per_round - blob_per_round),  # messages, beats, DHT, membership
             "theta_bytes": theta_bytes,
-            "round_s": round((marks[last][1] - marks[first][1]) / (last - first), 2),
+            "round_s": round((marks[last][2] - marks[first][2]) / (last - first), 2),
             "rounds": [first, last],
             "participants": participants,
             "shepherd_changes": changes,

@@ -240,6 +240,10 @@ async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(
     after_a, after_b = a.status().network, b.status().network
     assert after_a["bytes_out"] - before_a["bytes_out"] >= len(payload)
     assert after_b["bytes_in"] - before_b["bytes_in"] >= len(payload)
+    # of which blob data: the payload went on the side channel, and control traffic stays apart
+    assert after_a["blob_bytes_out"] - before_a["blob_bytes_out"] >= len(payload)
+    assert after_b["blob_bytes_in"] - before_b["blob_bytes_in"] >= len(payload)
+    assert after_a["blob_bytes_out"] <= after_a["bytes_out"] and before_a["blob_bytes_out"] < len(payload)
     # the figures are per node, not per process: the bootstrap server moved no blob
     assert boot.status().network["bytes_out"] < len(payload)
     # and what each store holds

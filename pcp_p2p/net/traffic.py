@@ -7,7 +7,8 @@ no per-host byte counter, so the counting sits under the security upgrade:
 every raw connection a host upgrades (dialled or accepted) gets its byte
 stream wrapped, before Noise, so the figures are bytes on the wire. Bulk blob
 data bypasses libp2p on an AES-GCM side socket (``pcp_p2p.blob``), which
-reports its records here too.
+reports its records into a part of the whole (``Traffic(parent=...)``), so
+status tells bulk data from control traffic.
 
 The counters are plain ints bumped from trio tasks and from blob worker
 threads; an increment of a Python int attribute is not atomic across threads
@@ -23,20 +24,29 @@ from libp2p.abc import IHost
 
 
 class Traffic:
-    """Monotonic byte counters (both directions) of one node."""
+    """Monotonic byte counters (both directions) of one node, or of one part of its traffic.
 
-    def __init__(self) -> None:
+    A part (``parent`` given: the blob side channels) counts into the whole as well, so the
+    whole is every byte and the part says how much of it was bulk data; the rest is control
+    (messages, heartbeats, the DHT, membership), which is what grows with the swarm."""
+
+    def __init__(self, parent: Traffic | None = None) -> None:
         self._lock = threading.Lock()
+        self.parent = parent
         self.bytes_in = 0
         self.bytes_out = 0
 
     def received(self, n: int) -> None:
         with self._lock:
             self.bytes_in += n
+        if self.parent is not None:
+            self.parent.received(n)
 
     def sent(self, n: int) -> None:
         with self._lock:
             self.bytes_out += n
+        if self.parent is not None:
+            self.parent.sent(n)
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

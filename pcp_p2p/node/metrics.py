@@ -185,6 +185,8 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
     for key, name, doc in (
         ("bytes_in", "network_received_bytes", "bytes received by this node"),
         ("bytes_out", "network_sent_bytes", "bytes sent by this node"),
+        ("blob_bytes_in", "network_blob_received_bytes", "of the bytes received, blob data (side channels)"),
+        ("blob_bytes_out", "network_blob_sent_bytes", "of the bytes sent, blob data (side channels)"),
     ):
         if (v := _num(net.get(key))) is not None:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=v)

@@ -670,6 +670,14 @@ class Node:
 
     # -- status -------------------------------------------------------------------
 
+    def _traffic(self) -> dict[str, int]:
+        """Every byte this node moved (``bytes_in``/``bytes_out``) and the blob side channels'
+        part of it (``blob_bytes_in``/``blob_bytes_out``; the rest is control traffic)."""
+        blob = self.blobs.traffic
+        if blob is None:
+            return {}
+        return {**(blob.parent or blob).snapshot(), **{f"blob_{k}": v for k, v in blob.snapshot().items()}}
+
     def status(self, members: bool = True) -> StatusReply:
         now = trio.current_time()
         member_list = tuple(
@@ -707,7 +715,7 @@ class Node:
                            "rate_refused": dict(self.swim_rate.refusals)},
             # the same counts split for people: "rejected 321" alarmed in a healthy swarm
             **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
-            **(self.blobs.traffic.snapshot() if self.blobs.traffic is not None else {}),
+            **self._traffic(),
         }
         extra = {"storage": self.blobs.store.usage(),
                  **{name: fn() for name, fn in self.config.extra_status.items()}}
@@ -799,7 +807,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
     store = BlobStore(config.data_dir / "blobs", config.max_storage_bytes)
     traffic = Traffic()
     count_host_traffic(host, traffic)
-    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=traffic, boundary=boundary)
+    blobs = BlobService(host, store, DhtRouting(dht), identity, traffic=Traffic(parent=traffic), boundary=boundary)
     connectivity = Connectivity(host, hop=bool(config.relay), budget=config.relay_budget, local_ips=local_ips,
                                 advertiser=advertiser)
     async with host.run(listen_addrs=listen), connectivity.running():
