@@ -6,7 +6,9 @@ each process it starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
 import shutil
 import signal
 import socket
@@ -346,6 +348,45 @@ def test_a_second_signal_forces_exit_at_once(wedged: Callable[..., subprocess.Po
     _, stderr = proc.communicate(timeout=STOP_BOUND_S)
     assert proc.returncode == 130, stderr
     assert "SIGINT again: exiting now" in stderr and "Traceback" not in stderr
+
+
+# A harness that starts a pcp process and is then SIGKILLed (a CI timeout) before its cleanup.
+ORPHANED = textwrap.dedent("""
+    import os, subprocess, sys
+    from pcp_p2p.core.shutdown import PARENT_ENV
+    child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env={**os.environ, PARENT_ENV: str(os.getpid())})
+    print(child.pid, flush=True)
+    sys.stdin.read()
+""")
+FOREVER = textwrap.dedent("""
+    import trio
+    from pcp_p2p.core.shutdown import run_until_signal
+    async def forever():
+        print("ready", flush=True)
+        await trio.sleep_forever()
+    run_until_signal(forever)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="waits on a pidfd (Linux)")
+def test_a_process_whose_harness_was_killed_stops_by_itself() -> None:
+    harness = subprocess.Popen([sys.executable, "-c", ORPHANED, FOREVER], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert harness.stdout is not None
+    pid = int(harness.stdout.readline())
+    fd = os.pidfd_open(pid)
+    try:
+        assert harness.stdout.readline().strip() == "ready"
+        assert select.select([fd], [], [], 0)[0] == []  # running
+        harness.kill()
+        harness.wait(timeout=10)
+        ready, _, _ = select.select([fd], [], [], STOP_BOUND_S)  # readable once the process has ended
+        assert ready, "the orphaned process kept running"
+    finally:
+        os.close(fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        harness.stdout.close()
 
 
 # -- a closed stdout is silence --------------------------------------------------------------

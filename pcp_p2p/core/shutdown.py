@@ -15,7 +15,9 @@ wait. The bound therefore lives outside trio, in a watchdog thread:
 - if the process has not exited ``grace_s`` seconds later (default
   :data:`STOP_GRACE_S`), the watchdog ends it with ``os._exit``: it is meant
   for commands that exit once it returns;
-- a **second** signal ends it at once, whatever it was doing.
+- a **second** signal ends it at once, whatever it was doing;
+- a process started with :data:`PARENT_ENV` set stops as on SIGTERM once its
+  parent is gone (a harness killed before its cleanup).
 
 :func:`run_until_signal` is ``trio.run`` with that policy; the graceful case
 surfaces as :class:`Interrupted`, a ``KeyboardInterrupt`` that carries the
@@ -46,6 +48,12 @@ log = logging.getLogger("pcp.shutdown")
 STOP_GRACE_S = 10.0  # a graceful stop may take this long; then the process exits anyway
 FAREWELL_S = 2.0  # farewells get this long together, out of STOP_GRACE_S
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+PARENT_ENV = "PCP_STOP_WITH_PARENT"
+"""Set to a process id, a ``pcp`` process stops (as on SIGTERM) once that process is no longer
+its parent: a test harness or ``pcp swarm`` killed without its cleanup (SIGKILL, a CI timeout)
+must not leave nodes running. Not ``PR_SET_PDEATHSIG``: that fires when the *thread* that
+forked exits, and trio starts processes from worker threads that come and go."""
+ORPHAN_POLL_S = 1.0  # how often the parent is looked at
 
 T = TypeVar("T")
 
@@ -173,6 +181,10 @@ class _Stopper:
         previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="pcp-stop-watchdog", daemon=True).start()
+        parent = os.environ.pop(PARENT_ENV, "")  # (this process's own: its children do not inherit it)
+        if parent.isdigit():
+            threading.Thread(target=_stop_when_orphaned, args=(int(parent),), name="pcp-parent-watch",
+                             daemon=True).start()
         for s in previous:
             signal.signal(s, self._on_signal)
         try:
@@ -184,6 +196,14 @@ class _Stopper:
             # woken keeps counting until the process is gone, so that what comes after
             # trio (threads joined at exit, atexit hooks) is bounded too.
             os.close(self._wake_w)
+
+
+def _stop_when_orphaned(parent: int) -> None:
+    """SIGTERM to this process (a graceful, bounded stop) once ``parent`` is not its parent."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_S)
+    log.warning("the process that started this one (%d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 async def _supervise(

@@ -26,6 +26,7 @@ from typing import Any
 import trio
 
 from pcp_p2p.core.errors import PcpError, PeerTimeout
+from pcp_p2p.core.shutdown import PARENT_ENV
 from pcp_p2p.node.status import StatusReply, fetch_status
 
 log = logging.getLogger("pcp.swarm")
@@ -125,7 +126,7 @@ class LocalSwarm:
         proc.data_dir.mkdir(parents=True, exist_ok=True)
         proc.log_path = self.root / f"{proc.name}.log"
         logf = open(proc.log_path, "ab")  # noqa: ASYNC230 (a local append-only log: one quick syscall)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}  # no orphans on SIGKILL
         proc.process = await trio.lowlevel.open_process(
             proc.args, stdout=subprocess.PIPE, stderr=logf, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env,
