@@ -351,6 +351,26 @@ def test_same_term_claimed_twice_the_better_ranked_holder_stands():
     assert e.holder == a.peer_id
 
 
+def test_same_term_claimed_a_minute_apart_the_earlier_claim_stands():
+    """After a heal, a node that had not heard of the other side's term claims the same term
+    number: it must not take the term over (the run would fork inside one term), whatever
+    its rank; and a node that followed the late claim follows the earlier one once it hears it."""
+    a, b = order(5)[:2]  # a outranks b for term 5
+    e = started(order(5)[2])
+    e.on_members(view([i for i in IDS if i is not a]), 1.0)
+    lb = make_lease(b, 5, 60.0, claimed_at=1.0)  # b's side claimed term 5 at 1.0 and has led since
+    assert e.on_lease(lb, 60.0) == [FollowShepherd(5, b.peer_id)]
+    e.on_members(view(), 60.5)  # healed
+    la = make_lease(a, 5, 61.0, claimed_at=61.0)  # a late claim of the same term
+    assert isinstance(errors(e.on_lease(la, 61.0))[0], NotElected)
+    assert e.holder == b.peer_id
+    # A node that took a's late claim first moves to b's once it hears of it.
+    f = started(order(5)[3])
+    assert FollowShepherd(5, a.peer_id) in f.on_lease(la, 61.0)
+    assert FollowShepherd(5, b.peer_id) in f.on_lease(make_lease(b, 5, 61.5, claimed_at=1.0), 61.5)
+    assert f.holder == b.peer_id
+
+
 def test_fork_choice_orders_by_term_then_round_then_theta():
     x = IDS[0]
     assert commit_key(make_commit(x, 2, 1, "a")) > commit_key(make_commit(x, 1, 9, "z"))
