@@ -24,7 +24,7 @@ import pytest
 from pcp_p2p.cli import describe, exit_code, leaves, main
 from pcp_p2p.core.errors import ConfigError, PeerGone
 from pcp_p2p.core.identity import Identity
-from pcp_p2p.core.shutdown import Interrupted
+from pcp_p2p.core.shutdown import Interrupted, watched_parent
 
 PCP = [sys.executable, "-m", "pcp_p2p.cli"]
 STOP_BOUND_S = 30.0  # generous: the machine is shared; a wedged node used to need SIGKILL after minutes
@@ -387,6 +387,14 @@ def test_a_process_whose_harness_was_killed_stops_by_itself() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         harness.stdout.close()
+
+
+def test_only_the_direct_parent_is_watched() -> None:
+    """An mpiexec rank inherits the variable from the harness that started mpiexec: its parent is
+    the launcher, so it must not take itself for an orphan (it did, and stopped at once)."""
+    assert watched_parent("4242", 4242) == 4242
+    assert watched_parent("4242", 777) is None  # a launcher in between
+    assert watched_parent(None, 4242) is None and watched_parent("x", 4242) is None
 
 
 # -- a closed stdout is silence --------------------------------------------------------------

@@ -49,10 +49,11 @@ STOP_GRACE_S = 10.0  # a graceful stop may take this long; then the process exit
 FAREWELL_S = 2.0  # farewells get this long together, out of STOP_GRACE_S
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PARENT_ENV = "PCP_STOP_WITH_PARENT"
-"""Set to a process id, a ``pcp`` process stops (as on SIGTERM) once that process is no longer
-its parent: a test harness or ``pcp swarm`` killed without its cleanup (SIGKILL, a CI timeout)
-must not leave nodes running. Not ``PR_SET_PDEATHSIG``: that fires when the *thread* that
-forked exits, and trio starts processes from worker threads that come and go."""
+"""Set to a process id that is its parent when it starts, a ``pcp`` process stops (as on
+SIGTERM) once that process is no longer its parent: a test harness or ``pcp swarm`` killed
+without its cleanup (SIGKILL, a CI timeout) must not leave nodes running. Not
+``PR_SET_PDEATHSIG``: that fires when the *thread* that forked exits, and trio starts
+processes from worker threads that come and go."""
 ORPHAN_POLL_S = 1.0  # how often the parent is looked at
 
 T = TypeVar("T")
@@ -181,9 +182,9 @@ class _Stopper:
         previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="pcp-stop-watchdog", daemon=True).start()
-        parent = os.environ.pop(PARENT_ENV, "")  # (this process's own: its children do not inherit it)
-        if parent.isdigit():
-            threading.Thread(target=_stop_when_orphaned, args=(int(parent),), name="pcp-parent-watch",
+        parent = watched_parent(os.environ.pop(PARENT_ENV, None), os.getppid())  # (its children do not inherit it)
+        if parent is not None:
+            threading.Thread(target=_stop_when_orphaned, args=(parent,), name="pcp-parent-watch",
                              daemon=True).start()
         for s in previous:
             signal.signal(s, self._on_signal)
@@ -196,6 +197,13 @@ class _Stopper:
             # woken keeps counting until the process is gone, so that what comes after
             # trio (threads joined at exit, atexit hooks) is bounded too.
             os.close(self._wake_w)
+
+
+def watched_parent(value: str | None, ppid: int) -> int | None:
+    """The parent to stop with, from :data:`PARENT_ENV`'s ``value``: only the process that is this
+    one's parent now. A launcher in between (``mpiexec``, which passes the environment on to
+    its ranks) turns it off, or every rank would take itself for an orphan and stop at once."""
+    return ppid if value is not None and value.isdigit() and int(value) == ppid else None
 
 
 def _stop_when_orphaned(parent: int) -> None:
