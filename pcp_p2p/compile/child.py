@@ -9,8 +9,9 @@ traces a training step for seconds after the loss, and tracing (pure Python,
 holding the GIL) no longer starves the trio thread that renews leases and
 answers probes while it runs.
 
-Children run at low priority (``nice``: :mod:`pcp_p2p.core.priority` says why), read their input from stdin in one
-piece, and are killed on every way out: error, timeout, cancel.
+Children run at low priority (``nice``: :mod:`pcp_p2p.core.priority` says why),
+read their input from stdin in one piece, and are killed on every way out:
+error, timeout, cancel.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def run_child(
     ``timeout``. ``what`` names the child in those errors.
     """
     try:
-        proc = subprocess.Popen([*low_priority(COMPILE_NICENESS), *cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=env)
+        proc = subprocess.Popen([*low_priority(COMPILE_NICENESS), *cmd], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     except OSError as exc:
         raise CompileError(f"cannot run {what}: {exc}") from exc
     finished = threading.Event()

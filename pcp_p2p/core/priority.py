@@ -6,7 +6,7 @@ probes, stream negotiation) needs little CPU but needs it *now*; its compute
 and can wait. At equal priority the compute won: a shepherd's own compile
 starved it until its lease lapsed, and sixteen workers' executors on two cores
 starved every node's heartbeats, so followers deposed live shepherds in turn
-(docs/diloco.md, "Sixteen workers on two cores"). So compute children run at a
+(docs/diloco.md, the 16-worker stall). So compute children run at a
 positive niceness: with nothing else to run they get the whole machine, and
 the loops that keep the swarm together are scheduled first whenever they wake.
 It is also what a volunteer expects of donated compute (BOINC runs its tasks at
