@@ -171,8 +171,10 @@ def test_fork_choice_drops_losing_rounds_below_the_winning_commit(tmp_path) -> N
 
     for r in range(5):  # rounds 1..5 in term 0; the cut came after round 2
         m._commit_seen(commit(0, r, f"old{r}", f"old{r - 1}"), 2.0 + r)
-    # Term 1 continued from round 2 (its lease's from_round) and reached round 7 meanwhile.
-    m.election.history.append(TermRecord(1, "other", 2))
+    # This node's own late claim of term 1 (after the heal, from its side's round 4) came first;
+    # the winner's term 1 continued from round 2 (its lease's from_round) and reached round 7.
+    m.election.history.append(TermRecord(1, me, 4))
+    m.election.history.append(TermRecord(1, "s", 2))
     m._commit_seen(commit(1, 6, "new6", "new5"), 20.0)
     assert [(h["round"], h["term"], h["theta"]) for h in m.stats.history] == [
         (1, 0, "old0"), (2, 0, "old1"), (7, 1, "new6")]

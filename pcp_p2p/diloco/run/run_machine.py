@@ -662,7 +662,10 @@ class RunMachine:
         # rounds meanwhile): what this node showed in a lower term above the round the commit's
         # term continues from (its lease's ``from_round``), or a parent round whose θ is not the
         # commit's ``prev_theta_cid``, is not on the winning chain either.
-        base = next((t.from_round for t in self.election.history if t.term == rec.term), None)
+        # (The record of this commit's holder: after a heal, this node may also have claimed the
+        # same term number itself, from its own side's later round, before it heard of the other.)
+        base = next((t.from_round for t in reversed(self.election.history)
+                     if t.term == rec.term and t.holder == rec.shepherd), None)
         history = self.stats.history
         lost = 0
         while history and (
