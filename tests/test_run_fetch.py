@@ -84,3 +84,32 @@ async def test_a_blob_asked_for_twice_at_once_is_fetched_once(tmp_path: Path) ->
         assert sorted(got, key=lambda b: b is not None) == [None, data]  # hold() does not read it back
         assert len(data) <= origin.traffic.bytes_out < 2 * len(data)  # the bytes crossed once
         assert cid in rt.pins and fetcher.store.has(cid)
+
+
+async def test_a_swarm_fetch_does_not_ask_a_relay_only_ancestor(tmp_path: Path) -> None:
+    """Relays never carry blobs, so a relay-only member cannot serve anyone: whom this node asks
+    skips it (the tree's positions stay everyone's), and the next ancestor or the origin serves."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.blob.swarm import upstream
+    from pcp_p2p.net.reachability import PUBLIC, RELAY_ONLY
+
+    peers = [Identity.generate().peer_id for _ in range(8)]
+    me, origin, cid = peers[0], peers[1], "bafkreiexample"
+    members = peers[2:]
+    chain = upstream(cid, [me, *members], me, 2)
+    assert chain  # (this order puts ancestors above us)
+    verdict = {p: RELAY_ONLY if p == chain[0] else PUBLIC for p in peers}
+    records = {p: SimpleNamespace(record=SimpleNamespace(reachability=verdict[p], addrs=("/ip4/10.0.0.1/tcp/1",)))
+               for p in peers}
+    node = SimpleNamespace(peer_id=me, membership=SimpleNamespace(get=records.get))
+    asked: list[list[str]] = []
+
+    async def fetch(cid: str, *, providers: list[PeerInfo] | None, **kw: object) -> None:
+        asked.append([str(p.peer_id) for p in providers or []])
+
+    blobs = SimpleNamespace(config=SimpleNamespace(swarm_fanout=2), fetch=fetch)
+    io = RunBlobs(node, blobs, tmp_path)  # type: ignore[arg-type]
+    io.announce_later = lambda cid: None  # type: ignore[method-assign]
+    await io._fetch(cid, origin, keep=True, max_size=None, swarm=[me, *members])
+    assert asked == [[*chain[1:], origin]]  # the relay-only parent is not asked

@@ -26,6 +26,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from pcp_p2p.blob.swarm import upstream
 from pcp_p2p.core.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError
 from pcp_p2p.diloco.run.pins import RunPins
+from pcp_p2p.net.reachability import RELAY_ONLY, known
 
 if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService
@@ -192,7 +193,13 @@ class RunBlobs:
         if swarm is not None and hinted is not None and self.node is not None:
             me = self.node.peer_id
             chain = upstream(cid, [p for p in swarm if p != origin], me, self.blobs.config.swarm_fanout)
-            swarmed = [i for i in map(self.peer_info, chain) if i is not None] + [hinted]
+            # The tree's positions are everyone's (every member computes the same order); whom this
+            # node asks skips ancestors that cannot serve it: a relay-only member (symmetric NAT) is
+            # reached through a relay alone, and relays never carry blobs. Asking it first cost its
+            # subtree a connect timeout per blob, and a checkpoint that came too late for its commit
+            # (test_netlab_training, 2026-11-24: a public home missed round 4).
+            swarmed = [i for i in map(self.peer_info, chain) if i is not None and self._serves_blobs(str(i.peer_id))]
+            swarmed.append(hinted)
         delay = 0.5
         for attempt in range(FETCH_ATTEMPTS):
             providers = (swarmed or [hinted]) if hinted and attempt % 2 == 0 else None
@@ -213,6 +220,12 @@ class RunBlobs:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 8.0)
         return None  # (not reached: the last attempt returns or raises)
+
+    def _serves_blobs(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` can serve this node a blob: not a relay-only member (its own verdict,
+        from its record: a stranger that lies about it only loses the chunks it would relay)."""
+        member = self.node.membership.get(peer_id) if self.node is not None else None
+        return member is None or known(member.record.reachability) != RELAY_ONLY
 
     def peer_info(self, peer_id: str | None) -> PeerInfo | None:
         from pcp_p2p.node.node import transport_addrs
