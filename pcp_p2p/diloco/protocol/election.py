@@ -173,23 +173,6 @@ def lease_newer(a_seq: int, a_issued: float, b_seq: int, b_issued: float) -> boo
     return (a_seq, a_issued) > (b_seq, b_issued)
 
 
-def claim_stands(run_id: str, a: Lease, b: Lease, fresh_s: float) -> bool:
-    """Of two claims of one term by different holders, whether ``a`` stands against ``b``.
-
-    Claims made within ``fresh_s`` of each other answered the same vacancy from views that
-    differed: the better-ranked stands (every node ranks alike). Claims further apart did not:
-    the later one was made by a node that had not yet heard of the term (one side of a
-    healed partition claimed it a minute ago and has led rounds since; a node of the other
-    side saw its own holder step down for it and claimed the same term before that lease
-    reached it). The earlier claim stands then. Under the rank rule alone the late claim
-    won wherever it outranked, and the run forked inside one term: each side's chain under
-    one term number (tests/test_netlab_partition.py, 2026-11-24).
-    """
-    if abs(a.claimed_at - b.claimed_at) <= fresh_s:
-        return term_rank(run_id, a.term, a.holder) < term_rank(run_id, b.term, b.holder)
-    return a.claimed_at < b.claimed_at
-
-
 # --- ranking -------------------------------------------------------------------
 
 
@@ -299,6 +282,23 @@ def eligible(view: Iterable[Candidate], config: ElectionConfig) -> list[str]:
 
 def ranked(run_id: str, term: int, candidates: Iterable[str]) -> list[str]:
     return sorted(set(candidates), key=lambda p: term_rank(run_id, term, p))
+
+
+def claim_stands(run_id: str, a: Lease, b: Lease, fresh_s: float) -> bool:
+    """Of two claims of one term by different holders, whether ``a`` stands against ``b``.
+
+    Claims made within ``fresh_s`` of each other answered the same vacancy from views that
+    differed: the better-ranked stands (every node ranks alike). Claims further apart did not:
+    the later one was made by a node that had not yet heard of the term (one side of a
+    healed partition claimed it a minute ago and has led rounds since; a node of the other
+    side saw its own holder step down for it and claimed the same term before that lease
+    reached it). The earlier claim stands then. Under the rank rule alone the late claim
+    won wherever it outranked, and the run forked inside one term: each side's chain under
+    one term number (tests/test_netlab_partition.py, 2026-11-24).
+    """
+    if abs(a.claimed_at - b.claimed_at) <= fresh_s:
+        return term_rank(run_id, a.term, a.holder) < term_rank(run_id, b.term, b.holder)
+    return a.claimed_at < b.claimed_at
 
 
 # --- effects ---------------------------------------------------------------------

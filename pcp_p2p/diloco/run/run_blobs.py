@@ -198,7 +198,7 @@ class RunBlobs:
             # reached through a relay alone, and relays never carry blobs. Asking it first cost its
             # subtree a connect timeout per blob, and a checkpoint that came too late for its commit
             # (test_netlab_training, 2026-11-24: a public home missed round 4).
-            swarmed = [i for i in map(self.peer_info, chain) if i is not None and self._serves_blobs(str(i.peer_id))]
+            swarmed = [i for i in map(self.peer_info, filter(self._serves_blobs, chain)) if i is not None]
             swarmed.append(hinted)
         delay = 0.5
         for attempt in range(FETCH_ATTEMPTS):
