@@ -95,10 +95,12 @@ async def test_a_swarm_fetch_does_not_ask_a_relay_only_ancestor(tmp_path: Path) 
     from pcp_p2p.net.reachability import PUBLIC, RELAY_ONLY
 
     peers = [Identity.generate().peer_id for _ in range(8)]
-    me, origin, cid = peers[0], peers[1], "bafkreiexample"
-    members = peers[2:]
-    chain = upstream(cid, [me, *members], me, 2)
-    assert chain  # (this order puts ancestors above us)
+    origin, cid, swarm = peers[0], "bafkreiexample", peers[1:]
+    # the node deepest in this tree (never its root, which has nobody above it to skip)
+    me = max(swarm, key=lambda p: len(upstream(cid, swarm, p, 2)))
+    members = [p for p in swarm if p != me]
+    chain = upstream(cid, swarm, me, 2)
+    assert len(chain) == 2
     verdict = {p: RELAY_ONLY if p == chain[0] else PUBLIC for p in peers}
     records = {p: SimpleNamespace(record=SimpleNamespace(reachability=verdict[p], addrs=("/ip4/10.0.0.1/tcp/1",)))
                for p in peers}
