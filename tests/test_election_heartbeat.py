@@ -15,6 +15,7 @@ from trio.testing import MockClock
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.effects import Rejected
 from pcp_p2p.diloco.protocol.election import (
+    GAP_SAMPLES,
     MIN_GAPS,
     PATIENCE_DECAY_BEATS,
     Candidate,
@@ -275,7 +276,7 @@ def test_a_false_suspicion_doubles_the_patience_and_on_time_beats_halve_it() -> 
         t += 0.25
         alive(holder, f, t)
     assert f.patience == 1.0  # halved back after a run of on-time beats
-    for _ in range(32):  # the slow gaps age out of the kept ones too
+    for _ in range(GAP_SAMPLES):  # the slow gaps age out of the kept ones too
         t += 0.25
         alive(holder, f, t)
     assert f.suspect_after_s == QUICK.suspect_window_s

@@ -103,7 +103,7 @@ LEASE_KIND = "lease"
 MAX_DEPARTED = 1024  # departures remembered; the oldest are forgotten first
 
 # Adaptive suspicion (see ElectionConfig.suspect_s and Election.suspect_after_s).
-GAP_SAMPLES = 32  # inter-arrival gaps of the holder's beats kept (8 s of beats at 0.25 s)
+GAP_SAMPLES = 256  # inter-arrival gaps of the holder's beats kept (64 s of beats at 0.25 s: a few rounds)
 MIN_GAPS = 8  # gaps needed before they widen the window
 SUSPECT_K = 1.5  # the window covers SUSPECT_K x the largest gap kept ...
 SUSPECT_C = 4.0  # ... and mean + SUSPECT_C standard deviations of the gaps
@@ -450,6 +450,7 @@ class Election:
         # it last changed; and the end of the grace a late tick gave (with its last_heard).
         self.gaps: deque[float] = deque(maxlen=GAP_SAMPLES)
         self.gaps_of: tuple[int, str] | None = None
+        self._gap_window: float | None = None  # what the kept gaps warrant (computed once per gap)
         self.patience = 1.0
         self.on_time = 0
         self.grace_until: float | None = None
@@ -540,9 +541,8 @@ class Election:
         that is really gone is still suspected before its lease lapses."""
         c = self.config
         window = c.suspect_window_s
-        if len(self.gaps) >= MIN_GAPS:
-            mean, sd = statistics.fmean(self.gaps), statistics.pstdev(self.gaps)
-            window = max(window, SUSPECT_K * max(self.gaps), mean + SUSPECT_C * sd)
+        if self._gap_window is not None:
+            window = max(window, self._gap_window)
         return min(c.lease_s, window * self.patience)
 
     def heartbeat(self, now: float) -> Heartbeat | None:
@@ -728,6 +728,9 @@ class Election:
             elif self.last_heard is not None and now > self.last_heard:
                 gap = now - self.last_heard
                 self.gaps.append(gap)
+                if len(self.gaps) >= MIN_GAPS:  # here, not per query: next_wakeup asks after every input
+                    mean, sd = statistics.fmean(self.gaps), statistics.pstdev(self.gaps)
+                    self._gap_window = max(SUSPECT_K * max(self.gaps), mean + SUSPECT_C * sd)
                 self.on_time = self.on_time + 1 if gap < self.config.suspect_window_s else 0
                 if self.on_time >= PATIENCE_DECAY_BEATS and self.patience > 1.0:
                     self.patience = max(1.0, self.patience / 2)
