@@ -19,7 +19,10 @@ polled to see each commit; the shepherd's own counters (``pcp status``'s
 plus its blob side channels, both directions) are read at the first commit
 after ``WARM`` and at the last, so the set-up (compiling, the artifact and
 dataset fetched once per run) is not counted. One status exchange with the
-shepherd falls inside the window (a few KiB).
+shepherd falls inside the window (a few KiB). The workers' relay-tree counters
+(``network.swarm_*``, summed) say how many fetches a round went past their
+ancestors to the origin (``swarm_fetches_from_origin_per_round``): each is a
+copy beyond one on the shepherd's uplink.
 
 ``shepherd_bytes_per_model`` = (bytes in + out) per round / the size of θ as
 it travels (the fp32 bundle, the unit of ``bench/bandwidth.py``). Measured at
@@ -91,6 +94,20 @@ async def status_of(swarm: LocalSwarm, proc: NodeProcess) -> dict[str, Any]:
         return {}
 
 
+SWARM_KEYS = ("swarm_fetches", "swarm_fetches_from_origin", "swarm_waits_missed")
+
+
+async def swarm_totals(swarm: LocalSwarm) -> dict[str, int]:
+    """The relay trees' counters summed over the workers (status ``network.swarm_*``): fetches
+    that went past every ancestor to the origin are copies beyond one on its uplink."""
+    totals = dict.fromkeys(SWARM_KEYS, 0)
+    for w in swarm.workers:
+        net = (await status_of(swarm, w)).get("network") or {}
+        for k in SWARM_KEYS:
+            totals[k] += int(net.get(k) or 0)
+    return totals
+
+
 async def arm(root: Path, n: int) -> dict[str, Any]:
     async with local_swarm(root / f"n{n}", extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
@@ -106,6 +123,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
         participants: list[int] = []
         theta_cid = None
         changes = 0
+        swarm_first = dict.fromkeys(SWARM_KEYS, 0)
         with trio.move_on_after(600 + 60 * ROUNDS) as scope:
             while len(marks) <= ROUNDS - WARM:
                 await trio.sleep(POLL_S)
@@ -130,10 +148,13 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
                                   net.get("blob_bytes_in", 0) + net.get("blob_bytes_out", 0), time.monotonic())
                     participants.append(run_.get("participants") or 0)
                     theta_cid = run_.get("theta")
+                    if len(marks) == 1:
+                        swarm_first = await swarm_totals(swarm)
                 if rnd >= ROUNDS + 2 and len(marks) >= 2:  # the run ended (after a failover restarted the window)
                     break
         if scope.cancelled_caught or len(marks) < 2 or shepherd is None:
             raise RuntimeError(f"N={n}: only rounds {sorted(marks)} were seen")
+        swarm_last = await swarm_totals(swarm)
         first, last = min(marks), max(marks)
         per_round = (marks[last][0] - marks[first][0]) / (last - first)
         blob_per_round = (marks[last][1] - marks[first][1]) / (last - first)
@@ -150,6 +171,8 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
             "rounds": [first, last],
             "participants": participants,
             "shepherd_changes": changes,
+            # summed over the workers, per round (the last poll comes a little after the last mark)
+            **{f"{k}_per_round": round((swarm_last[k] - swarm_first[k]) / (last - first), 2) for k in SWARM_KEYS},
         }
 
 

@@ -122,6 +122,8 @@ async def test_eight_fetchers_get_the_blob_while_the_origin_serves_about_one_cop
         # and the members relayed the rest: someone other than the origin served chunks
         relayed = [f for f in fetchers if f.last_fetch and set(f.last_fetch.chunks_from) - {origin.peer_id}]
         assert len(relayed) >= len(fetchers) - 1
+        # what status reports of it (network.swarm_*): the root names no ancestor, the others did
+        assert sum(f.swarm.fetches for f in fetchers) == len(fetchers) - 1
 
 
 async def test_a_small_blob_travels_inline_down_the_tree(tmp_path: Path) -> None:
@@ -208,5 +210,8 @@ async def test_a_member_that_never_fetches_costs_its_children_one_bounded_wait(t
         assert children
         for c in children:
             assert c.last_fetch is not None and "BlobNotFound" in c.last_fetch.failures[idle.peer_id]
+            assert (c.swarm.fetches, c.swarm.from_origin) == (1, 1)  # past its only ancestor, to the origin
+        assert idle.swarm.waits_missed >= len(children)  # what status shows at the idle parent (and deeper
+        # members climbing past their own parents ask it too)
         # bounded by the 0.3 s wait, not by the request timeout (5 s here), which an unbounded wait would hit
         assert trio.current_time() - start < 4.5

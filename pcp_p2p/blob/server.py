@@ -236,6 +236,22 @@ class PartialBlob:
             return False
 
 
+@dataclass
+class SwarmCounts:
+    """How this node's swarm fetches went, and its parent's part in others' (status
+    ``network.swarm_*``). A swarmed blob should cross its origin's uplink about once; these
+    say how often a fetch went past its ancestors to the origin, and how often this node was
+    asked for a blob as a tree parent before its own fetch of it had started."""
+
+    fetches: int = 0  # whole blobs fetched in tree order (ancestors first, the origin last)
+    from_origin: int = 0  # of them, served (manifest or chunks) by the origin though ancestors were named
+    waits_missed: int = 0  # swarm requests answered "not found": no fetch of ours started within the wait
+
+    def as_status(self) -> dict[str, int]:
+        return {"swarm_fetches": self.fetches, "swarm_fetches_from_origin": self.from_origin,
+                "swarm_waits_missed": self.waits_missed}
+
+
 class BlobServer:
     """Answers ``/pcp/blob/1.0.0`` requests from the store (see the module docstring)."""
 
@@ -248,6 +264,7 @@ class BlobServer:
     _uploads: UploadSlots
     _partials: dict[str, PartialBlob]  # blobs being fetched, served as their chunks arrive
     _partial_added: trio.Event  # set, and replaced, whenever a partial holding is registered
+    swarm: SwarmCounts
 
     def register(self) -> None:
         """Serve ``/pcp/blob/1.0.0`` on the host."""
@@ -322,6 +339,8 @@ class BlobServer:
             if partial is None or (partial.ended and not partial.failed and self.store.has(req.cid)):
                 partial = None  # (a fetch that just committed: served from the store)
                 if not self.store.has(req.cid):
+                    if req.wait_ms:
+                        self.swarm.waits_missed += 1
                     await P.write_frame(stream, P.BlobReply(P.NOT_FOUND), timeout=self.config.request_timeout)
                     return None
         mf_bytes = partial.manifest_bytes if partial is not None else self.store.manifest_bytes(req.cid)

@@ -44,7 +44,7 @@ from pcp_p2p.blob.receiver import (
     receive_batch,
 )
 from pcp_p2p.blob.routing import ContentRouting
-from pcp_p2p.blob.server import BlobConfig, BlobServer, PartialBlob, UploadSlots, close_stream
+from pcp_p2p.blob.server import BlobConfig, BlobServer, PartialBlob, SwarmCounts, UploadSlots, close_stream
 from pcp_p2p.blob.sidechannel import (
     KIND_HELLO,
     RecordCipher,
@@ -183,6 +183,7 @@ class BlobService(BlobServer):
         self._pools: list[ChunkPool] = []  # idle receive buffers, at most _POOLS_KEPT
         self._partials = {}  # blobs being fetched into the store: served chunk by chunk meanwhile
         self._partial_added = trio.Event()
+        self.swarm = SwarmCounts()
 
     # --- public API ------------------------------------------------------------
 
@@ -269,6 +270,11 @@ class BlobService(BlobServer):
                 await self._pull(prep, range(prep.manifest.count), sink)
                 path = await trio.to_thread.run_sync(pending.commit)
                 failed = False
+            if ordered and providers and len(providers) > 1:  # (a tree's root names no ancestor)
+                self.swarm.fetches += 1
+                origin = providers[-1].peer_id.to_base58()  # (the caller puts the origin last)
+                if origin in prep.report.chunks_from or origin == prep.report.manifest_source:
+                    self.swarm.from_origin += 1
         finally:
             if partial is not None:
                 partial.end(failed=failed)

@@ -187,6 +187,11 @@ def _network(net: Mapping[str, Any], obj: Mapping[str, Any]) -> Iterator[Metric]
         ("bytes_out", "network_sent_bytes", "bytes sent by this node"),
         ("blob_bytes_in", "network_blob_received_bytes", "of the bytes received, blob data (side channels)"),
         ("blob_bytes_out", "network_blob_sent_bytes", "of the bytes sent, blob data (side channels)"),
+        ("swarm_fetches", "blob_swarm_fetches", "blobs fetched down a relay tree (ancestors first, the origin last)"),
+        ("swarm_fetches_from_origin", "blob_swarm_fetches_from_origin",
+         "of those, served by the origin though ancestors were named"),
+        ("swarm_waits_missed", "blob_swarm_waits_missed",
+         "relay-tree requests answered not found: no fetch of ours had started within the wait"),
     ):
         if (v := _num(net.get(key))) is not None:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=v)

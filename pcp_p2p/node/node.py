@@ -716,6 +716,7 @@ class Node:
             # the same counts split for people: "rejected 321" alarmed in a healthy swarm
             **dict(zip(("refused_bad_input", "stale_or_duplicate"), split_rejected(dict(self.rejected)))),
             **self._traffic(),
+            **self.blobs.swarm.as_status(),
         }
         extra = {"storage": self.blobs.store.usage(),
                  **{name: fn() for name, fn in self.config.extra_status.items()}}
