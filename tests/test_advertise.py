@@ -156,3 +156,28 @@ def test_a_dht_answer_s_undialable_addresses_never_reach_the_peerstore() -> None
     assert store.get_peer_record(named["home"]) is None  # its record names 10.1.0.2: not kept
     assert store.get_peer_record(named["public"]) is not None
     assert [str(a) for a in store.addrs(named["public"])] == ["/ip4/198.18.0.8/tcp/1"]
+
+
+def test_a_get_providers_answer_passes_on_only_the_dialable_addresses_of_its_providers() -> None:
+    """The provider entries py-libp2p builds inline from its provider store get the closer peers'
+    rule (``PcpKadDHT._add_closer_peers_to_response``): a provider that announced before its
+    verdict is not handed out at its private address."""
+    from libp2p.kad_dht.kad_dht import DHTMode
+
+    from pcp_p2p.dht.table import PcpKadDHT
+
+    dht = PcpKadDHT(new_host(key_pair=Identity.generate().key_pair), DHTMode.SERVER, networks=LAB)
+    ident = Identity.generate()
+    peer = ID.from_base58(ident.peer_id)
+    addrs = ["/ip4/10.1.0.2/tcp/1", "/ip4/0.0.0.0/tcp/1", "/ip4/198.18.0.7/tcp/1"]
+    answer = Message()
+    answer.type = Message.MessageType.GET_PROVIDERS
+    entry = answer.providerPeers.add()
+    entry.id = peer.to_bytes()
+    entry.addrs.extend(multiaddr.Multiaddr(a).to_bytes() for a in addrs)
+    entry.signedRecord = create_signed_peer_record(
+        peer, [multiaddr.Multiaddr(a) for a in addrs], ident.key_pair.private_key).marshal_envelope()
+    dht._add_closer_peers_to_response(answer, [], exclude_peer_id=None)  # an asker from nowhere we share
+    (out,) = answer.providerPeers
+    assert [str(multiaddr.Multiaddr(b)) for b in out.addrs] == ["/ip4/198.18.0.7/tcp/1"]
+    assert not out.signedRecord  # it names the addresses held back: it cannot be trimmed

@@ -196,10 +196,15 @@ class PcpKadDHT(KadDHT):
         """py-libp2p 0.8.1's closerPeers (FIND_NODE, GET_VALUE, GET_PROVIDERS answers), with only
         the addresses the asker could dial (:func:`pcp_p2p.core.addrs.dialable_by`): another home's
         private address, or an unspecified one, is never handed to a stranger. A peer's signed peer
-        record goes along only when it names no address held back (it cannot be trimmed)."""
+        record goes along only when it names no address held back (it cannot be trimmed).
+
+        A GET_PROVIDERS answer's provider entries get the same rule here: py-libp2p builds them
+        inline, from the provider store, just before it calls this, and this is the one hook
+        between them and the wire. The store keeps what each provider said of itself when it
+        announced, which is a private address for one recorded before its reachability verdict."""
         super()._add_closer_peers_to_response(response, closest_peers, exclude_peer_id)
         asker = _remote_ip(self.host, exclude_peer_id)
-        for peer in response.closerPeers:
+        for peer in [*response.closerPeers, *response.providerPeers]:
             raw = list(peer.addrs)
             kept = []
             for b in raw:
