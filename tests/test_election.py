@@ -39,6 +39,7 @@ from pcp_p2p.diloco.protocol.election import (
 )
 from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
 from pcp_p2p.node.record_kinds import RECORD_KINDS
+from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC
 from pcp_p2p.wire import encode
 
 RUN = "run-election-test"
@@ -349,6 +350,28 @@ def test_same_term_claimed_twice_the_better_ranked_holder_stands():
     assert FollowShepherd(5, a.peer_id) in e.on_lease(la, 1.1)
     assert isinstance(errors(e.on_lease(lb, 1.2))[0], NotElected)
     assert e.holder == a.peer_id
+
+
+def test_a_claim_made_before_the_public_nodes_were_known_gives_way_to_theirs():
+    """A cone home that joined before its peers' records said they are public saw no public
+    candidate, ranked first among everyone, and claimed term 0; a public node claimed it too.
+    Once the home's view holds the public nodes it is itself no longer eligible: its claim must
+    not keep out the eligible one, whatever their ranks (tests/test_netlab_training.py,
+    2026-11-24: the home held its term alone, refused every round, and never trained)."""
+    home, pub = order(0)[:2]  # the home outranks the public node for term 0 ...
+    e = Election(RUN, home, CFG)
+    e.start(0.0)
+    e.on_members([Candidate(home.peer_id, 100.0, reachability=HOLE_PUNCHABLE), Candidate(pub.peer_id, 100.0)], 0.0)
+    assert of(e.tick(1.0), PublishLease) and e.holder == home.peer_id  # ... and claims it, seeing no public node
+    e.on_members([Candidate(home.peer_id, 100.0, reachability=HOLE_PUNCHABLE),
+                  Candidate(pub.peer_id, 100.0, reachability=PUBLIC)], 1.5)  # the public node's record arrives
+    effects = e.on_lease(make_lease(pub, 0, 2.0, claimed_at=1.2), 2.0)
+    assert not errors(effects) and FollowShepherd(0, pub.peer_id) in effects
+    assert of(effects, StepDown) and e.holder == pub.peer_id
+    # An eligible incumbent still stands against a worse-ranked claim of its term.
+    f = started(order(0)[2])
+    assert FollowShepherd(0, home.peer_id) in f.on_lease(make_lease(home, 0, 1.0), 1.0)
+    assert isinstance(errors(f.on_lease(make_lease(pub, 0, 1.2), 1.2))[0], NotElected)
 
 
 def test_same_term_claimed_a_minute_apart_the_earlier_claim_stands():

@@ -843,8 +843,12 @@ class Election:
                     raise StaleMessage("an older issue of the current lease")
                 return
             # two claims of one term (views differed): see claim_stands; the winner must
-            # itself be entitled to the term
-            if not claim_stands(self.run_id, lease, cur, c.fresh_window_s):
+            # itself be entitled to the term. An incumbent this node no longer counts eligible
+            # keeps nobody out: a cone home that claimed before the public nodes' records said
+            # they are public saw no public candidate and ranked first; once it knows them, its
+            # claim must not refuse theirs, or it holds its term alone and never trains
+            # (tests/test_netlab_training.py, 2026-11-24).
+            if cur.holder in self.view and not claim_stands(self.run_id, lease, cur, c.fresh_window_s):
                 raise NotElected(f"term {lease.term} is already held by a better-ranked or earlier claim")
             self._check_entitled(lease, self.prev_lease, now)
             return
