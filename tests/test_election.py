@@ -38,8 +38,8 @@ from pcp_p2p.diloco.protocol.election import (
     term_rank,
 )
 from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
-from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC
+from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.wire import encode
 
 RUN = "run-election-test"
