@@ -374,6 +374,22 @@ def test_a_claim_made_before_the_public_nodes_were_known_gives_way_to_theirs():
     assert isinstance(errors(f.on_lease(make_lease(pub, 0, 1.2), 1.2))[0], NotElected)
 
 
+def test_a_node_restarted_while_the_dht_is_silent_claims_past_the_term_it_last_knew():
+    """Its lookups found nothing (churn), but its own disk says term 4 was held: it never claims a
+    term at or below that one (term 0 would re-train the run from θ_0 beside the real chain)."""
+    for term in range(5, 40):  # a term this node ranks first for, past the anchor
+        if order(term)[0] == IDS[0]:
+            break
+    e = Election(RUN, IDS[0], CFG)
+    e.restore(make_lease(IDS[1], 4, 0.0))
+    e.start(100.0)
+    e.on_members(view(), 100.0)
+    assert e.term_to_claim(100.0) == 5  # (term 0 before)
+    effects = e.on_lookups_done(100.0 + (term - 5) * CFG.claim_timeout_s)  # skipped up to `term`
+    (pub,) = of(effects, PublishLease)
+    assert pub.lease.term == term
+
+
 def test_same_term_claimed_a_minute_apart_the_earlier_claim_stands():
     """After a heal, a node that had not heard of the other side's term claims the same term
     number: it must not take the term over (the run would fork inside one term), whatever

@@ -913,10 +913,14 @@ class Election:
 
     def _claim_base(self, now: float) -> int:
         """The lowest term up for claim: one past the current term, or past a held-back
-        term whose holder is eligible (the other side of a healed partition)."""
+        term whose holder is eligible (the other side of a healed partition). With no lease
+        yet, one past the anchor: a node restarted while the DHT did not answer its lookups
+        (churn) claimed term 0 again, and with another restarted node that followed it, the
+        two re-trained the run from θ_0 beside the real chain, which fork choice later took
+        for the run's history (slow suite, 2026-11-24: 4 of 6 rounds lost)."""
         cur = self.lease
         if cur is None:
-            return 0
+            return 0 if self.anchor is None else self.anchor.term + 1
         base = cur.term + 1
         cap = cur.term + 1 + int(max(0.0, now - cur.claimed_at) // self.config.claim_timeout_s)
         for held in sorted(self.held_leases.values(), key=lambda h: h.term):
