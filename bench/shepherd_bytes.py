@@ -18,8 +18,9 @@ polled to see each commit; the shepherd's own counters (``pcp status``'s
 ``network``: every byte on its libp2p connections, Noise and yamux included,
 plus its blob side channels, both directions) are read at the first commit
 after ``WARM`` and at the last, so the set-up (compiling, the artifact and
-dataset fetched once per run) is not counted. One status exchange with the
-shepherd falls inside the window (a few KiB). The workers' relay-tree counters
+dataset fetched once per run) is not counted. The bench's own status polls of
+the shepherd fall inside the window (a few KiB each: one per round, and one
+more for the relay-tree counters at the window's start). The workers' relay-tree counters
 (``network.swarm_*``, summed) say how many fetches a round went past their
 ancestors to the origin (``swarm_fetches_from_origin_per_round``): each is a
 copy beyond one on the shepherd's uplink.
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import trio
 
+from pcp_p2p.blob.server import SwarmCounts
 from pcp_p2p.core.errors import PcpError
 from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_command
 from pcp_p2p.node.status import to_json
@@ -94,7 +96,7 @@ async def status_of(swarm: LocalSwarm, proc: NodeProcess) -> dict[str, Any]:
         return {}
 
 
-SWARM_KEYS = ("swarm_fetches", "swarm_fetches_from_origin", "swarm_waits_missed")
+SWARM_KEYS = tuple(SwarmCounts().as_status())  # swarm_fetches, swarm_fetches_from_origin, swarm_waits_missed
 
 
 async def swarm_totals(swarm: LocalSwarm) -> dict[str, int]:

@@ -377,9 +377,7 @@ def test_a_claim_made_before_the_public_nodes_were_known_gives_way_to_theirs():
 def test_a_node_restarted_while_the_dht_is_silent_claims_past_the_term_it_last_knew():
     """Its lookups found nothing (churn), but its own disk says term 4 was held: it never claims a
     term at or below that one (term 0 would re-train the run from θ_0 beside the real chain)."""
-    for term in range(5, 40):  # a term this node ranks first for, past the anchor
-        if order(term)[0] == IDS[0]:
-            break
+    term = next(t for t in range(5, 40) if order(t)[0] == IDS[0])  # a term this node ranks first for, past the anchor
     e = Election(RUN, IDS[0], CFG)
     e.restore(make_lease(IDS[1], 4, 0.0))
     e.start(100.0)
