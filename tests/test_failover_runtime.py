@@ -6,6 +6,9 @@ commit: Δ decoding, JAX evaluation, the robust rule, the checkpoint) still send
 heartbeats. Here the machine's step is a stand-in that blocks its thread until the
 test has seen the heartbeats that went out meanwhile: had the step run on the event
 loop, none would have (the step gives up after 10 s and the test fails).
+
+And a new holder starts from what survived of its predecessor: the checkpoint, else
+the committed θ, else the θ that round started from (the round is trained again).
 """
 
 from __future__ import annotations
@@ -13,15 +16,31 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+import pytest
 import trio
 
+from pcp_p2p.core.errors import BlobNotFound
 from pcp_p2p.core.identity import Identity
-from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, Heartbeat, PublishLease, Role, ranked
-from pcp_p2p.diloco.protocol.messages import sign
+from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.protocol.election import (
+    BecomeShepherd,
+    Candidate,
+    Election,
+    ElectionConfig,
+    Heartbeat,
+    Lease,
+    PublishLease,
+    Role,
+    ranked,
+)
+from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
 from pcp_p2p.diloco.run.run_effects import Wake
+from pcp_p2p.diloco.run.run_setup import TermSetUp
 from pcp_p2p.diloco.run.runtime import MAX_BEATS_QUEUED, RunRuntime
 
 CONFIG = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=0.0, rotate_every=0,
@@ -114,3 +133,50 @@ async def test_only_the_holders_own_heartbeats_are_queued_for_the_machine() -> N
     assert rt._beats_in == []
     await rt.deliver(holder.peer_id, genuine)
     assert rt._beats_in == [(holder.peer_id, genuine)]
+
+
+def lost_commit_set_up(held: dict[str, bytes]) -> tuple[TermSetUp, BecomeShepherd, CommitRecord]:
+    """The set-up of term 5, whose lease continues from round 3's commit (term 4's last), on a
+    node where only the blobs in ``held`` can be fetched (a dead holder had the rest)."""
+    ident = Identity.generate()
+    rec = sign(CommitRecord(run_id="run", term=4, round=2, attempt=0, prev_theta_cid="cid-theta2",
+                            theta_cid="cid-theta3", checkpoint_cid="cid-ckpt3", participants=(ident.peer_id,),
+                            tokens=1, mean_loss=1.0, val_loss=None, shepherd=ident.peer_id), ident)
+    lease = sign(Lease(run_id="run", term=5, holder=ident.peer_id, claimed_at=0.0, issued=0.0, expiry=6.0,
+                       from_round=3, from_theta_cid="cid-theta3", from_checkpoint_cid="cid-ckpt3"), ident)
+    asked: list[str] = []
+
+    async def fetch_bytes(cid: str, **kw: Any) -> bytes:
+        asked.append(cid)
+        if cid not in held:
+            raise BlobNotFound(f"no provider for {cid}")
+        return held[cid]
+
+    rt = SimpleNamespace(run_id="run", io=SimpleNamespace(fetch_bytes=fetch_bytes, asked=asked),
+                         state_bound=lambda copies: 1 << 20,
+                         machine=SimpleNamespace(election=SimpleNamespace(lease=lease, best_commit=rec)))
+    return TermSetUp(rt), BecomeShepherd(5, "cid-ckpt3", 3, None), rec  # type: ignore[arg-type]
+
+
+async def test_a_holder_killed_as_it_committed_costs_a_round_not_the_run() -> None:
+    """Neither the checkpoint nor the θ of the last commit survived its holder: the next term trains
+    that round again from the θ it started from, which every worker of the round fetched."""
+    theta2 = {"w": np.arange(4, dtype=np.float32)}
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
+    state = await set_up._starting_state(eff, "cid-ckpt3")
+    assert set_up.rt.io.asked == ["cid-ckpt3", "cid-theta3", "cid-theta2"]  # type: ignore[attr-defined]
+    assert state.round == rec.round  # round 3 (1-based) again: the next commit supersedes term 4's
+    np.testing.assert_array_equal(state.theta["w"], theta2["w"])
+    assert not state.momentum["w"].any()
+
+    # The committed θ, when it survived, is taken before that: no round is lost.
+    theta3 = {"w": np.ones(4, dtype=np.float32)}
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2), "cid-theta3": pack_tensors(theta3)})
+    state = await set_up._starting_state(eff, "cid-ckpt3")
+    assert state.round == rec.round + 1 and state.theta["w"].tolist() == [1.0] * 4
+
+    # With nothing to fall back on (the commit this node knows is not the lease's base), the set-up fails.
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
+    set_up.rt.machine.election.best_commit = replace(rec, theta_cid="cid-other")  # type: ignore[misc]
+    with pytest.raises(BlobNotFound):
+        await set_up._starting_state(eff, "cid-ckpt3")

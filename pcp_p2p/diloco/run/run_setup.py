@@ -224,12 +224,19 @@ class TermSetUp:
         )
 
     async def _starting_state(self, eff: BecomeShepherd, checkpoint_cid: str) -> OuterState:
-        """The checkpoint the lease names; failing that, the committed θ with fresh momentum.
+        """The checkpoint the lease names; failing that, the committed θ with fresh momentum;
+        failing that, the θ that commit's round started from, to train that round again.
 
         Workers replicate every committed checkpoint, so the first path is the normal one;
-        the second loses only the outer momentum, never a round.
+        the second loses only the outer momentum, never a round. The third is for a holder
+        killed as it committed, before anyone took a copy of either: every worker that
+        trained the round holds the θ it started from. That round is lost (this term
+        commits it again, and fork choice takes the higher term's commit); before, each of
+        the three set-up attempts failed on the same missing blobs, for minutes, and the
+        next holder then met the same blobs missing.
         """
         rt = self.rt
+        lease = rt.machine.election.lease
         try:
             ckpt = decode_checkpoint(await rt.io.fetch_bytes(checkpoint_cid, max_size=rt.state_bound(2)))
             if ckpt.run_id != rt.run_id:
@@ -238,10 +245,19 @@ class TermSetUp:
                      ckpt.state.round + 1, checkpoint_cid[-12:])
             return ckpt.state
         except PcpError as exc:
-            lease = rt.machine.election.lease
             if lease is None or not lease.from_theta_cid:
                 raise
             log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
                         "zero outer momentum", rt.run_id[:16], eff.checkpoint_cid, exc)
+        try:
             theta = unpack_tensors(await rt.io.fetch_bytes(lease.from_theta_cid, max_size=rt.state_bound(1)))
             return OuterState.initial(theta, round=eff.from_round)
+        except PcpError as exc:
+            base = rt.machine.election.best_commit
+            if base is None or (base.round + 1, base.theta_cid) != (eff.from_round, lease.from_theta_cid) \
+                    or not base.prev_theta_cid:
+                raise
+            log.warning("run %s: round %d's θ is unavailable too (%s); training round %d again from the θ "
+                        "it started from", rt.run_id[:16], eff.from_round, exc, eff.from_round)
+        theta = unpack_tensors(await rt.io.fetch_bytes(base.prev_theta_cid, max_size=rt.state_bound(1)))
+        return OuterState.initial(theta, round=base.round)
