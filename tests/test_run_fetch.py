@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import libp2p
+import pytest
 import trio
 from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
@@ -86,25 +87,28 @@ async def test_a_blob_asked_for_twice_at_once_is_fetched_once(tmp_path: Path) ->
         assert cid in rt.pins and fetcher.store.has(cid)
 
 
-async def test_a_swarm_fetch_does_not_ask_a_relay_only_ancestor(tmp_path: Path) -> None:
-    """Relays never carry blobs, so a relay-only member cannot serve anyone: whom this node asks
-    skips it (the tree's positions stay everyone's), and the next ancestor or the origin serves."""
+@pytest.mark.parametrize("me_is", ["public", "relay-only"])
+async def test_a_swarm_fetch_asks_no_ancestor_it_could_reach_through_a_relay_only(tmp_path: Path, me_is: str) -> None:
+    """Relays never carry blobs: a relay-only member cannot serve anyone, and a cone one cannot serve
+    a relay-only node (no hole punch opens between them). Whom this node asks skips those (the
+    tree's positions stay everyone's), and the next ancestor or the origin serves."""
     from types import SimpleNamespace
 
     from pcp_p2p.blob.swarm import upstream
-    from pcp_p2p.net.reachability import PUBLIC, RELAY_ONLY
+    from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY
 
-    peers = [Identity.generate().peer_id for _ in range(8)]
+    peers = [Identity.generate().peer_id for _ in range(12)]
     origin, cid, swarm = peers[0], "bafkreiexample", peers[1:]
     # the node deepest in this tree (never its root, which has nobody above it to skip)
     me = max(swarm, key=lambda p: len(upstream(cid, swarm, p, 2)))
     members = [p for p in swarm if p != me]
     chain = upstream(cid, swarm, me, 2)
-    assert len(chain) == 2
-    verdict = {p: RELAY_ONLY if p == chain[0] else PUBLIC for p in peers}
+    assert len(chain) == 3
+    verdict = {p: PUBLIC for p in peers} | {chain[0]: RELAY_ONLY, chain[1]: HOLE_PUNCHABLE, me: me_is}
     records = {p: SimpleNamespace(record=SimpleNamespace(reachability=verdict[p], addrs=("/ip4/10.0.0.1/tcp/1",)))
                for p in peers}
-    node = SimpleNamespace(peer_id=me, membership=SimpleNamespace(get=records.get))
+    node = SimpleNamespace(peer_id=me, membership=SimpleNamespace(get=records.get),
+                           connectivity=SimpleNamespace(reachability=me_is))
     asked: list[list[str]] = []
 
     async def fetch(cid: str, *, providers: list[PeerInfo] | None, **kw: object) -> None:
@@ -114,4 +118,5 @@ async def test_a_swarm_fetch_does_not_ask_a_relay_only_ancestor(tmp_path: Path) 
     io = RunBlobs(node, blobs, tmp_path)  # type: ignore[arg-type]
     io.announce_later = lambda cid: None  # type: ignore[method-assign]
     await io._fetch(cid, origin, keep=True, max_size=None, swarm=[me, *members])
-    assert asked == [[*chain[1:], origin]]  # the relay-only parent is not asked
+    # the relay-only parent is never asked; the cone grandparent only by a node that can punch to it
+    assert asked == [[*chain[1:], origin] if me_is == PUBLIC else [chain[2], origin]]

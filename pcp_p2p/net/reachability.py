@@ -15,3 +15,17 @@ VERDICTS = (PUBLIC, HOLE_PUNCHABLE, RELAY_ONLY, UNKNOWN)
 def known(word: str) -> str:
     """``word`` if it is a verdict, else ``unknown``: a stranger's record may say anything."""
     return word if word in VERDICTS else UNKNOWN
+
+
+def dialable(me: str, them: str) -> bool:
+    """Whether a node judged ``me`` can open a direct connection to one judged ``them``.
+
+    A public node takes anyone's dial; a node behind a cone NAT takes a hole punch from a
+    public or cone one; a relay-only node (symmetric NAT) takes none, and cannot punch
+    through to a cone one either: between those two there is only the relay, which never
+    carries blobs. An unknown verdict (either side's) is given the benefit of the doubt.
+    """
+    me, them = known(me), known(them)
+    if UNKNOWN in (me, them) or them == PUBLIC:
+        return True
+    return them == HOLE_PUNCHABLE and me != RELAY_ONLY

@@ -26,7 +26,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from pcp_p2p.blob.swarm import upstream
 from pcp_p2p.core.errors import BlobNotFound, LocalError, OversizedMessage, PcpError, PeerError
 from pcp_p2p.diloco.run.pins import RunPins
-from pcp_p2p.net.reachability import RELAY_ONLY, known
+from pcp_p2p.net.reachability import dialable
 
 if TYPE_CHECKING:
     from pcp_p2p.blob.service import BlobService
@@ -194,10 +194,10 @@ class RunBlobs:
             me = self.node.peer_id
             chain = upstream(cid, [p for p in swarm if p != origin], me, self.blobs.config.swarm_fanout)
             # The tree's positions are everyone's (every member computes the same order); whom this
-            # node asks skips ancestors that cannot serve it: a relay-only member (symmetric NAT) is
-            # reached through a relay alone, and relays never carry blobs. Asking it first cost its
-            # subtree a connect timeout per blob, and a checkpoint that came too late for its commit
-            # (test_netlab_training, 2026-11-24: a public home missed round 4).
+            # node asks skips ancestors that cannot serve it: one it can reach through a relay alone
+            # (a relay-only member; a cone one, when this node is relay-only), as relays never carry
+            # blobs. Asking it first cost its subtree a connect timeout per blob, and a checkpoint that
+            # came too late for its commit (test_netlab_training, 2026-11-24: a public home missed round 4).
             swarmed = [i for i in map(self.peer_info, filter(self._serves_blobs, chain)) if i is not None]
             swarmed.append(hinted)
         delay = 0.5
@@ -222,10 +222,14 @@ class RunBlobs:
         return None  # (not reached: the last attempt returns or raises)
 
     def _serves_blobs(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` can serve this node a blob: not a relay-only member (its own verdict,
-        from its record: a stranger that lies about it only loses the chunks it would relay)."""
-        member = self.node.membership.get(peer_id) if self.node is not None else None
-        return member is None or known(member.record.reachability) != RELAY_ONLY
+        """Whether ``peer_id`` can serve this node a blob: a direct connection between the two is
+        possible by their verdicts (``reachability.dialable``; its own, from its record: a stranger
+        that lies about it only loses the chunks it would relay). A relay-only member serves
+        nobody, and a relay-only node is served by public members only: relays never carry blobs."""
+        if self.node is None:
+            return True
+        member = self.node.membership.get(peer_id)
+        return member is None or dialable(self.node.connectivity.reachability, member.record.reachability)
 
     def peer_info(self, peer_id: str | None) -> PeerInfo | None:
         from pcp_p2p.node.node import transport_addrs
