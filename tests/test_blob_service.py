@@ -440,6 +440,29 @@ async def test_unreachable_side_port_falls_back_to_the_libp2p_stream(tmp_path: P
             assert (await g.fetch(cid, providers=[info(natted)], byte_range=(CS, 3 * CS))) == data[CS : 3 * CS]
 
 
+async def test_a_side_port_that_drops_the_syn_is_given_up_at_the_handshake_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Behind a NAT the side port drops the SYN (the fetcher sees the router's address): the connect
+    is bounded by the handshake's deadline, when the server closes its listener anyway, not by the
+    15 s stall timeout (a 15 s connect cost a relay-only home a round in the network lab)."""
+    data = os.urandom(3 * CS + 1)
+    waited: list[float | None] = []
+
+    def dropped_syn(address: tuple[str, int], timeout: float | None = None, *args: object) -> socket.socket:
+        waited.append(timeout)  # (libp2p's own connections are trio sockets: only side channels come here)
+        raise TimeoutError("timed out")  # what a dropped SYN looks like, after ``timeout``
+
+    async with network(tmp_path) as net:
+        natted = await net.node(handshake_timeout=1.5)
+        cid = await natted.publish(data)
+        f = await net.node(handshake_timeout=1.5)
+        monkeypatch.setattr(socket, "create_connection", dropped_syn)
+        with trio.fail_after(30):
+            assert (await f.fetch(cid, providers=[info(natted)])).read_bytes() == data
+        assert waited == [1.5] and natted.peer_id in f._side_unreachable
+
+
 class SwappedFile(BlobStore):
     """An honest manifest for ``target`` but the bytes of ``other`` on disk (bit rot, a liar)."""
 

@@ -580,7 +580,10 @@ class BlobService(BlobServer):
         key = derive_key(reply.secret, nonce, reply.nonce, info_bytes)
         stall = self.config.stall_timeout
         try:
-            sock = await trio.to_thread.run_sync(_connect, ip, reply.port, stall)
+            # Connecting is bounded by the handshake's deadline, not the stall timeout: the server
+            # closes its listener then, and a side port behind a NAT (the peer dialled us, and we
+            # see its router's address) drops the SYN, so a 15 s connect was 15 s of a round lost.
+            sock = await trio.to_thread.run_sync(_connect, ip, reply.port, self.config.handshake_timeout, stall)
         except (PeerGone, PeerTimeout) as exc:
             # Behind NAT or a firewall, or reached through a relay: the side
             # port is out of reach but the libp2p connection works. Remember
@@ -682,9 +685,9 @@ async def _receive_in_thread(sock: socket.socket, receive: Callable[[], None]) -
         raise
 
 
-def _connect(ip: str, port: int, timeout: float) -> socket.socket:
+def _connect(ip: str, port: int, connect_timeout: float, timeout: float) -> socket.socket:
     try:
-        sock = socket.create_connection((ip, port), timeout=timeout)
+        sock = socket.create_connection((ip, port), timeout=connect_timeout)
     except TimeoutError as exc:
         raise PeerTimeout(f"side channel to {ip}:{port} timed out") from exc
     except OSError as exc:
