@@ -338,7 +338,8 @@ class BlobService(BlobServer):
             return
         with trio.CancelScope(shield=True), trio.move_on_after(self.config.request_timeout):
             try:
-                _close(await trio.to_thread.run_sync(_connect, offer.ip, offer.reply.port, 5.0))
+                timeout = self.config.handshake_timeout
+                _close(await trio.to_thread.run_sync(_connect, offer.ip, offer.reply.port, timeout, timeout))
             except PcpError:
                 pass
 
