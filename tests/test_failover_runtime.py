@@ -163,7 +163,7 @@ async def test_a_holder_killed_as_it_committed_costs_a_round_not_the_run() -> No
     that round again from the θ it started from, which every worker of the round fetched."""
     theta2 = {"w": np.arange(4, dtype=np.float32)}
     set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
-    state = await set_up._starting_state(eff, "cid-ckpt3")
+    state = await set_up._starting_state(eff)
     assert set_up.rt.io.asked == ["cid-ckpt3", "cid-theta3", "cid-theta2"]  # type: ignore[attr-defined]
     assert state.round == rec.round  # round 3 (1-based) again: the next commit supersedes term 4's
     np.testing.assert_array_equal(state.theta["w"], theta2["w"])
@@ -172,11 +172,11 @@ async def test_a_holder_killed_as_it_committed_costs_a_round_not_the_run() -> No
     # The committed θ, when it survived, is taken before that: no round is lost.
     theta3 = {"w": np.ones(4, dtype=np.float32)}
     set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2), "cid-theta3": pack_tensors(theta3)})
-    state = await set_up._starting_state(eff, "cid-ckpt3")
+    state = await set_up._starting_state(eff)
     assert state.round == rec.round + 1 and state.theta["w"].tolist() == [1.0] * 4
 
     # With nothing to fall back on (the commit this node knows is not the lease's base), the set-up fails.
     set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
     set_up.rt.machine.election.best_commit = replace(rec, theta_cid="cid-other")  # type: ignore[misc]
     with pytest.raises(BlobNotFound):
-        await set_up._starting_state(eff, "cid-ckpt3")
+        await set_up._starting_state(eff)

@@ -97,7 +97,7 @@ from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.protocol import aggregate, commits, departures, election, messages, shepherd, worker
 from pcp_p2p.diloco.protocol.departures import make_leave
 from pcp_p2p.diloco.protocol.effects import Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key
+from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key, start_candidates
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.spec import RunSpec, parse_spec, run_id_of, sign_spec
@@ -953,18 +953,14 @@ class Planet:
         built: Shepherd | None = None
         if become.checkpoint_cid is None:
             built = Shepherd(state=OuterState.initial(self.problem.initial()), **kw)
-        else:
-            # as the runtime's set-up: the lease's checkpoint, else its θ with fresh momentum
-            ckpt = self._any_copy(become.checkpoint_cid)
-            lease = m.election.lease
-            theta = None if ckpt is not None or lease is None or not lease.from_theta_cid \
-                else self._any_copy(lease.from_theta_cid)
-            if ckpt is not None:
-                built = Shepherd.from_checkpoint(checkpoint=ckpt, **kw)
-            elif theta is not None:
-                built = Shepherd(state=OuterState.initial(unpack_tensors(theta), round=become.from_round), **kw)
+        else:  # as the runtime's set-up: the first of the lease's starting states a live node holds
+            for point in start_candidates(become, m.election.lease, m.election.best_commit):
+                blob = self._any_copy(point.cid)
+                if blob is not None:
+                    built = Shepherd.from_start(point, blob, **kw)
+                    break
             else:
-                m.setup_failed("neither the lease's checkpoint nor its θ is held by a live node")
+                m.setup_failed("none of the states the lease's term can start from is held by a live node")
         if built is not None:
             self.handle(node, ShepherdBuilt(built))
         if node.alive and node.epoch == epoch:

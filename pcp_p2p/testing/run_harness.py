@@ -41,9 +41,8 @@ from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BlobNotFound, HeldBack, PcpError
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.algorithm.outer import OuterState
-from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.protocol.effects import Discarded, Finished, Rejected, RunInner, Send, StoreBlob
-from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key
+from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key, start_candidates
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.spec import RunSpec, run_id_of, sign_spec
@@ -432,20 +431,14 @@ class RunSwarm:
             )
             if become.checkpoint_cid is None:
                 node.post(ShepherdBuilt(Shepherd(state=OuterState.initial(self.problem.initial()), **kw)))
-            else:
-                # as the runtime's set-up: the checkpoint the lease names, else the committed θ
-                # with fresh outer momentum (only the momentum is lost), else a failure
-                ckpt = self.blobs.fetch(node.peer_id, become.checkpoint_cid)
-                lease = m.election.lease
-                theta = None if ckpt is not None or lease is None or not lease.from_theta_cid \
-                    else self.blobs.fetch(node.peer_id, lease.from_theta_cid)
-                if ckpt is not None:
-                    node.post(ShepherdBuilt(Shepherd.from_checkpoint(checkpoint=ckpt, **kw)))
-                elif theta is not None:
-                    state = OuterState.initial(unpack_tensors(theta), round=become.from_round)
-                    node.post(ShepherdBuilt(Shepherd(state=state, **kw)))
+            else:  # as the runtime's set-up: the first of the lease's starting states a live node holds
+                for point in start_candidates(become, m.election.lease, m.election.best_commit):
+                    blob = self.blobs.fetch(node.peer_id, point.cid)
+                    if blob is not None:
+                        node.post(ShepherdBuilt(Shepherd.from_start(point, blob, **kw)))
+                        break
                 else:
-                    m.setup_failed("neither the lease's checkpoint nor its θ is held by a live node")
+                    m.setup_failed("none of the states the lease's term can start from is held by a live node")
         if node.setup_scope is scope:
             node.setup_scope = None
         node.post(SetUpEnded(become.term))

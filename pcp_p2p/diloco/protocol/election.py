@@ -335,6 +335,43 @@ class BecomeShepherd:
 
 
 @dataclass(frozen=True)
+class StartFrom:
+    """A state a new term can start from: a checkpoint (θ and outer momentum), or a θ with fresh
+    momentum from which the term trains ``round`` (0-based) first."""
+
+    cid: str
+    checkpoint: bool
+    round: int
+    what: str  # for the log: what this state is, and what starting from it costs
+
+
+def start_candidates(become: BecomeShepherd, lease: Lease | None, base: CommitRecord | None) -> list[StartFrom]:
+    """Where the term ``become`` sets up can start, best first; empty: from the run's initial θ.
+
+    The checkpoint the lease names (nothing lost; workers replicate every committed
+    checkpoint, so this is the normal path); the committed θ (the outer momentum lost);
+    the θ that commit's round started from (that round trained again, and fork choice
+    takes this term's commit of it over the lost one). The last is for a holder killed
+    as it committed, before anyone took a copy of either: every worker that trained the
+    round holds the θ it started from. Before it, each of the three set-up attempts failed
+    on the same missing blobs, for minutes, and the next holder met them missing too.
+    ``base``: the best commit this node accepted; only the one the lease continues from
+    names a parent. The runtime's set-up and both simulators try these in this order.
+    """
+    if become.checkpoint_cid is None:
+        return []
+    out = [StartFrom(become.checkpoint_cid, True, become.from_round, "the checkpoint")]
+    if lease is None or not lease.from_theta_cid:
+        return out
+    out.append(StartFrom(lease.from_theta_cid, False, become.from_round, "the committed θ, zero outer momentum"))
+    if base is not None and base.prev_theta_cid and (base.round + 1, base.theta_cid) == (
+            become.from_round, lease.from_theta_cid):
+        out.append(StartFrom(base.prev_theta_cid, False, base.round,
+                             f"the θ round {base.round + 1} started from, training it again"))
+    return out
+
+
+@dataclass(frozen=True)
 class FollowShepherd:
     """``peer`` holds ``term``: ``Worker.set_shepherd(term, peer, base=(from_round, from_theta_cid))``.
 

@@ -88,7 +88,7 @@ from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.algorithm import data as data_mod
 from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
 from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
-from pcp_p2p.diloco.algorithm.params import Params, pack_tensors
+from pcp_p2p.diloco.algorithm.params import Params, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.protocol.audit import AuditReport
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
@@ -104,6 +104,7 @@ from pcp_p2p.diloco.protocol.effects import (
     Send,
     StoreBlob,
 )
+from pcp_p2p.diloco.protocol.election import StartFrom
 from pcp_p2p.diloco.protocol.messages import (
     CommitRecord,
     DataAssignment,
@@ -250,6 +251,18 @@ class Shepherd:
             raise StaleMessage(f"term {term} is older than the checkpoint's term {ckpt.term}")
         kw.setdefault("val_loss", ckpt.metrics.get("val_loss"))  # the val-jump guard's yardstick
         return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=ckpt.state, **kw)
+
+    @classmethod
+    def from_start(
+        cls, point: StartFrom, blob: bytes, *, spec: RunSpec, run_id: str, identity: Identity, term: int,
+        **kw: Unpack[ShepherdOptions],
+    ) -> Shepherd:
+        """A shepherd for ``term`` from one of its lease's starting states
+        (:func:`~pcp_p2p.diloco.protocol.election.start_candidates`) and that state's blob."""
+        if point.checkpoint:
+            return cls.from_checkpoint(spec=spec, run_id=run_id, identity=identity, term=term, checkpoint=blob, **kw)
+        state = OuterState.initial(unpack_tensors(blob), round=point.round)
+        return cls(spec=spec, run_id=run_id, identity=identity, term=term, state=state, **kw)
 
     # --- inputs ------------------------------------------------------------
 

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from pcp_p2p.core.errors import PcpError, VerificationError
+from pcp_p2p.core.errors import LocalError, PcpError, VerificationError
 from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
-from pcp_p2p.diloco.protocol.election import BecomeShepherd
+from pcp_p2p.diloco.protocol.election import BecomeShepherd, StartFrom, start_candidates
 from pcp_p2p.diloco.protocol.lifecycle import COMPILING, SETUP_FAILED
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.sizing import MemoryPlan, plan_memory
@@ -209,9 +209,8 @@ class TermSetUp:
             await rt.io.keep(art.vmfb, for_run=True)
             artifacts[art.manifest.target] = await rt.io.keep(encode(art.manifest), for_run=True)
         evaluate = await self.build_evaluator()
-        state = OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
-        if eff.checkpoint_cid:
-            state = await self._starting_state(eff, eff.checkpoint_cid)
+        state = await self._starting_state(eff) if eff.checkpoint_cid else \
+            OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         self.ready = True  # the artifacts are in the cache and the evaluator is built
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
@@ -223,41 +222,31 @@ class TermSetUp:
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
 
-    async def _starting_state(self, eff: BecomeShepherd, checkpoint_cid: str) -> OuterState:
-        """The checkpoint the lease names; failing that, the committed θ with fresh momentum;
-        failing that, the θ that commit's round started from, to train that round again.
-
-        Workers replicate every committed checkpoint, so the first path is the normal one;
-        the second loses only the outer momentum, never a round. The third is for a holder
-        killed as it committed, before anyone took a copy of either: every worker that
-        trained the round holds the θ it started from. That round is lost (this term
-        commits it again, and fork choice takes the higher term's commit); before, each of
-        the three set-up attempts failed on the same missing blobs, for minutes, and the
-        next holder then met the same blobs missing.
-        """
+    async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
+        """The first of the lease's starting states (``start_candidates``) this node can fetch."""
         rt = self.rt
-        lease = rt.machine.election.lease
-        try:
-            ckpt = decode_checkpoint(await rt.io.fetch_bytes(checkpoint_cid, max_size=rt.state_bound(2)))
-            if ckpt.run_id != rt.run_id:
-                raise VerificationError("the lease names a checkpoint of another run")
-            log.info("run %s: term %d continues from round %d (checkpoint %s)", rt.run_id[:16], eff.term,
-                     ckpt.state.round + 1, checkpoint_cid[-12:])
-            return ckpt.state
-        except PcpError as exc:
-            if lease is None or not lease.from_theta_cid:
-                raise
-            log.warning("run %s: checkpoint %s unavailable (%s); continuing from the committed θ with "
-                        "zero outer momentum", rt.run_id[:16], eff.checkpoint_cid, exc)
-        try:
-            theta = unpack_tensors(await rt.io.fetch_bytes(lease.from_theta_cid, max_size=rt.state_bound(1)))
-            return OuterState.initial(theta, round=eff.from_round)
-        except PcpError as exc:
-            base = rt.machine.election.best_commit
-            if base is None or (base.round + 1, base.theta_cid) != (eff.from_round, lease.from_theta_cid) \
-                    or not base.prev_theta_cid:
-                raise
-            log.warning("run %s: round %d's θ is unavailable too (%s); training round %d again from the θ "
-                        "it started from", rt.run_id[:16], eff.from_round, exc, eff.from_round)
-        theta = unpack_tensors(await rt.io.fetch_bytes(base.prev_theta_cid, max_size=rt.state_bound(1)))
-        return OuterState.initial(theta, round=base.round)
+        election = rt.machine.election
+        points = start_candidates(eff, election.lease, election.best_commit)
+        for i, point in enumerate(points):
+            try:
+                state = await self._fetch_state(point)
+            except PcpError as exc:
+                if i == len(points) - 1:
+                    raise
+                log.warning("run %s: term %d: %s (%s) is unavailable (%s); starting from %s", rt.run_id[:16],
+                            eff.term, point.what, point.cid[-12:], exc, points[i + 1].what)
+                continue
+            log.info("run %s: term %d continues from round %d (%s, %s)", rt.run_id[:16], eff.term,
+                     state.round + 1, point.what, point.cid[-12:])
+            return state
+        raise LocalError("the lease names no state to start from")  # (not reached: a checkpoint comes first)
+
+    async def _fetch_state(self, point: StartFrom) -> OuterState:
+        rt = self.rt
+        blob = await rt.io.fetch_bytes(point.cid, max_size=rt.state_bound(2 if point.checkpoint else 1))
+        if not point.checkpoint:
+            return OuterState.initial(unpack_tensors(blob), round=point.round)
+        ckpt = decode_checkpoint(blob)
+        if ckpt.run_id != rt.run_id:
+            raise VerificationError("the lease names a checkpoint of another run")
+        return ckpt.state
