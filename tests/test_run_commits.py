@@ -90,6 +90,7 @@ def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRu
     rt.started = election is not None
     rt.machine = SimpleNamespace(vouch_commit=election.check_commit if election else None)  # type: ignore[assignment]
     rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
+    rt._nursery, rt._late = None, set()
     return rt, inbox
 
 
@@ -141,3 +142,38 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     rt._replicate_checkpoint = fetched  # type: ignore[method-assign]
     await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
     assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)
+
+
+async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Not acknowledged (the shepherd's wait is over), but the fetch goes on and the commit is taken
+    once its checkpoint is here: a slow fetch no longer costs this node the commit for good. A
+    shepherd that died meanwhile leaves nothing to take, so nothing is accepted."""
+    from pcp_p2p.core.errors import PeerError
+    from pcp_p2p.diloco.run.run_machine import REPLICATE_TIMEOUT_S
+
+    shepherd = FlakyDht(fails=0)
+    rec = commit(shepherd)
+    for alive in (True, False):
+        held: set[str] = set()
+        rt, inbox = delivering_runtime(following(shepherd), held)
+
+        async def slow(cid: str, hint: str | None = None, swarm: object = None,
+                       alive: bool = alive, held: set[str] = held) -> None:
+            await trio.sleep(REPLICATE_TIMEOUT_S + 3)  # (a swarm ancestor that timed out first)
+            if alive:
+                held.add(cid)
+
+        rt._replicate_checkpoint = slow  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            rt._nursery = nursery
+            with pytest.raises(PeerError, match="within 5 s; not acknowledged"):
+                await rt.deliver(shepherd.identity.peer_id, rec)
+            with pytest.raises(trio.WouldBlock):
+                inbox.receive_nowait()
+            if alive:
+                assert await inbox.receive() == MessageIn(shepherd.identity.peer_id, rec)
+        assert not rt._late
+        with pytest.raises(trio.WouldBlock):
+            inbox.receive_nowait()

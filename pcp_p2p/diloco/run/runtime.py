@@ -123,6 +123,7 @@ log = logging.getLogger("pcp.run")
 FINISH_GRACE_S = 30.0
 STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
 KEEP_CHECKPOINTS = 2
+MAX_LATE_COMMITS = 2  # refused commits whose checkpoint is still fetched, to accept once held
 LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
 OWNER_RECORDS: dict[str, type[Message]] = {STOP_KIND: StopOrder, ALLOWLIST_KIND: AllowlistUpdate}
@@ -163,6 +164,7 @@ class RunRuntime:
         self.setup = TermSetUp(self)  # compiling, when this node wins a term
         self._prewarmed = False
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        self._late: set[str] = set()  # checkpoints of refused commits still being fetched (_accept_late)
         # The machine takes its inputs in a worker thread (see the module's essay); what
         # other tasks change of it waits for the input in progress (``_machine_lock``).
         self._machine_lock = threading.Lock()
@@ -257,9 +259,26 @@ class RunRuntime:
             if not self.io.store.has(msg.checkpoint_cid):
                 # A shepherd killed while we fetched took the only copy with it; a commit
                 # nobody else holds must not become the round the next term starts from.
+                # A fetch that was only slow goes on, and its commit is accepted once held.
+                if self._nursery is not None and len(self._late) < MAX_LATE_COMMITS \
+                        and msg.checkpoint_cid not in self._late:
+                    self._late.add(msg.checkpoint_cid)
+                    self._nursery.start_soon(self._accept_late, sender, msg)
                 raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
-                                f"from {sender}; not accepted")
+                                f"from {sender} within {REPLICATE_TIMEOUT_S:.0f} s; not acknowledged")
         self.post(MessageIn(sender, msg))
+
+    async def _accept_late(self, sender: str, msg: CommitRecord) -> None:
+        """A commit refused because its checkpoint came too slowly for the shepherd's wait: once
+        this node holds the checkpoint after all, the commit is accepted (not acknowledged: the
+        shepherd stopped waiting). Before, the node never took it: a relay-only home that
+        contributed to rounds 4 and 5 showed neither as committed (network lab, 2026-11-24)."""
+        try:
+            await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender, swarm=msg.participants)
+            if self.io.store.has(msg.checkpoint_cid):
+                self.post(MessageIn(sender, msg))
+        finally:
+            self._late.discard(msg.checkpoint_cid)
 
     def _vouch(self, msg: CommitRecord) -> None:
         with self._machine_lock:
