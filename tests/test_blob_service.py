@@ -440,12 +440,15 @@ async def test_unreachable_side_port_falls_back_to_the_libp2p_stream(tmp_path: P
             assert (await g.fetch(cid, providers=[info(natted)], byte_range=(CS, 3 * CS))) == data[CS : 3 * CS]
 
 
-async def test_a_side_port_that_drops_the_syn_is_given_up_at_the_handshake_deadline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("verdict_known", [False, True])
+async def test_a_side_port_behind_a_nat_costs_at_most_the_handshake_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verdict_known: bool,
 ) -> None:
-    """Behind a NAT the side port drops the SYN (the fetcher sees the router's address): the connect
-    is bounded by the handshake's deadline, when the server closes its listener anyway, not by the
-    15 s stall timeout (a 15 s connect cost a relay-only home a round in the network lab)."""
+    """Behind a NAT the side port drops the SYN (the fetcher sees the router's address). A peer whose
+    verdict says so (``side_reachable``, set by the node from member records) is fetched over the
+    libp2p stream without trying; one not known to be behind a NAT costs one connect bounded by the
+    handshake's deadline (when the server closes its listener anyway), not the 15 s stall timeout.
+    Either cost a home's checkpoint the commit's replication wait in the network lab."""
     data = os.urandom(3 * CS + 1)
     waited: list[float | None] = []
 
@@ -457,10 +460,25 @@ async def test_a_side_port_that_drops_the_syn_is_given_up_at_the_handshake_deadl
         natted = await net.node(handshake_timeout=1.5)
         cid = await natted.publish(data)
         f = await net.node(handshake_timeout=1.5)
+        if verdict_known:
+            f.side_reachable = lambda peer_id: peer_id != natted.peer_id
         monkeypatch.setattr(socket, "create_connection", dropped_syn)
         with trio.fail_after(30):
             assert (await f.fetch(cid, providers=[info(natted)])).read_bytes() == data
-        assert waited == [1.5] and natted.peer_id in f._side_unreachable
+        assert waited == ([] if verdict_known else [1.5])
+        assert (natted.peer_id in f._side_unreachable) is not verdict_known
+
+
+def test_only_a_public_peer_or_one_of_unknown_reachability_is_offered_a_side_channel() -> None:
+    from types import SimpleNamespace
+
+    from pcp_p2p.net.reachability import VERDICTS
+    from pcp_p2p.node.node import Node
+
+    records = {v: SimpleNamespace(record=SimpleNamespace(reachability=v)) for v in (*VERDICTS, "bogus")}
+    node = SimpleNamespace(membership=SimpleNamespace(get=records.get))
+    ok = {v for v in records if Node.side_reachable(node, v)}  # type: ignore[arg-type]
+    assert ok == {"public", "unknown", "bogus"} and Node.side_reachable(node, "a stranger")  # type: ignore[arg-type]
 
 
 class SwappedFile(BlobStore):

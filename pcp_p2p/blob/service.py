@@ -180,6 +180,10 @@ class BlobService(BlobServer):
         self.last_fetch: FetchReport | None = None
         # Peers whose side port we could not reach: fetched over the stream path.
         self._side_unreachable: set[str] = set()
+        # Whether a peer's side port can be reached at all, before trying (the node sets it from
+        # the peer's reachability verdict): behind a NAT it never can, and finding out cost a
+        # connect timeout per peer, enough to miss a commit's replication wait.
+        self.side_reachable: Callable[[str], bool] = lambda peer_id: True
         self._pools: list[ChunkPool] = []  # idle receive buffers, at most _POOLS_KEPT
         self._partials = {}  # blobs being fetched into the store: served chunk by chunk meanwhile
         self._partial_added = trio.Event()
@@ -375,8 +379,7 @@ class BlobService(BlobServer):
         # it, it is the right chunk list; only chunks can still be wrong.
         # In order (a swarm), the first that answers is the one the data comes from: the same
         # one exchange serves there too (a round trip less per hop of the relay tree).
-        merged = (whole and (len(providers) == 1 or ordered)
-                  and providers[0].peer_id.to_base58() not in self._side_unreachable)
+        merged = whole and (len(providers) == 1 or ordered) and self._side_ok(providers[0].peer_id.to_base58())
         manifest, mcid, source, inline, offer = await self._get_manifest(
             cid, providers, manifest_cid, report, merged=merged, max_size=max_size, ordered=ordered)
         report.manifest_source = source
@@ -563,7 +566,7 @@ class BlobService(BlobServer):
     ) -> None:
         prep, plan, changed, sink = pull.prep, pull.plan, pull.changed, pull.sink
         mcid = prep.mcid
-        if pid in self._side_unreachable:  # (an offer left untaken is declined by the fetch)
+        if not self._side_ok(pid):  # (an offer left untaken is declined by the fetch)
             await self._fetch_batch_stream(info, pid, pull, batch)
             return
         offer = prep.take_offer(pid, batch)
@@ -621,6 +624,10 @@ class BlobService(BlobServer):
                 raise
         finally:
             _close(sock)
+
+    def _side_ok(self, pid: str) -> bool:
+        """Whether to ask ``pid`` for a side channel (else the chunks come on the libp2p stream)."""
+        return pid not in self._side_unreachable and self.side_reachable(pid)
 
     async def _fetch_batch_stream(self, info: PeerInfo, pid: str, pull: _Pull, batch: list[int]) -> None:
         """The fallback data path: chunks as frames on the (Noise-secured) libp2p stream."""

@@ -92,7 +92,7 @@ from pcp_p2p.net.membership import (
     SwimConfig,
     SwimPacket,
 )
-from pcp_p2p.net.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known
+from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN, known
 from pcp_p2p.net.swarm_key import read_swarm_key
 from pcp_p2p.net.traffic import Traffic, count_host_traffic
 from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
@@ -342,6 +342,16 @@ class Node:
         """What this node tells others to dial (member record, status, and through the host
         identify and the DHT): one rule from the reachability verdict (:mod:`pcp_p2p.net.advertise`)."""
         return [str(a) for a in self.host.get_addrs()]
+
+    def side_reachable(self, peer_id: str) -> bool:
+        """Whether a blob side channel (a TCP port the serving peer opens, dialled at the address
+        its libp2p connection comes from) can reach ``peer_id``: only a public peer's, or one whose
+        verdict is not known. Behind a NAT that address is the router's, which drops the SYN: each
+        fetch from a home then lost a connect timeout before the stream path took over, and a
+        checkpoint fetched from a home missed the commit's replication wait (network lab,
+        2026-11-24: a public node missed rounds 1 and 2). Homes on one LAN use the stream path."""
+        member = self.membership.get(peer_id)
+        return member is None or known(member.record.reachability) in (PUBLIC, UNKNOWN)
 
     async def connect(self, peer: ID, addrs: tuple[str, ...] | list[str]) -> None:
         """Open a connection to ``peer`` at ``addrs``: direct ones first, then through its relays."""
@@ -817,6 +827,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
             async with trio.open_nursery() as nursery:
                 node = Node(config, identity, caps, host, dht, pubsub, blobs, nursery, connectivity)
                 node.record_validator = record_validator
+                blobs.side_reachable = node.side_reachable
                 blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
