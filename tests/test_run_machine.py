@@ -422,3 +422,30 @@ def test_a_new_candidate_that_can_set_up_takes_over_from_one_that_cannot(tmp_pat
     assert [(who, term) for _, who, term in claims] == [(x.peer_id, 1)], claims
     assert claims[0][0] - 2.0 <= BEATING.suspect_window_s + 0.5  # no wait for A's lease to lapse (10 s)
     assert mx.still_holds(1) and ma.shepherd_peer == x.peer_id and ma.holds_term(1, x.peer_id)
+
+
+def test_a_node_back_after_the_end_that_claimed_the_last_terms_number_still_finishes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Back after the run ended, alone in its view, it claims the term after its anchor's before the
+    DHT answers: the same number as the run's real last term. The run's last commit, of that term
+    by the node that really held it, is adopted by the election, and the worker takes it too (it
+    used to refuse it as not its shepherd's, so the node never finished: slow-suite run W2)."""
+    from pcp_p2p.diloco.protocol.election import Lease
+    from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+    from pcp_p2p.diloco.run.run_effects import Fetch
+
+    me, owner, first, last = (Identity.generate() for _ in range(4))
+    m = RunMachine.for_spec(SPEC, run_id="run", owner=owner.peer_id, identity=me,
+                            ledger=ReputationLedger(tmp_path / "ledger.json", "run"), target="cpu",
+                            tokens_per_s=64.0, started_at=0.0, config=SwarmConfig(spec=SPEC).election)
+    m.restore(sign(Lease(run_id="run", term=0, holder=first.peer_id, claimed_at=0.0, issued=0.0, expiry=6.0,
+                         from_round=0, from_theta_cid="", from_checkpoint_cid=""), first))
+    m.start(100.0)
+    m.on_lease_lookup(None, 100.1)
+    out = m.on_commit_lookup(None, True, 100.1) + m.on_members([Member(me.peer_id, 0.0)], 101.5)
+    assert [e.become.term for e in out if isinstance(e, SetUpShepherd)] == [1]  # its own term 1
+    final = sign(CommitRecord(run_id="run", term=1, round=ROUNDS - 1, attempt=0, prev_theta_cid="p",
+                              theta_cid="final", checkpoint_cid="ck", participants=(last.peer_id,), tokens=1,
+                              mean_loss=1.0, val_loss=None, shepherd=last.peer_id), last)
+    out = m.on_commit_lookup(final, False, 102.0)
+    assert m.worker is not None and m.worker.last_commit == final
+    assert any(isinstance(e, Fetch) and e.cid == "final" for e in out)  # it goes on to fetch the final θ

@@ -740,7 +740,7 @@ class RunMachine:
                 log.debug("run %s: the last commit cannot be adopted yet: %s", self.run_id[:16], exc)
                 return
             log.info("run %s: the run ended at round %d while this node was away; catching up to θ %s",
-                     self.run_id[:16], rec.round, rec.theta_cid)
+                     self.run_id[:16], rec.round + 1, rec.theta_cid)
             self._election(effects, now)
 
     def _check_final(self, rec: CommitRecord, now: float) -> None:
@@ -753,9 +753,13 @@ class RunMachine:
         if rec.round + 1 >= self.spec.round.rounds and self.target is not None:
             # the run's last commit: a node catching up after the end has no term to
             # follow, only this θ to fetch (no Join: nobody leads the run any more)
+            # The election vouched for its shepherd: that node held the term, whatever this one
+            # claimed meanwhile (a node back after the end may have claimed the same term number
+            # alone before the DHT answered; its worker then refused the run's last commit as not
+            # its shepherd's and never finished: slow-suite run W2, test_node_stops).
             if self.worker is None:
                 self.worker = self._new_worker({rec.term: rec.shepherd})
-            self.worker.shepherds.setdefault(rec.term, rec.shepherd)
+            self.worker.shepherds[rec.term] = rec.shepherd
         if self.worker is not None:
             self._round(WORKER, self.worker.on_commit(rec, now), now)
             accepted = self.worker.last_commit  # (a stale record moves nothing)
