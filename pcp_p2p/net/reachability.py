@@ -17,6 +17,13 @@ def known(word: str) -> str:
     return word if word in VERDICTS else UNKNOWN
 
 
+def takes_dials(them: str) -> bool:
+    """Whether anyone can dial a node judged ``them`` at any port it opens: a public one, or one
+    whose verdict is not known (given the benefit of the doubt). Behind a NAT only the ports its
+    own connections mapped are open, so a blob side port there is out of anyone's reach."""
+    return known(them) in (PUBLIC, UNKNOWN)
+
+
 def dialable(me: str, them: str) -> bool:
     """Whether a node judged ``me`` can open a direct connection to one judged ``them``.
 
@@ -25,7 +32,6 @@ def dialable(me: str, them: str) -> bool:
     through to a cone one either: between those two there is only the relay, which never
     carries blobs. An unknown verdict (either side's) is given the benefit of the doubt.
     """
-    me, them = known(me), known(them)
-    if UNKNOWN in (me, them) or them == PUBLIC:
+    if takes_dials(them) or known(me) == UNKNOWN:
         return True
-    return them == HOLE_PUNCHABLE and me != RELAY_ONLY
+    return known(them) == HOLE_PUNCHABLE and known(me) != RELAY_ONLY

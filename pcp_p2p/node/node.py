@@ -92,7 +92,7 @@ from pcp_p2p.net.membership import (
     SwimConfig,
     SwimPacket,
 )
-from pcp_p2p.net.reachability import HOLE_PUNCHABLE, PUBLIC, RELAY_ONLY, UNKNOWN, known
+from pcp_p2p.net.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known, takes_dials
 from pcp_p2p.net.swarm_key import read_swarm_key
 from pcp_p2p.net.traffic import Traffic, count_host_traffic
 from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
@@ -351,7 +351,7 @@ class Node:
         checkpoint fetched from a home missed the commit's replication wait (network lab,
         2026-11-24: a public node missed rounds 1 and 2). Homes on one LAN use the stream path."""
         member = self.membership.get(peer_id)
-        return member is None or known(member.record.reachability) in (PUBLIC, UNKNOWN)
+        return member is None or takes_dials(member.record.reachability)
 
     async def connect(self, peer: ID, addrs: tuple[str, ...] | list[str]) -> None:
         """Open a connection to ``peer`` at ``addrs``: direct ones first, then through its relays."""

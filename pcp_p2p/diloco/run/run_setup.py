@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from pcp_p2p.core.errors import LocalError, PcpError, VerificationError
-from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
+from pcp_p2p.core.errors import LocalError, PcpError
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.algorithm.outer import OuterState
-from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
-from pcp_p2p.diloco.protocol.election import BecomeShepherd, StartFrom, start_candidates
+from pcp_p2p.diloco.protocol.election import BecomeShepherd, start_candidates
 from pcp_p2p.diloco.protocol.lifecycle import COMPILING, SETUP_FAILED
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.sizing import MemoryPlan, plan_memory
@@ -209,27 +207,30 @@ class TermSetUp:
             await rt.io.keep(art.vmfb, for_run=True)
             artifacts[art.manifest.target] = await rt.io.keep(encode(art.manifest), for_run=True)
         evaluate = await self.build_evaluator()
-        state = await self._starting_state(eff) if eff.checkpoint_cid else \
-            OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size))
         self.ready = True  # the artifacts are in the cache and the evaluator is built
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
-        return Shepherd(
+        kw: dict[str, Any] = dict(
             spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
-            state=state, artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
+            artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
             end_round=eff.end_round, score=evaluate.score,
             admit=lambda peer: m.admission.why_not(peer) or self.memory_refusal(plan, peer),
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
+        if not eff.checkpoint_cid:
+            return Shepherd(state=OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size)), **kw)
+        return await self._continuing(eff, kw)
 
-    async def _starting_state(self, eff: BecomeShepherd) -> OuterState:
-        """The first of the lease's starting states (``start_candidates``) this node can fetch."""
+    async def _continuing(self, eff: BecomeShepherd, kw: dict[str, Any]) -> Shepherd:
+        """The term's shepherd from the first of its lease's starting states (``start_candidates``)
+        that this node can fetch and that holds (``Shepherd.from_start``, as in both simulators)."""
         rt = self.rt
         election = rt.machine.election
         points = start_candidates(eff, election.lease, election.best_commit)
         for i, point in enumerate(points):
             try:
-                state = await self._fetch_state(point)
+                blob = await rt.io.fetch_bytes(point.cid, max_size=rt.state_bound(2 if point.checkpoint else 1))
+                shepherd = Shepherd.from_start(point, blob, **kw)
             except PcpError as exc:
                 if i == len(points) - 1:
                     raise
@@ -237,16 +238,6 @@ class TermSetUp:
                             eff.term, point.what, point.cid[-12:], exc, points[i + 1].what)
                 continue
             log.info("run %s: term %d continues from round %d (%s, %s)", rt.run_id[:16], eff.term,
-                     state.round + 1, point.what, point.cid[-12:])
-            return state
+                     shepherd.state.round + 1, point.what, point.cid[-12:])
+            return shepherd
         raise LocalError("the lease names no state to start from")  # (not reached: a checkpoint comes first)
-
-    async def _fetch_state(self, point: StartFrom) -> OuterState:
-        rt = self.rt
-        blob = await rt.io.fetch_bytes(point.cid, max_size=rt.state_bound(2 if point.checkpoint else 1))
-        if not point.checkpoint:
-            return OuterState.initial(unpack_tensors(blob), round=point.round)
-        ckpt = decode_checkpoint(blob)
-        if ckpt.run_id != rt.run_id:
-            raise VerificationError("the lease names a checkpoint of another run")
-        return ckpt.state
