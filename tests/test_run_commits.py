@@ -177,3 +177,33 @@ async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
         assert not rt._late
         with pytest.raises(trio.WouldBlock):
             inbox.receive_nowait()
+
+
+async def test_a_batchs_messages_reach_each_peer_in_the_machines_order(autojump_clock: trio.testing.MockClock) -> None:
+    """A round's commit and the next announcement leave in one batch: each peer gets them in that
+    order, each after the previous one's ack (an announcement that overtook its commit made the
+    worker fetch θ on a relay tree of its own, one more θ through the shepherd's uplink), while
+    a slow peer holds up no other peer's messages."""
+    import dataclasses
+
+    from pcp_p2p.diloco.protocol.effects import Send
+
+    shepherd = FlakyDht(fails=0)
+    first, second = commit(shepherd), dataclasses.replace(commit(shepherd), round=8)
+    arrived: list[tuple[str, int, float]] = []
+
+    async def send_to(peer: str, msg: CommitRecord) -> bool:
+        await trio.sleep(5.0 if (peer, msg.round) == ("slow", 7) else 0.1)  # the slow peer's first ack
+        arrived.append((peer, msg.round, trio.current_time()))
+        return True
+
+    rt, _ = delivering_runtime(None, set())
+    rt.node = SimpleNamespace(peer_id="me")  # type: ignore[assignment]
+    rt.send_to = send_to  # type: ignore[method-assign,assignment]
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        rt._nursery = n
+        rt._carry_out([Send("slow", first), Send("fast", first), Send("slow", second), Send("fast", second)])
+    order = {peer: [r for p, r, _ in arrived if p == peer] for peer in ("slow", "fast")}
+    assert order == {"slow": [7, 8], "fast": [7, 8]}
+    assert max(t for p, _, t in arrived if p == "fast") - t0 < 1.0  # not behind the slow peer's ack

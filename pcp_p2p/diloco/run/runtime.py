@@ -430,6 +430,7 @@ class RunRuntime:
 
     def _carry_out(self, effects: list[RunEffect]) -> None:
         n = self._nursery
+        outbox: dict[str, list[Message]] = {}  # the batch's messages, per peer in the machine's order
         for e in effects:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("effect %s", _describe(e))
@@ -443,7 +444,7 @@ class RunRuntime:
                 if e.to == self.node.peer_id:
                     self.post(MessageIn(self.node.peer_id, e.message))
                 else:
-                    self._spawn(self.send_to, e.to, e.message)
+                    outbox.setdefault(e.to, []).append(e.message)
             elif isinstance(e, StoreBlob):
                 self.io.store_later(e.cid, e.data)
             elif isinstance(e, Fetch):
@@ -495,6 +496,8 @@ class RunRuntime:
                 self._save(STOP_FILE, e.order, "keeping the stop order failed")
             elif isinstance(e, RunEnded):
                 self._end(e)
+        for peer, messages in outbox.items():
+            self._spawn(self._send_in_order, peer, messages)
 
     def _end(self, e: RunEnded) -> None:
         if e.phase == STOPPED:
@@ -542,6 +545,17 @@ class RunRuntime:
             self.node.log_once("self", LocalError(f"{LEASE_FILE}: {exc}"), "reading the last lease failed")
 
     # -- effect workers ---------------------------------------------------------------------
+
+    async def _send_in_order(self, peer: str, messages: list[Message]) -> None:
+        """One batch's messages to ``peer``, each after the previous one's ack.
+
+        Why in order: a round's commit and the next announcement leave in one batch. Sent
+        side by side, the announcement often overtook the commit, and a worker that had no
+        commit naming the announced θ fetched θ on its own relay tree instead of out of the
+        commit's checkpoint, which it fetches anyway: one more θ a round through the
+        shepherd's uplink (``bench/shepherd_bytes.py``). Peers still get their batches side by side."""
+        for msg in messages:
+            await self.send_to(peer, msg)
 
     async def send_to(self, peer: str, msg: Message) -> bool:
         """Send and wait for the ack; False (logged once) if it did not arrive."""
