@@ -553,7 +553,9 @@ class RunRuntime:
         side by side, the announcement often overtook the commit, and a worker that had no
         commit naming the announced θ fetched θ on its own relay tree instead of out of the
         commit's checkpoint, which it fetches anyway: one more θ a round through the
-        shepherd's uplink (``bench/shepherd_bytes.py``). Peers still get their batches side by side."""
+        shepherd's uplink (``bench/shepherd_bytes.py``). What it costs: the announcement waits
+        for the commit's ack, which a worker gives once it holds the checkpoint, that is once it
+        holds the θ it will train on. Peers still get their batches side by side."""
         for msg in messages:
             await self.send_to(peer, msg)
 
