@@ -39,6 +39,7 @@ from pcp_p2p.diloco.protocol.election import (
     ranked,
 )
 from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.diloco.run.run_effects import Wake
 from pcp_p2p.diloco.run.run_setup import TermSetUp
 from pcp_p2p.diloco.run.runtime import MAX_BEATS_QUEUED, RunRuntime
@@ -135,12 +136,9 @@ async def test_only_the_holders_own_heartbeats_are_queued_for_the_machine() -> N
     assert rt._beats_in == [(holder.peer_id, genuine)]
 
 
-def lost_commit_set_up(held: dict[str, bytes]) -> tuple[TermSetUp, BecomeShepherd, CommitRecord, dict[str, Any]]:
+def lost_commit_set_up(held: dict[str, bytes]) -> tuple[TermSetUp, BecomeShepherd, CommitRecord]:
     """The set-up of term 5, whose lease continues from round 3's commit (term 4's last), on a
-    node where only the blobs in ``held`` can be fetched (a dead holder had the rest); with the
-    shepherd's arguments but its state."""
-    from pcp_p2p.diloco.protocol.spec import parse_spec
-
+    node where only the blobs in ``held`` can be fetched (a dead holder had the rest)."""
     ident = Identity.generate()
     rec = sign(CommitRecord(run_id="run", term=4, round=2, attempt=0, prev_theta_cid="cid-theta2",
                             theta_cid="cid-theta3", checkpoint_cid="cid-ckpt3", participants=(ident.peer_id,),
@@ -155,19 +153,18 @@ def lost_commit_set_up(held: dict[str, bytes]) -> tuple[TermSetUp, BecomeShepher
             raise BlobNotFound(f"no provider for {cid}")
         return held[cid]
 
-    rt = SimpleNamespace(run_id="run", io=SimpleNamespace(fetch_bytes=fetch_bytes, asked=asked),
-                         state_bound=lambda copies: 1 << 20,
+    rt = SimpleNamespace(run_id="run", spec=parse_spec("[round]\nrounds = 10\n"), node=SimpleNamespace(identity=ident),
+                         io=SimpleNamespace(fetch_bytes=fetch_bytes, asked=asked), state_bound=lambda copies: 1 << 20,
                          machine=SimpleNamespace(election=SimpleNamespace(lease=lease, best_commit=rec)))
-    kw = dict(spec=parse_spec("[round]\nrounds = 10\n"), run_id="run", identity=ident, term=5)
-    return TermSetUp(rt), BecomeShepherd(5, "cid-ckpt3", 3, None), rec, kw  # type: ignore[arg-type]
+    return TermSetUp(rt), BecomeShepherd(5, "cid-ckpt3", 3, None), rec  # type: ignore[arg-type]
 
 
 async def test_a_holder_killed_as_it_committed_costs_a_round_not_the_run() -> None:
     """Neither the checkpoint nor the θ of the last commit survived its holder: the next term trains
     that round again from the θ it started from, which every worker of the round fetched."""
     theta2 = {"w": np.arange(4, dtype=np.float32)}
-    set_up, eff, rec, kw = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
-    state = (await set_up._continuing(eff, kw)).state
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
+    state = (await set_up._continuing(eff, {})).state
     assert set_up.rt.io.asked == ["cid-ckpt3", "cid-theta3", "cid-theta2"]  # type: ignore[attr-defined]
     assert state.round == rec.round  # round 3 (1-based) again: the next commit supersedes term 4's
     np.testing.assert_array_equal(state.theta["w"], theta2["w"])
@@ -175,13 +172,12 @@ async def test_a_holder_killed_as_it_committed_costs_a_round_not_the_run() -> No
 
     # The committed θ, when it survived, is taken before that: no round is lost.
     theta3 = {"w": np.ones(4, dtype=np.float32)}
-    set_up, eff, rec, kw = lost_commit_set_up({"cid-theta2": pack_tensors(theta2),
-                                               "cid-theta3": pack_tensors(theta3)})
-    state = (await set_up._continuing(eff, kw)).state
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2), "cid-theta3": pack_tensors(theta3)})
+    state = (await set_up._continuing(eff, {})).state
     assert state.round == rec.round + 1 and state.theta["w"].tolist() == [1.0] * 4
 
     # With nothing to fall back on (the commit this node knows is not the lease's base), the set-up fails.
-    set_up, eff, rec, kw = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
+    set_up, eff, rec = lost_commit_set_up({"cid-theta2": pack_tensors(theta2)})
     set_up.rt.machine.election.best_commit = replace(rec, theta_cid="cid-other")  # type: ignore[misc]
     with pytest.raises(BlobNotFound):
-        await set_up._continuing(eff, kw)
+        await set_up._continuing(eff, {})

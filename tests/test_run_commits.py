@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import trio.testing
 
 from pcp_p2p.core.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.protocol.effects import Send
 from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
 from pcp_p2p.diloco.run.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
@@ -184,10 +186,6 @@ async def test_a_batchs_messages_reach_each_peer_in_the_machines_order(autojump_
     order, each after the previous one's ack (an announcement that overtook its commit made the
     worker fetch θ on a relay tree of its own, one more θ through the shepherd's uplink), while
     a slow peer holds up no other peer's messages."""
-    import dataclasses
-
-    from pcp_p2p.diloco.protocol.effects import Send
-
     shepherd = FlakyDht(fails=0)
     first, second = commit(shepherd), dataclasses.replace(commit(shepherd), round=8)
     arrived: list[tuple[str, int, float]] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -23,7 +23,7 @@ from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
 from pcp_p2p.diloco.protocol.election import BecomeShepherd, start_candidates
 from pcp_p2p.diloco.protocol.lifecycle import COMPILING, SETUP_FAILED
-from pcp_p2p.diloco.protocol.shepherd import Shepherd
+from pcp_p2p.diloco.protocol.shepherd import Shepherd, ShepherdOptions
 from pcp_p2p.diloco.protocol.sizing import MemoryPlan, plan_memory
 from pcp_p2p.diloco.run.run_effects import SetUpEnded, ShepherdBuilt
 from pcp_p2p.wire import encode
@@ -210,18 +210,18 @@ class TermSetUp:
         self.ready = True  # the artifacts are in the cache and the evaluator is built
         rate = rt.spec.aggregation.audit_rate
         m = rt.machine
-        kw: dict[str, Any] = dict(
-            spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
+        opts = ShepherdOptions(
             artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
             end_round=eff.end_round, score=evaluate.score,
             admit=lambda peer: m.admission.why_not(peer) or self.memory_refusal(plan, peer),
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
         )
         if not eff.checkpoint_cid:
-            return Shepherd(state=OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size)), **kw)
-        return await self._continuing(eff, kw)
+            return Shepherd(spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,
+                            state=OuterState.initial(engine.initial_theta(rt.spec, rt.dataset.vocab_size)), **opts)
+        return await self._continuing(eff, opts)
 
-    async def _continuing(self, eff: BecomeShepherd, kw: dict[str, Any]) -> Shepherd:
+    async def _continuing(self, eff: BecomeShepherd, opts: ShepherdOptions) -> Shepherd:
         """The term's shepherd from the first of its lease's starting states (``start_candidates``)
         that this node can fetch and that holds (``Shepherd.from_start``, as in both simulators)."""
         rt = self.rt
@@ -230,7 +230,8 @@ class TermSetUp:
         for i, point in enumerate(points):
             try:
                 blob = await rt.io.fetch_bytes(point.cid, max_size=rt.state_bound(2 if point.checkpoint else 1))
-                shepherd = Shepherd.from_start(point, blob, **kw)
+                shepherd = Shepherd.from_start(point, blob, spec=rt.spec, run_id=rt.run_id,
+                                               identity=rt.node.identity, term=eff.term, **opts)
             except PcpError as exc:
                 if i == len(points) - 1:
                     raise
