@@ -23,7 +23,10 @@ the shepherd fall inside the window (a few KiB each: one per round, and one
 more for the relay-tree counters at the window's start). The workers' relay-tree counters
 (``network.swarm_*``, summed) say how many fetches a round went past their
 ancestors to the origin (``swarm_fetches_from_origin_per_round``): each is a
-copy beyond one on the shepherd's uplink.
+copy beyond one on the shepherd's uplink. The control bytes are split by
+libp2p protocol (status ``network.protocol_bytes``: each protocol's stream
+payload, in + out); the rest of them is Noise and yamux framing
+(``control_framing_per_round``).
 
 ``shepherd_bytes_per_model`` = (bytes in + out) per round / the size of θ as
 it travels (the fp32 bundle, the unit of ``bench/bandwidth.py``). Measured at
@@ -120,6 +123,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
              "--data-dir", str(root / f"owner{n}"), "--json"], capture_output=True, check=True, timeout=300))
         by_peer = {w.peer_id: w for w in swarm.workers}
         marks: dict[int, tuple[int, int, float]] = {}  # round -> (shepherd bytes in + out, of them blob, time seen)
+        split: dict[int, dict[str, int]] = {}  # round -> the shepherd's stream bytes (in + out) by protocol
         shepherd: NodeProcess | None = None
         watcher: NodeProcess | None = None
         participants: list[int] = []
@@ -141,6 +145,7 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
                     # a failover (the set-up's election can move on): measure the new one from scratch
                     shepherd = by_peer[run_["shepherd"]]
                     marks.clear()
+                    split.clear()
                     participants.clear()
                     changes += 1
                 rnd = run_.get("round") or 0
@@ -148,6 +153,8 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
                     net = (await status_of(swarm, shepherd)).get("network") or {}
                     marks[rnd] = (net.get("bytes_in", 0) + net.get("bytes_out", 0),
                                   net.get("blob_bytes_in", 0) + net.get("blob_bytes_out", 0), time.monotonic())
+                    split[rnd] = {p: c["bytes_in"] + c["bytes_out"]
+                                  for p, c in (net.get("protocol_bytes") or {}).items()}
                     participants.append(run_.get("participants") or 0)
                     theta_cid = run_.get("theta")
                     if len(marks) == 1:
@@ -160,6 +167,9 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
         first, last = min(marks), max(marks)
         per_round = (marks[last][0] - marks[first][0]) / (last - first)
         blob_per_round = (marks[last][1] - marks[first][1]) / (last - first)
+        by_protocol = {p: round((split[last].get(p, 0) - split[first].get(p, 0)) / (last - first))
+                       for p in split[last]}
+        by_protocol = {p: b for p, b in sorted(by_protocol.items(), key=lambda kv: -kv[1]) if b}
         theta_bytes = (shepherd.data_dir / "blobs" / "data" / theta_cid).stat().st_size if theta_cid else None
         if not theta_bytes:
             raise RuntimeError("θ's size is unknown")
@@ -168,6 +178,9 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
             "bytes_per_round": int(per_round),
             "blob_bytes_per_round": int(blob_per_round),  # side-channel data (θ, checkpoints, Δs)
             "control_bytes_per_round": int(per_round - blob_per_round),  # messages, beats, DHT, membership
+            # the control bytes by libp2p protocol (stream payload); what is left is Noise and yamux framing
+            "control_by_protocol_per_round": by_protocol,
+            "control_framing_per_round": int(per_round - blob_per_round - sum(by_protocol.values())),
             "theta_bytes": theta_bytes,
             "round_s": round((marks[last][2] - marks[first][2]) / (last - first), 2),
             "rounds": [first, last],

@@ -250,3 +250,20 @@ async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(
     store_a, store_b = a.status().extra["storage"], b.status().extra["storage"]
     assert store_a["blobs"] >= 1 and store_a["used_bytes"] >= len(payload) and store_a["pinned_bytes"] >= len(payload)
     assert store_b["used_bytes"] >= len(payload) and store_b["max_bytes"] == b.blobs.store.max_bytes
+
+
+async def test_status_splits_stream_bytes_by_protocol(swarm3) -> None:
+    _boot, _a, b = swarm3
+    empty = {"streams": 0, "bytes_in": 0, "bytes_out": 0}
+    before = b.status().network["protocol_bytes"].get(STATUS_PROTOCOL, empty)
+    reply = await fetch_status(b.addrs()[0])
+    net = b.status().network
+    after = net["protocol_bytes"][STATUS_PROTOCOL]
+    # one more stream of the status protocol, which carried at least the reply's frame out
+    assert after["streams"] == before["streams"] + 1
+    assert after["bytes_out"] - before["bytes_out"] >= len(encode(reply))
+    assert after["bytes_in"] > before["bytes_in"]  # the request (and the negotiation)
+    # libp2p's own protocols are counted too, and the streams' payload is part of the connections' bytes
+    assert any("kad" in p or "meshsub" in p or "ipfs" in p for p in net["protocol_bytes"])
+    assert sum(p["bytes_out"] for p in net["protocol_bytes"].values()) <= net["bytes_out"]
+    assert sum(p["bytes_in"] for p in net["protocol_bytes"].values()) <= net["bytes_in"]

@@ -10,6 +10,12 @@ data bypasses libp2p on an AES-GCM side socket (``pcp_p2p.blob``), which
 reports its records into a part of the whole (``Traffic(parent=...)``), so
 status tells bulk data from control traffic.
 
+Which protocol the control bytes belong to (:class:`ProtocolTraffic`) is
+counted one layer up, on each libp2p stream: the payload each protocol's
+streams carry (its multistream negotiation included) and how many streams it
+opened. Noise and yamux framing sit below the streams, so the connections'
+total minus the protocols' sum is the framing.
+
 The counters are plain ints bumped from trio tasks and from blob worker
 threads; an increment of a Python int attribute is not atomic across threads
 in theory, so each side holds a lock (cheap next to a socket call).
@@ -18,9 +24,11 @@ in theory, so each side holds a lock (cheap next to a socket call).
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
-from libp2p.abc import IHost
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from multiaddr import Multiaddr
 
 
 class Traffic:
@@ -35,6 +43,7 @@ class Traffic:
         self.parent = parent
         self.bytes_in = 0
         self.bytes_out = 0
+        self.protocols: ProtocolTraffic | None = None  # the whole's split by stream protocol, when counted
 
     def received(self, n: int) -> None:
         with self._lock:
@@ -74,7 +83,8 @@ class _CountingStream:
 
 
 def count_host_traffic(host: IHost, traffic: Traffic) -> None:
-    """Count every connection ``host`` upgrades from now on into ``traffic``.
+    """Count every connection ``host`` upgrades from now on into ``traffic``, and split its
+    streams' bytes by protocol into ``traffic.protocols``.
 
     Patches this host's upgrader instance only (other hosts in the process,
     as in tests, keep their own counts). A raw connection without a ``stream``
@@ -91,3 +101,96 @@ def count_host_traffic(host: IHost, traffic: Traffic) -> None:
         return await original(raw_conn, is_initiator, peer_id)
 
     upgrader.upgrade_security = upgrade_security
+    traffic.protocols = ProtocolTraffic()
+    host.get_network().register_notifee(traffic.protocols)
+
+
+UNNEGOTIATED = "(unnegotiated)"
+"""The bucket of a stream that closed before any protocol was agreed on it."""
+
+
+class _StreamCount:
+    """One stream's bytes: held back until its protocol is known, then counted into that protocol's."""
+
+    def __init__(self, stream: INetStream, owner: ProtocolTraffic) -> None:
+        self.stream = stream
+        self.owner = owner
+        self.pending = [0, 0]  # bytes in / out before the protocol was known
+        self.bucket: list[int] | None = None
+
+    def settle(self) -> list[int] | None:
+        if self.bucket is None and (protocol := self.stream.get_protocol()) is not None:
+            self.bucket = self.owner.add(str(protocol), 1, *self.pending)
+        return self.bucket
+
+    def count(self, n_in: int, n_out: int) -> None:
+        bucket = self.settle()
+        if bucket is None:
+            self.pending[0] += n_in
+            self.pending[1] += n_out
+        else:
+            bucket[1] += n_in
+            bucket[2] += n_out
+
+
+class ProtocolTraffic(INotifee):
+    """Stream payload bytes (both directions) and streams opened, per libp2p protocol id.
+
+    Why: "control traffic grows with the round's length" does not say which of
+    the DHT, gossipsub, membership, leases, heartbeats or the round's messages
+    to make cheaper (issue #15's shepherd bytes). A network notifee sees every
+    stream of the host (dialled or accepted, PCP's own and libp2p's) as it is
+    opened, before its protocol is negotiated, and counts what passes through
+    that stream's ``read``/``write``. The bytes go to the stream's protocol once
+    one is set; the negotiation's, exchanged before that, are added to it then
+    (or to :data:`UNNEGOTIATED` if the stream closes without one). Only trio
+    tasks on the host's loop touch it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, list[int]] = {}  # protocol -> [streams, bytes_in, bytes_out]
+        self._open: weakref.WeakKeyDictionary[INetStream, _StreamCount] = weakref.WeakKeyDictionary()
+
+    def add(self, protocol: str, streams: int, n_in: int, n_out: int) -> list[int]:
+        bucket = self.counts.setdefault(protocol, [0, 0, 0])
+        bucket[0] += streams
+        bucket[1] += n_in
+        bucket[2] += n_out
+        return bucket
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        counted = self._open[stream] = _StreamCount(stream, self)
+        read, write = stream.read, stream.write
+
+        async def counting_read(n: int | None = None) -> bytes:
+            data = await read(n)
+            counted.count(len(data), 0)
+            return data
+
+        async def counting_write(data: bytes) -> None:
+            await write(data)
+            counted.count(0, len(data))
+
+        # Instance attributes shadow NetStream's methods, for this stream alone.
+        stream.read = counting_read  # type: ignore[method-assign]
+        stream.write = counting_write  # type: ignore[method-assign]
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        counted = self._open.pop(stream, None)
+        if counted is not None and counted.settle() is None and any(counted.pending):
+            self.add(UNNEGOTIATED, 1, *counted.pending)
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{protocol: {"streams", "bytes_in", "bytes_out"}}``, as status reports it."""
+        return {p: {"streams": c[0], "bytes_in": c[1], "bytes_out": c[2]} for p, c in sorted(self.counts.items())}

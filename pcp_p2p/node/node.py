@@ -680,13 +680,15 @@ class Node:
 
     # -- status -------------------------------------------------------------------
 
-    def _traffic(self) -> dict[str, int]:
+    def _traffic(self) -> dict[str, Any]:
         """Every byte this node moved (``bytes_in``/``bytes_out``) and the blob side channels'
         part of it (``blob_bytes_in``/``blob_bytes_out``; the rest is control traffic)."""
         blob = self.blobs.traffic
         if blob is None:
             return {}
-        return {**(blob.parent or blob).snapshot(), **{f"blob_{k}": v for k, v in blob.snapshot().items()}}
+        whole = blob.parent or blob
+        split = {"protocol_bytes": whole.protocols.snapshot()} if whole.protocols is not None else {}
+        return {**whole.snapshot(), **{f"blob_{k}": v for k, v in blob.snapshot().items()}, **split}
 
     def status(self, members: bool = True) -> StatusReply:
         now = trio.current_time()
