@@ -82,6 +82,23 @@ def test_checkpoint_round_trip_and_theta_identity():
             decode_checkpoint(junk)
 
 
+def test_a_run_without_outer_momentum_checkpoints_theta_alone_and_continues_exactly():
+    """μ = 0: the momentum is read only as 0·v, so the checkpoint leaves it out (half its bytes)."""
+    ones = {k: np.ones_like(v) for k, v in THETA.items()}
+    s = nesterov_step(OuterState.initial(THETA), ones, lr=0.7, momentum=0.0)
+    full, theta_cid = encode_checkpoint(Checkpoint("run", 3, s, {}))
+    lean, lean_cid = encode_checkpoint(Checkpoint("run", 3, s, {}), with_momentum=False)
+    assert lean_cid == theta_cid and checkpoint_theta_bytes(lean) == checkpoint_theta_bytes(full)
+    assert len(lean) < 0.6 * len(full)
+    back = decode_checkpoint(lean).state
+    assert all(not back.momentum[k].any() and back.momentum[k].shape == THETA[k].shape for k in THETA)
+    # the next step from the lean checkpoint is the step from the full state, bit for bit
+    halves = {k: 0.5 * v for k, v in ones.items()}
+    a = nesterov_step(s, halves, lr=0.7, momentum=0.0)
+    b = nesterov_step(back, halves, lr=0.7, momentum=0.0)
+    assert a.theta_cid == b.theta_cid
+
+
 @pytest.mark.parametrize("n", [3, 70_000])  # a small and a large θ (bin header widths differ)
 def test_theta_span_from_a_checkpoints_head_is_the_theta_bundle(n: int) -> None:
     """A worker reads only θ's range of the checkpoint it replicated (``runtime._theta_from_checkpoint``)."""

@@ -9,6 +9,13 @@ Layout: the msgpack array ``["pcp-checkpoint", 1, meta, theta, momentum]`` where
 ``theta`` is *exactly* the fp32 tensor bundle whose CID the commit record names
 as ``theta_cid`` — a node holding a checkpoint therefore also holds θ, and can
 check one against the other without re-encoding.
+
+A run whose outer momentum μ is 0 (plain outer SGD: what the sparse ``topk2``
+codec measured best with, docs/diloco.md) stores an *empty* momentum bundle,
+decoded as zeros. Why: with μ = 0 the next step reads the momentum only as
+0·v, so it carries nothing, yet it is half of the checkpoint, and every
+participant replicates the checkpoint each round: dropping it halves the
+bytes a commit costs the shepherd's uplink (issue #15's shepherd bytes).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import MalformedMessage
@@ -35,10 +43,13 @@ class Checkpoint:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def encode_checkpoint(ckpt: Checkpoint) -> tuple[bytes, str]:
-    """``(checkpoint bytes, θ CID)``; the θ bundle inside is byte-identical to the θ blob."""
+def encode_checkpoint(ckpt: Checkpoint, *, with_momentum: bool = True) -> tuple[bytes, str]:
+    """``(checkpoint bytes, θ CID)``; the θ bundle inside is byte-identical to the θ blob.
+
+    ``with_momentum=False`` (a run with outer momentum 0) stores an empty momentum
+    bundle, which :func:`decode_checkpoint` reads back as zeros."""
     theta = pack_tensors(ckpt.state.theta, "fp32")
-    momentum = pack_tensors(ckpt.state.momentum, "fp32")
+    momentum = pack_tensors(ckpt.state.momentum if with_momentum else {}, "fp32")
     meta = {
         "run_id": ckpt.run_id,
         "term": ckpt.term,
@@ -101,7 +112,9 @@ def _split(data: bytes) -> tuple[dict[Any, Any], bytes, bytes]:
 
 
 def decode_checkpoint(data: bytes) -> Checkpoint:
-    """A :class:`Checkpoint` from bytes; :class:`MalformedMessage` for anything else."""
+    """A :class:`Checkpoint` from bytes; :class:`MalformedMessage` for anything else.
+
+    An empty momentum bundle (``encode_checkpoint(..., with_momentum=False)``) is zeros."""
     meta, theta_b, mom_b = _split(data)
     run_id, term, round_, metrics = (meta.get(k) for k in ("run_id", "term", "round", "metrics"))
     if (
@@ -114,7 +127,7 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
     ):
         raise MalformedMessage("checkpoint metadata is malformed")
     theta = unpack_tensors(theta_b)
-    momentum = unpack_tensors(mom_b)
+    momentum = unpack_tensors(mom_b) or {k: np.zeros_like(v) for k, v in theta.items()}
     if list(theta) != list(momentum) or any(theta[k].shape != momentum[k].shape for k in theta):
         raise MalformedMessage("checkpoint θ and momentum do not have the same tensors")
     return Checkpoint(run_id, term, OuterState(theta, momentum, round_), dict(metrics))

@@ -727,7 +727,8 @@ class Shepherd:
         metrics = {"tokens": float(tokens), "mean_loss": mean_loss}
         if val_loss is not None:
             metrics["val_loss"] = val_loss
-        ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics))
+        ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics),
+                                                  with_momentum=self.spec.outer.momentum != 0)
         ckpt_cid = cid_of(ckpt_bytes)
         participants = tuple(sorted(agg.accepted))
         record = sign(
