@@ -29,11 +29,14 @@ Figures:
 
 Knobs: ``PCP_BENCH_WAN_ROUNDS`` (5), ``PCP_BENCH_WAN_BUDGET`` (8 s),
 ``PCP_BENCH_WAN_MODEL`` (tiny), ``PCP_BENCH_WAN_ARMS`` (``wan,loopback``: which
-arms run; the figures of a skipped arm are null).
+arms run; the figures of a skipped arm are null), ``PCP_BENCH_WAN_KEEP`` (a
+directory: the nodes' data directories and logs are kept there, to trace a round
+afterwards; by default they go with a temporary directory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -213,7 +216,13 @@ def main() -> None:
         print(json.dumps({"headline": None, "target": 0.9, "better": "higher", "unit": "fraction",
                           "skipped": why}))
         return
-    with tempfile.TemporaryDirectory(prefix="pcp-bench-wan-") as tmp:
+    keep = os.environ.get("PCP_BENCH_WAN_KEEP")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        print(f"keeping the nodes' directories and logs under {keep}", file=sys.stderr)
+    where = (contextlib.nullcontext(tempfile.mkdtemp(prefix="pcp-bench-wan-", dir=keep)) if keep
+             else tempfile.TemporaryDirectory(prefix="pcp-bench-wan-"))
+    with where as tmp:
         root = Path(tmp)
         arms = os.environ.get("PCP_BENCH_WAN_ARMS", "wan,loopback").split(",")
         empty = {"utilisation": None, "utilisation_per_worker": [], "round_s": None, "participants": [],
