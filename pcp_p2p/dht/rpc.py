@@ -78,6 +78,7 @@ async def kad_request(host: IHost, peer: ID, request: Message, *, boundary: Boun
     try:
         if pipelined:
             stream = await host.get_network().new_stream(peer)
+            stream.set_protocol(PROTOCOL_ID)  # (proposed in the preamble; status counts its bytes under it)
         else:
             stream = await host.new_stream(peer, [PROTOCOL_ID])
     except Exception as exc:
