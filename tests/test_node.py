@@ -252,6 +252,38 @@ async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(
     assert store_b["used_bytes"] >= len(payload) and store_b["max_bytes"] == b.blobs.store.max_bytes
 
 
+async def test_the_protocol_split_forgets_a_stream_nobody_holds_even_if_never_closed() -> None:
+    """The per-stream state is weakly keyed by the stream: a stream libp2p dropped without
+    telling the notifee (a connection that died) must not stay in it for ever."""
+    import gc
+
+    from pcp_p2p.net.traffic import ProtocolTraffic
+
+    class FakeStream:
+        protocol: str | None = None
+
+        def get_protocol(self) -> str | None:
+            return self.protocol
+
+        async def read(self, n: int | None = None) -> bytes:
+            return b"abc"
+
+        async def write(self, data: bytes) -> None:
+            pass
+
+    split = ProtocolTraffic()
+    stream = FakeStream()
+    await split.opened_stream(None, stream)  # type: ignore[arg-type]
+    await stream.read()  # (before negotiation: held back)
+    stream.protocol = "/x/1"
+    await stream.write(b"hello")
+    assert split.snapshot() == {"/x/1": {"streams": 1, "bytes_in": 3, "bytes_out": 5}}
+    assert len(split._open) == 1
+    del stream
+    gc.collect()
+    assert len(split._open) == 0
+
+
 async def test_status_splits_stream_bytes_by_protocol(swarm3) -> None:
     _boot, _a, b = swarm3
     empty = {"streams": 0, "bytes_in": 0, "bytes_out": 0}

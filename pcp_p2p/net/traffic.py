@@ -110,21 +110,23 @@ UNNEGOTIATED = "(unnegotiated)"
 
 
 class _StreamCount:
-    """One stream's bytes: held back until its protocol is known, then counted into that protocol's."""
+    """One stream's bytes: held back until its protocol is known, then counted into that protocol's.
 
-    def __init__(self, stream: INetStream, owner: ProtocolTraffic) -> None:
-        self.stream = stream
+    It holds no reference to its stream (the stream is passed in): it is the value of a
+    weak-keyed map whose key is the stream, and a value that held its key would keep both."""
+
+    def __init__(self, owner: ProtocolTraffic) -> None:
         self.owner = owner
         self.pending = [0, 0]  # bytes in / out before the protocol was known
         self.bucket: list[int] | None = None
 
-    def settle(self) -> list[int] | None:
-        if self.bucket is None and (protocol := self.stream.get_protocol()) is not None:
+    def settle(self, stream: INetStream) -> list[int] | None:
+        if self.bucket is None and (protocol := stream.get_protocol()) is not None:
             self.bucket = self.owner.add(str(protocol), 1, *self.pending)
         return self.bucket
 
-    def count(self, n_in: int, n_out: int) -> None:
-        bucket = self.settle()
+    def count(self, stream: INetStream, n_in: int, n_out: int) -> None:
+        bucket = self.settle(stream)
         if bucket is None:
             self.pending[0] += n_in
             self.pending[1] += n_out
@@ -158,17 +160,18 @@ class ProtocolTraffic(INotifee):
         return bucket
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
-        counted = self._open[stream] = _StreamCount(stream, self)
+        counted = self._open[stream] = _StreamCount(self)
         read, write = stream.read, stream.write
 
+        # (These closures refer to the stream and live on it: a cycle the collector frees with it.)
         async def counting_read(n: int | None = None) -> bytes:
             data = await read(n)
-            counted.count(len(data), 0)
+            counted.count(stream, len(data), 0)
             return data
 
         async def counting_write(data: bytes) -> None:
             await write(data)
-            counted.count(0, len(data))
+            counted.count(stream, 0, len(data))
 
         # Instance attributes shadow NetStream's methods, for this stream alone.
         stream.read = counting_read  # type: ignore[method-assign]
@@ -176,7 +179,7 @@ class ProtocolTraffic(INotifee):
 
     async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
         counted = self._open.pop(stream, None)
-        if counted is not None and counted.settle() is None and any(counted.pending):
+        if counted is not None and counted.settle(stream) is None and any(counted.pending):
             self.add(UNNEGOTIATED, 1, *counted.pending)
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
