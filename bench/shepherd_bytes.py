@@ -32,7 +32,7 @@ payload, in + out); the rest of them is Noise and yamux framing
 it travels (the fp32 bundle, the unit of ``bench/bandwidth.py``). Measured at
 N = 16 (the headline) and at a smaller N (``PCP_BENCH_SHEPHERD_NS``, default
 "4,16"); ``shepherd_bytes_flat_in_n`` is true when the largest N's figure is
-at most 1.25x the smallest's.
+at most 1.25x the smallest's (null when one N was measured).
 
 Knobs: ``PCP_BENCH_SHEPHERD_NS`` ("4,16"), ``PCP_BENCH_SHEPHERD_ROUNDS`` (5),
 ``PCP_BENCH_SHEPHERD_BUDGET`` (2 s of inner steps per round).
@@ -199,14 +199,15 @@ def measure(ns: list[int] = NS) -> dict[str, Any]:
             results[n] = trio.run(arm, Path(tmp), n)
             print(json.dumps({"workers": n, **results[n]}), file=sys.stderr, flush=True)  # (progress)
     big, small = max(ns), min(ns)
-    ratio = results[big]["per_model"] / results[small]["per_model"]
+    # one N alone says nothing about flatness: null, not a ratio of 1
+    ratio = results[big]["per_model"] / results[small]["per_model"] if big != small else None
     return {
         "shepherd_bytes_per_model": results[big]["per_model"],
         "shepherd_bytes_per_model_target": TARGET,
         "shepherd_bytes_workers": big,
         "shepherd_bytes_by_n": {str(n): r["per_model"] for n, r in sorted(results.items())},
-        "shepherd_bytes_flat_in_n": ratio <= FLAT,
-        "shepherd_bytes_ratio_largest_to_smallest_n": round(ratio, 3),
+        "shepherd_bytes_flat_in_n": ratio <= FLAT if ratio is not None else None,
+        "shepherd_bytes_ratio_largest_to_smallest_n": round(ratio, 3) if ratio is not None else None,
         "shepherd_bytes_detail": {str(n): r for n, r in sorted(results.items())},
     }
 
