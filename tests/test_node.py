@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import struct
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from pcp_p2p.dht.records import sign_record
 from pcp_p2p.net.budget import RATE_PER_PEER
 from pcp_p2p.net.membership import SWIM_PROTOCOL, Gossip, MemberRecord, SwimPacket, boot_ms
 from pcp_p2p.net.swarm_key import read_swarm_key, write_swarm_key
+from pcp_p2p.net.traffic import ProtocolTraffic
 from pcp_p2p.node.node import NodeConfig, open_node
 from pcp_p2p.node.status import STATUS_PROTOCOL, fetch_status, to_json
 from pcp_p2p.wire import encode
@@ -255,10 +257,6 @@ async def test_status_counts_bytes_on_libp2p_connections_and_blob_side_channels(
 async def test_the_protocol_split_forgets_a_stream_nobody_holds_even_if_never_closed() -> None:
     """The per-stream state is weakly keyed by the stream: a stream libp2p dropped without
     telling the notifee (a connection that died) must not stay in it for ever."""
-    import gc
-
-    from pcp_p2p.net.traffic import ProtocolTraffic
-
     class FakeStream:
         protocol: str | None = None
 
