@@ -79,7 +79,7 @@ async def test_a_shepherd_busy_with_a_long_input_keeps_beating_and_is_not_depose
         return []
 
     class Messenger:
-        async def send(self, peer: str, msg: Any) -> None:
+        async def post(self, peer: str, msg: Any) -> None:  # beats go on a line (Messenger.post)
             assert peer == follower.peer_id and isinstance(msg, Heartbeat)
             beats.append(msg)
             if msg.sent_at - beats[0].sent_at >= BUSY_S:

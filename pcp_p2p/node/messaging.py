@@ -29,6 +29,22 @@ with :class:`~pcp_p2p.core.errors.OverBudget`. The whole frame must then arrive 
 ``op_timeout + size / msg_min_rate`` after the stream opened (an overall
 deadline with a minimum rate, not a per-read timeout), so a peer that declares
 a large frame and trickles it holds its reservation for a bounded time.
+
+**Lines** (``/pcp/line/1.0.0``, :meth:`Messenger.post`) are for the small,
+frequent and loss-tolerant: a shepherd's heartbeats, four a second to every
+member. A stream of their own each, with its ack, cost 630 bytes on the wire
+for a 253-byte beat (stream open, protocol negotiation, the ack, the close:
+docs/diloco.md), and the shepherd sends them to every member. A line is one
+stream per peer, kept open, that carries frames one after another with no ack:
+"posted" means handed to the connection. Only types registered for lines
+travel on them (``register(..., line=True)``), through the same handlers. What
+a stranger can make a node spend on lines is bounded: one line per peer (a
+newer one replaces it: the sender reopens when its old one broke),
+``lines_total`` in all, frames of at most the largest line type's size, paced
+by a token bucket per peer and in total, and a line idle for ``line_idle_s``
+is closed. A frame that is malformed, oversized or over the pace ends its line
+(counted as the sender's rejection); one that decoded but its handler declined
+is counted and the line goes on.
 """
 
 from __future__ import annotations
@@ -43,9 +59,17 @@ from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from pcp_p2p.core.errors import MalformedMessage, PcpError, PeerGone, PeerTimeout, ProtocolError, Refused
+from pcp_p2p.core.errors import (
+    MalformedMessage,
+    OverBudget,
+    PcpError,
+    PeerGone,
+    PeerTimeout,
+    ProtocolError,
+    Refused,
+)
 from pcp_p2p.core.faults import INTERNAL_ERROR, LOCAL, PEER, refusal_reason
-from pcp_p2p.net.budget import Budget, Limits, Pace, Reservation
+from pcp_p2p.net.budget import Budget, Limits, Pace, Rate, Reservation
 from pcp_p2p.wire import Message, decode, encode, wire_message
 from pcp_p2p.wire.framing import read_body, read_exact, read_frame, read_length, reset_quietly, write_frame
 
@@ -53,6 +77,7 @@ if TYPE_CHECKING:
     from pcp_p2p.node.node import Node
 
 MSG_PROTOCOL = TProtocol("/pcp/msg/1.0.0")
+LINE_PROTOCOL = TProtocol("/pcp/line/1.0.0")
 _ACK = b"\x06"
 _NAK = b"\x15"  # followed by one Refusal frame
 MAX_REFUSAL_DETAIL = 240
@@ -113,19 +138,123 @@ class Messenger:
         )
         self.pace = Pace(grace_s=c.op_timeout, min_rate=c.msg_min_rate)
         c.extra_status["msg_budget"] = self.budget.snapshot
+        self._line_types: set[type[Message]] = set()
+        self._lines_out: dict[str, _Line] = {}  # peer -> the line this node posts to it on
+        self._lines_in: dict[str, trio.CancelScope] = {}  # peer -> the scope of the line it posts to us on
+        self.line_rate = Rate(c.line_rate, name="line")
 
-    def register(self, types: tuple[type[Message], ...], handler: Handler) -> None:
-        """Deliver messages of ``types`` to ``handler(sender_peer_id, message)``.
+    def register(self, types: tuple[type[Message], ...], handler: Handler, *, line: bool = False) -> None:
+        """Deliver messages of ``types`` to ``handler(sender_peer_id, message)``; with ``line``,
+        also when they arrive on a line (:meth:`post`).
 
         The handler runs before the acknowledgement is sent, so it should only
         queue work (a memory channel) and return.
         """
         for t in types:
             self._handlers[t] = handler
+            if line:
+                self._line_types.add(t)
 
     def unregister(self, types: tuple[type[Message], ...]) -> None:
         for t in types:
             self._handlers.pop(t, None)
+            self._line_types.discard(t)
+
+    async def post(self, peer_id: str, msg: Message, *, timeout: float | None = None) -> None:
+        """Write ``msg`` on this node's line to ``peer_id`` (opened on first use, then kept).
+
+        No acknowledgement: the peer may not act on it, and a message posted on a
+        connection that just died is lost. One post at a time per peer: while one
+        is in flight another is dropped (PeerTimeout), since what lines carry is
+        superseded by the next one anyway. Raises PeerGone or PeerTimeout; a line
+        whose post failed is dropped (reset), and the next post opens a new one.
+        """
+        timeout = timeout or self.node.config.op_timeout
+        data = encode(msg)
+        line = self._lines_out.pop(peer_id, None) or _Line()
+        self._lines_out[peer_id] = line  # (most recently posted to last)
+        if line.busy:
+            raise PeerTimeout(f"a post to {peer_id} is still in flight; {msg.TAG} dropped")
+        line.busy = True
+        while len(self._lines_out) > self.node.config.lines_total:  # peers long gone: their lines go
+            stale_peer, stale = next(iter(self._lines_out.items()))
+            if stale.busy:
+                break
+            await self._drop_line(stale_peer, stale)
+        ok = False
+        try:
+            with trio.fail_after(timeout):
+                if line.stream is None:
+                    pid = ID.from_base58(peer_id)
+                    await self._ensure_route(peer_id, pid)
+                    try:
+                        line.stream = await self.node.host.new_stream(pid, [LINE_PROTOCOL])
+                    except trio.Cancelled:
+                        raise
+                    except Exception as exc:
+                        raise self.node.boundary.failure(exc, "line", f"opening a line to {peer_id}") from exc
+                await write_frame(line.stream, data, timeout=timeout)
+            ok = True
+        except trio.TooSlowError:
+            raise PeerTimeout(f"posting {msg.TAG} to {peer_id} took longer than {timeout:.0f} s") from None
+        finally:
+            line.busy = False
+            if not ok:  # (a frame may be half written: the line cannot carry another)
+                await self._drop_line(peer_id, line)
+
+    async def _drop_line(self, peer_id: str, line: _Line) -> None:
+        if self._lines_out.get(peer_id) is line:
+            del self._lines_out[peer_id]
+        stream, line.stream = line.stream, None
+        if stream is not None:
+            with trio.CancelScope(shield=True):
+                await reset_quietly(stream)
+
+    async def handle_line(self, stream: INetStream) -> None:
+        """A peer's line: frames read one after another until it closes, idles or misbehaves."""
+        try:
+            sender = stream.muxed_conn.peer_id.to_base58()
+        except Exception:
+            sender = "?"
+        c = self.node.config
+        scope = trio.CancelScope()
+        try:
+            if not self._line_types:
+                raise ProtocolError("this node takes no lines now")
+            if sender not in self._lines_in and len(self._lines_in) >= c.lines_total:
+                raise OverBudget(f"line: more than {c.lines_total} lines open (line total budget)")
+            old = self._lines_in.get(sender)
+            if old is not None:
+                old.cancel()  # its newer line replaces it: the sender reopens when its old one broke
+            self._lines_in[sender] = scope
+            with scope:
+                while True:
+                    types = tuple(self._line_types)
+                    if not types:
+                        raise ProtocolError("this node takes no lines now")
+                    with trio.move_on_after(c.line_idle_s) as idle:
+                        try:
+                            n = await read_length(stream, max_size=max(t.MAX_SIZE for t in types))
+                        except PeerGone:
+                            break  # the sender closed its line between frames: an orderly end
+                    if idle.cancelled_caught:
+                        break
+                    with trio.move_on_after(c.op_timeout) as slow:
+                        data = await read_body(stream, n)
+                    if slow.cancelled_caught:
+                        raise PeerTimeout(f"a line frame of {n} bytes did not arrive within {c.op_timeout:.0f} s")
+                    self.line_rate.take(sender, trio.current_time())  # OverBudget: the line ends
+                    msg = decode(data, *types)
+                    try:
+                        await self._handlers[type(msg)](sender, msg)
+                    except PcpError as exc:  # this message declined; the line goes on
+                        self.node._reject(sender, exc, "line")
+        except Exception as exc:  # the boundary (pcp_p2p.core.faults): whose fault decides what is counted
+            self.node._reject(sender, exc, "line")
+        finally:
+            if self._lines_in.get(sender) is scope:
+                del self._lines_in[sender]
+            await reset_quietly(stream)
 
     async def send(self, peer_id: str, msg: Message, *, timeout: float | None = None) -> None:
         """Deliver ``msg`` to ``peer_id``; raises PeerGone/PeerTimeout/ProtocolError (InternalFault: a bug of ours)."""
@@ -240,3 +369,11 @@ class Messenger:
         # The reservation stays until the handler returns: the decoded message
         # holds about as much as the frame did until the handler has queued it.
         return decode(data, *types)
+
+
+class _Line:
+    """The stream this node posts to one peer on, and whether a post is writing on it."""
+
+    def __init__(self) -> None:
+        self.stream: INetStream | None = None
+        self.busy = False

@@ -96,7 +96,7 @@ from pcp_p2p.net.reachability import HOLE_PUNCHABLE, RELAY_ONLY, known, takes_di
 from pcp_p2p.net.swarm_key import read_swarm_key
 from pcp_p2p.net.traffic import Traffic, count_host_traffic
 from pcp_p2p.node.doctor import SPEED_PROTOCOL, SpeedServer, measure
-from pcp_p2p.node.messaging import MSG_PROTOCOL, Messenger
+from pcp_p2p.node.messaging import LINE_PROTOCOL, MSG_PROTOCOL, Messenger
 from pcp_p2p.node.record_kinds import RECORD_KINDS
 from pcp_p2p.node.status import (
     MAX_REQUEST,
@@ -149,6 +149,13 @@ class NodeConfig:
     msg_bytes_total: int = 128 * 1024**2
     msg_small_reserve: int = 8 * 1024**2  # of the total, kept for frames of 64 KiB or less (control messages)
     msg_min_rate: float = 1024**2  # bytes/s; a sender's own deadline (op_timeout per send) asks more
+    # Inbound /pcp/line streams (Messenger.post: heartbeats): one kept stream per peer, this
+    # many in all; closed after line_idle_s without a frame; frames paced like SWIM's probes
+    # (a holder beats 4 times a second).
+    lines_total: int = 128
+    line_idle_s: float = 30.0
+    line_rate: RateLimits = field(default_factory=lambda: RateLimits(
+        per_peer_s=20.0, per_peer_burst=40.0, total_s=400.0, total_burst=800.0))
     # Pre-measured capabilities (tests, or a restart within one process).
     capabilities: Capabilities | None = None
     # Offer circuit relay v2 reservations (HOP) to nodes behind NAT, within relay_budget
@@ -833,6 +840,7 @@ async def open_node(config: NodeConfig, *, identity: Identity | None = None) -> 
                 blobs.register()
                 host.set_stream_handler(TProtocol(STATUS_PROTOCOL), node._handle_status)
                 host.set_stream_handler(MSG_PROTOCOL, node.messenger.handle)
+                host.set_stream_handler(LINE_PROTOCOL, node.messenger.handle_line)
                 host.set_stream_handler(TProtocol(SWIM_PROTOCOL), node._handle_swim)
                 host.set_stream_handler(SPEED_PROTOCOL, SpeedServer(boundary=boundary).handle)  # pcp doctor's bandwidth
                 node._signed_member_record()

@@ -571,15 +571,17 @@ class RunRuntime:
         return True
 
     async def _beat(self, peer: str, hb: Heartbeat) -> None:
-        """One heartbeat to ``peer``. At most one is in flight per peer: a slow peer's acks must
-        not pile streams up (the messenger allows a few per peer, and a lease or a submission
-        refused for want of one costs far more than a beat skipped)."""
+        """One heartbeat to ``peer``, posted on this node's line to it (one kept stream per
+        follower, no ack: a third of a beat's bytes on a stream of its own, docs/diloco.md).
+        At most one is in flight per peer: a slow peer's must not queue beats behind it."""
         try:
-            # Given up after a suspicion window (a beat that late is no use; the next goes on a
-            # new stream). Not sooner: on a loaded machine opening a stream can take most of a
-            # second, and a beat cut off before its frame went out is no beat at all.
+            # Given up after a suspicion window (a beat that late is no use; the line is dropped
+            # and the next beat opens a new one). Not sooner: on a loaded machine opening a stream
+            # can take most of a second, and a beat cut off before its frame went out is no beat.
             with trio.move_on_after(self.machine.election.config.suspect_window_s):
-                await self.send_to(peer, hb)
+                await self.node.messenger.post(peer, hb)
+        except PcpError as exc:
+            self.node.log_once(peer, exc, f"posting {hb.TAG} failed")
         finally:
             self._beating.discard(peer)
 

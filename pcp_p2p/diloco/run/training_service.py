@@ -80,8 +80,9 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, Lease, Heartbeat, AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
+        self.node.messenger.register((*ROUND_MESSAGES, Lease, AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
                                      self._on_round_message)
+        self.node.messenger.register((Heartbeat,), self._on_round_message, line=True)  # posted on a line
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
         self.node.config.extra_status["runs"] = self.runs_status
