@@ -248,3 +248,37 @@ async def test_a_kad_request_to_a_peer_without_kad_fails_cleanly_and_the_peer_li
         # UnicodeDecodeError, failing this block; it runs on, and a still answers.
         await trio.sleep(0.2)
         assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
+
+
+async def test_provide_tells_the_tables_closest_peers_without_walking_the_network(swarm3, monkeypatch) -> None:
+    """PcpKadDHT.provide announces a CID where a put would store it (the routing table's closest
+    peers), with no FIND_NODE walk first: the walk's answers (up to 20 signed peer records each)
+    were most of a shepherd's DHT bytes that were not lease puts (issue #15). The library's own
+    server takes the announcement, and a lookup from another node finds the provider."""
+    from pcp_p2p.dht import table
+
+    boot, a, b = swarm3
+    monkeypatch.setattr(table, "MIN_START_PEERS", 1)  # three nodes: not thin for this test
+
+    async def no_walk(*_: object) -> list:
+        raise AssertionError("provide walked the network")
+
+    monkeypatch.setattr(a.dht.peer_routing, "find_closest_peers_network", no_walk)
+    cid = await a.blobs.publish(b"provided without a walk")
+    key = table._encode_key(cid)
+    with trio.fail_after(10):
+        await a.dht.wait_idle()  # (the background part: the table's other peers, the walk)
+    for other in (boot, b):
+        assert a.host.get_id() in [p.peer_id for p in other.dht.provider_store.get_providers(key)]
+    with trio.fail_after(10):
+        found = await b.dht.find_providers(cid)
+    assert a.host.get_id() in [p.peer_id for p in found]
+
+
+async def test_add_provider_is_acknowledged_by_the_library_server_and_refused_for_a_bad_key(swarm3) -> None:
+    _boot, a, b = swarm3
+    key = b"\x12\x20" + bytes(32)  # a sha2-256 multihash
+    assert await rpc.add_provider(a.host, b.host.get_id(), key)
+    assert a.host.get_id() in [p.peer_id for p in b.dht.provider_store.get_providers(key)]
+    with trio.fail_after(10), pytest.raises(PeerGone):  # over 80 bytes: the server resets the stream
+        await rpc.add_provider(a.host, b.host.get_id(), bytes(81))

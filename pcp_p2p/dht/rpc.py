@@ -190,6 +190,19 @@ async def get_value(
     return record, _closer(host, answer, networks)
 
 
+async def add_provider(host: IHost, peer: ID, key: bytes, *, boundary: Boundary | None = None) -> bool:
+    """ADD_PROVIDER: this node provides ``key``, at the addresses its signed peer record names;
+    True once the peer echoed the key (py-libp2p's server does; its own sender does not wait
+    for the echo, but one round trip per announcement is what tells a store from a reset)."""
+    msg = _request(host, Message.MessageType.ADD_PROVIDER, key)
+    provider = msg.providerPeers.add()
+    provider.id = host.get_id().to_bytes()
+    provider.addrs.extend(a.to_bytes() for a in host.get_addrs())
+    provider.signedRecord = msg.senderRecord
+    answer = await kad_request(host, peer, msg, boundary=boundary)
+    return answer.key == key
+
+
 async def put_value(host: IHost, peer: ID, key: bytes, value: bytes, *, boundary: Boundary | None = None) -> bool:
     """PUT_VALUE: store ``value`` at ``peer``; True once it acknowledged the key."""
     msg = _request(host, Message.MessageType.PUT_VALUE, key)
