@@ -451,3 +451,19 @@ def test_a_node_back_after_the_end_that_claimed_the_last_terms_number_still_fini
     out = m.on_commit_lookup(final, False, 102.0)
     assert m.worker is not None and m.worker.last_commit == final
     assert any(isinstance(e, Fetch) and e.cid == "final" for e in out)  # it goes on to fetch the final θ
+
+
+def test_a_bigger_run_spaces_each_members_owner_record_lookups_so_the_whole_run_looks_alike(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A stop not stored yet is a full DHT lookup whose answers reach the same closest peers from
+    every member: alone (or up to four) a member looks every 30 s; in a run of 16, every 128 s,
+    so the run as a whole still looks about once per 8 s (issue #15: the shepherd's bytes)."""
+    from pcp_p2p.diloco.run.run_effects import LookUpOwnerRecord
+
+    def lookups_in_ten_minutes(others: int) -> int:
+        m = lone_machine(tmp_path / f"n{others}")
+        view = [Member(m.peer_id, 0.0), *(Member(Identity.generate().peer_id, 0.0) for _ in range(others))]
+        return sum(isinstance(e, LookUpOwnerRecord) for t in range(2, 602) for e in m.on_members(view, float(t)))
+
+    # (lone_machine looked at 1.5 s; ten minutes more from 2 s)
+    assert lookups_in_ten_minutes(0) == 19  # every 30 s: 32, 62, ..., 572
+    assert lookups_in_ten_minutes(15) == 4  # every 16 x 8 = 128 s: 130, 258, 386, 514

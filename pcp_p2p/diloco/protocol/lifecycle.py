@@ -28,8 +28,10 @@ stores it in the DHT under ``/pcp/stop/<run id>.<owner>`` (:data:`STOP_KIND`).
 The owner's peer id is part of the key and the kind's rule accepts only that
 owner's signature over an order for that run, so a stranger cannot store a
 stop where readers look, nor shadow the owner's. Nodes look the record up when
-they take up a run and every :data:`STOP_LOOKUP_EVERY_S` after, so a node that
-was down when the stop went out learns it when it comes back.
+they take up a run and every :data:`STOP_LOOKUP_EVERY_S` after (or, in a run of
+more than four members, every 8 s times the members: the whole run looks about
+once per 8 s, see ``owner_lookup_every``), so a node that was down when the stop
+went out learns it when it comes back, and one that missed it while up soon after.
 
 The phase (:func:`run_phase`) is what ``pcp status``, the dashboard and
 ``pcp run status`` show for a run. Before the first round is announced every

@@ -179,7 +179,8 @@ log = logging.getLogger("pcp.run")
 REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
 REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below the messenger's ack timeout
 HISTORY = 1000
-ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up
+ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up (at most)
+OWNER_LOOKUP_SPACING_S = 8.0  # ... and the whole run about once per this, whatever its size (owner_lookup_every)
 CATCH_UP_EVERY_S = 10.0  # how often a node without a worker looks up the run's latest commit
 SETUP_BACKOFF_S = 10.0  # after a term whose set-up failed here, no claim for this long ...
 SETUP_BACKOFF_MAX_S = 300.0  # ... doubling with each failure in a row, up to this; a success resets it
@@ -315,7 +316,9 @@ class RunMachine:
         def go() -> None:
             self.members = list(members)
             self._observe(now)
-            if not self.stop_latch.stopped and self._due(STOP_KIND, STOP_LOOKUP_EVERY_S, now):
+            taking_part = 1 + len(self.run_members())  # (this node and the others in the run)
+            if not self.stop_latch.stopped and self._due(
+                    STOP_KIND, owner_lookup_every(STOP_LOOKUP_EVERY_S, taking_part), now):
                 self._out.append(LookUpOwnerRecord(STOP_KIND))  # a stop this node missed while down
             if (self.worker is None and not self._final_committed() and self._last_catch_up is not None
                     and now - self._last_catch_up >= CATCH_UP_EVERY_S):
@@ -323,7 +326,8 @@ class RunMachine:
                 # latest one up now and then, so a run that ended meanwhile is caught up
                 self._last_catch_up = now
                 self._out.append(LookUpCommit(for_election=False))
-            if self.spec.admission.mode == "allowlist" and self._due(ALLOWLIST_KIND, ALLOWLIST_EVERY_S, now):
+            if self.spec.admission.mode == "allowlist" and self._due(
+                    ALLOWLIST_KIND, owner_lookup_every(ALLOWLIST_EVERY_S, taking_part), now):
                 self._out.append(LookUpOwnerRecord(ALLOWLIST_KIND))
             self._election(self.election.on_members(self.candidates(now), now), now)
         return self._run(now, go)
@@ -958,6 +962,21 @@ SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect t
 # (Before the runtime fed the machine off its event loop, a commit kept a shepherd from
 # sending for over a second on a loaded 2-core machine, and even 3 s of silence deposed
 # busy shepherds now and then: see the essay in runtime.py.)
+
+
+def owner_lookup_every(floor_s: float, members: int) -> float:
+    """How long each member waits between lookups of an owner's record (a stop, an allowlist
+    amendment): ``floor_s`` at least, and spaced so that the whole run looks it up about once
+    per ``OWNER_LOOKUP_SPACING_S`` whatever its size.
+
+    Why: until the owner stores one, the record is not there, and a lookup of a missing record
+    asks every closest peer (each answer names up to 20 peers with their signed records), and
+    every member's lookups reach the same closest peers. At 16 members each looking every
+    30 s, the shepherd spent about 5 KB/s answering and making them (issue #15). The price:
+    a member that missed the owner's direct send learns of a stop ``members x 8`` seconds
+    later at worst (two minutes at 16), instead of 30 s.
+    """
+    return max(floor_s, members * OWNER_LOOKUP_SPACING_S)
 
 
 def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig:
