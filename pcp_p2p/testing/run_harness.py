@@ -325,8 +325,7 @@ class RunSwarm:
                 n.start_soon(self._later, node, delay, lambda: LeaseLookedUp(
                     self.dht.best_lease(me, trio.current_time())))
             elif isinstance(e, PublishLease):
-                if e.store:
-                    self.dht.put_lease(me, e.lease)
+                self.dht.put_lease(me, e.lease)
                 for peer in node.machine.run_members():  # type: ignore[union-attr]
                     self.send(me, peer, e.lease)
             elif isinstance(e, PublishCommit):

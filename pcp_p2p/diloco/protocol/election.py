@@ -57,8 +57,7 @@ Lifecycle of a term, as seen by one node::
                                                                        not while claims_paused_until)
     VACANT   --valid lease of a newer term-->                FOLLOWER (FollowShepherd)
     VACANT   --claim_timeout_s without a lease-->            VACANT   (the next term is up for claim)
-    HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal; into the
-                                                                       DHT when its copy there runs low)
+    HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal)
     HOLDER   --commit completing rotate_every rounds-->      VACANT   (StepDown "rotation")
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     HOLDER   --resign: its set-up failed here-->             VACANT   (StepDown "resigned")
@@ -307,20 +306,10 @@ def claim_stands(run_id: str, a: Lease, b: Lease, fresh_s: float) -> bool:
 
 @dataclass(frozen=True)
 class PublishLease:
-    """Send ``lease`` to every member and, when ``store``, put it in the DHT (``/pcp/lease/<run>``,
-    seq = term).
-
-    Why not every renewal into the DHT: a put is a store at up to k = 20 peers, one
-    stream each, and the DHT's copy is only read by nodes that start or lost their
-    term (members get every renewal directly). A renewal is stored only when the copy
-    there would otherwise lapse before the renewal after next (see
-    :meth:`Election.tick`), which halves the puts with the default timing (a 6 s
-    lease renewed every 2 s) and keeps the DHT's copy valid throughout.
-    """
+    """Put ``lease`` in the DHT (``/pcp/lease/<run>``, seq = term) and send it to every member."""
 
     lease: Lease
     renewal: bool
-    store: bool = True
 
 
 @dataclass(frozen=True)
@@ -504,7 +493,6 @@ class Election:
         self.grace_until: float | None = None
         self.grace_for: float | None = None
         self.last_beat: float | None = None  # as the holder: when our last heartbeat (or lease) went out
-        self.stored_expiry: float | None = None  # as the holder: when the lease last put in the DHT lapses
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
         # The latest term's lease accepted from the network since start: with the anchor, what
@@ -1139,13 +1127,7 @@ class Election:
                     self.identity,
                 )
                 self.lease = renewed
-                # Into the DHT only if the copy there would lapse before the renewal after next
-                # (due one renew_every_s from now; half of one more is slack for a late tick
-                # and the put's own time): that copy stays valid for whoever looks it up.
-                store = self.stored_expiry is None or self.stored_expiry < now + 1.5 * c.renew_every_s
-                if store:
-                    self.stored_expiry = renewed.expiry
-                return [PublishLease(renewed, renewal=True, store=store)]
+                return [PublishLease(renewed, renewal=True)]
             beat = self.heartbeat(now)
             if beat is not None and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
                 self.last_beat = now
@@ -1249,7 +1231,6 @@ class Election:
         self.role = Role.HOLDER
         self.suspected.pop(self.peer_id, None)  # (counted out after it resigned a term: see resign)
         self.last_beat = now  # the new lease goes to every member: the first heartbeat
-        self.stored_expiry = lease.expiry
         self.history.append(TermRecord(term, self.peer_id, lease.from_round))
         return [
             PublishLease(lease, renewal=False),
