@@ -150,6 +150,32 @@ def test_first_ranked_claims_after_settling_and_the_others_follow():
     assert st["shepherd_history"] == [{"term": 0, "holder": first.peer_id, "rounds_served": 0, "ended": None}]
 
 
+def test_renewals_go_into_the_dht_only_when_its_copy_runs_low_and_it_never_lapses():
+    """Every renewal goes to the members; the DHT gets the claim, then a renewal only when the copy
+    there would lapse before the renewal after next: half of them with a 6 s lease renewed every
+    2 s, and at every moment the copy a newcomer would look up is still valid."""
+    cfg = ElectionConfig(lease_s=6.0, renew_every_s=2.0, grace_s=1.0, min_uptime_s=5.0, rotate_every=0,
+                         claim_timeout_s=10.0, settle_s=1.0)
+    first = order(0)[0]
+    e = Election(RUN, first, cfg)
+    e.start(0.0)
+    e.on_members(view(), 0.0)
+    (claim,) = of(e.tick(1.0), PublishLease)
+    assert claim.store and not claim.renewal
+    stored, stores, renewals = claim.lease, 0, 0
+    now = 1.0
+    while now < 60.0:
+        now = round(now + 0.25, 2)  # ticks a quarter second apart, as the runtime's
+        for pub in of(e.tick(now), PublishLease):
+            renewals += 1
+            assert pub.renewal
+            if pub.store:
+                stores += 1
+                stored = pub.lease
+        assert stored.expiry > now + 1.0, f"the DHT's copy lapses at {stored.expiry}, now {now}"
+    assert renewals == 29 and stores == 14  # every other renewal
+
+
 def test_young_or_non_compiling_nodes_are_never_elected():
     first = order(0)[0]
     e = Election(RUN, first, CFG)
@@ -406,6 +432,59 @@ def test_same_term_claimed_a_minute_apart_the_earlier_claim_stands():
     assert FollowShepherd(5, a.peer_id) in f.on_lease(la, 61.0)
     assert FollowShepherd(5, b.peer_id) in f.on_lease(make_lease(b, 5, 61.5, claimed_at=1.0), 61.5)
     assert f.holder == b.peer_id
+
+
+def test_of_two_claims_of_one_term_the_one_that_led_rounds_stands_on_both_sides():
+    """A partition: a (better-ranked) and b claimed term 0 within the fresh window, one on each
+    side; b's side committed rounds. After the heal b's renewals say so (``committed_round``),
+    and every node keeps or moves to b's claim: b's followers refuse a's, a's followers and a
+    itself take b's (before, a's rank won, a refused b's commits and b's side refused a's
+    announcements: the run stopped)."""
+    a, b = order(0)[:2]  # a outranks b for term 0
+    without_a, without_b = [i for i in IDS if i is not a], [i for i in IDS if i is not b]
+    # a claims on its side of the partition
+    ea = started(a)
+    ea.on_members(view(without_b), 0.5)
+    (claim,) = of(ea.tick(1.0), PublishLease)
+    # b's follower, on the other side: b claimed there, committed, and its renewal says round 1
+    fb = started(order(0)[2])
+    fb.on_members(view(without_a), 1.0)
+    assert fb.on_lease(make_lease(b, 0, 1.0, claimed_at=0.9), 1.0) == [FollowShepherd(0, b.peer_id)]
+    lb = make_lease(b, 0, 40.0, claimed_at=0.9, committed_round=1)
+    assert fb.on_lease(lb, 40.0) == []
+    fb.on_members(view(), 40.5)  # healed
+    for t in range(4, 41, 3):  # a renews on its side (b's side formed no quorum with it: no round)
+        ea.tick(float(t))
+    la = ea.lease
+    assert la is not None and la.issued == 40.0 and la.committed_round == -1
+    assert isinstance(errors(fb.on_lease(la, 41.0))[0], NotElected)  # better-ranked, but led no round
+    assert fb.holder == b.peer_id
+    # a's follower moves to b's claim once it hears it
+    fa = started(order(0)[3])
+    fa.on_members(view(without_b), 1.0)
+    assert FollowShepherd(0, a.peer_id) in fa.on_lease(claim.lease, 1.1)
+    assert fa.on_lease(la, 40.1) == []  # a's renewal
+    fa.on_members(view(), 40.5)
+    assert FollowShepherd(0, b.peer_id) in fa.on_lease(lb, 40.6)
+    assert fa.holder == b.peer_id
+    # and so does a itself: it steps down
+    ea.on_members(view(), 40.5)
+    effects = ea.on_lease(lb, 40.6)
+    assert of(effects, StepDown) and FollowShepherd(0, b.peer_id) in effects and ea.holder == b.peer_id
+
+
+def test_a_holders_renewal_says_the_last_round_it_committed_in_its_term_and_a_bad_one_is_refused():
+    first = order(0)[0]
+    e = started(first)
+    (claim,) = of(e.tick(1.0), PublishLease)
+    assert claim.lease.committed_round == -1
+    e.on_commit(make_commit(first, 0, 0, "t0"), 2.0)
+    (ren,) = of(e.tick(4.0), PublishLease)
+    assert ren.renewal and ren.lease.committed_round == 0
+    f = started(order(0)[1])
+    f.on_lease(claim.lease, 1.1)
+    bad = make_lease(first, 0, 4.5, claimed_at=1.0, from_round=2, committed_round=1)  # before the term's start
+    assert isinstance(errors(f.on_lease(bad, 4.5))[0], VerificationError)
 
 
 def test_fork_choice_orders_by_term_then_round_then_theta():

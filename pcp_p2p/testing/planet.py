@@ -725,7 +725,8 @@ class Planet:
             elif isinstance(e, LookUpLease):
                 self.at(self.now + self.cfg.dht_delay_s, self._answer, node, node.epoch, "lease", False)
             elif isinstance(e, PublishLease):
-                self.leases[e.lease.holder] = e.lease
+                if e.store:
+                    self.leases[e.lease.holder] = e.lease
                 for peer in m.run_members():
                     self.send(node, peer, e.lease)
             elif isinstance(e, PublishCommit):

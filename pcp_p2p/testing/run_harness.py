@@ -325,7 +325,8 @@ class RunSwarm:
                 n.start_soon(self._later, node, delay, lambda: LeaseLookedUp(
                     self.dht.best_lease(me, trio.current_time())))
             elif isinstance(e, PublishLease):
-                self.dht.put_lease(me, e.lease)
+                if e.store:
+                    self.dht.put_lease(me, e.lease)
                 for peer in node.machine.run_members():  # type: ignore[union-attr]
                     self.send(me, peer, e.lease)
             elif isinstance(e, PublishCommit):

@@ -57,7 +57,8 @@ Lifecycle of a term, as seen by one node::
                                                                        not while claims_paused_until)
     VACANT   --valid lease of a newer term-->                FOLLOWER (FollowShepherd)
     VACANT   --claim_timeout_s without a lease-->            VACANT   (the next term is up for claim)
-    HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal)
+    HOLDER   --tick, renew_every_s since issue-->            HOLDER   (PublishLease renewal; into the
+                                                                       DHT when its copy there runs low)
     HOLDER   --commit completing rotate_every rounds-->      VACANT   (StepDown "rotation")
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     HOLDER   --resign: its set-up failed here-->             VACANT   (StepDown "resigned")
@@ -119,7 +120,10 @@ class Lease(Message):
     ``claimed_at`` is when the term was first claimed (renewals keep it and move
     ``issued``/``expiry``); ``from_round``/``from_theta_cid``/``from_checkpoint_cid``
     say which committed state the term continues from (``from_checkpoint_cid`` is
-    empty when the run starts from its initial θ).
+    empty when the run starts from its initial θ). ``committed_round`` is the last
+    round the holder has committed in this term (-1 before its first): of two claims
+    of one term that meet after a partition, the one that led rounds stands
+    (:func:`claim_stands`).
     """
 
     run_id: str
@@ -131,6 +135,7 @@ class Lease(Message):
     from_round: int
     from_theta_cid: str
     from_checkpoint_cid: str
+    committed_round: int = -1
     signature: bytes = b""
 
 
@@ -295,7 +300,18 @@ def claim_stands(run_id: str, a: Lease, b: Lease, fresh_s: float) -> bool:
     reached it). The earlier claim stands then. Under the rank rule alone the late claim
     won wherever it outranked, and the run forked inside one term: each side's chain under
     one term number (tests/test_netlab_partition.py, 2026-11-24).
+
+    A claim that has led more rounds (``committed_round``, as its holder's latest renewal
+    says) stands, whatever the times and ranks: two claims made within ``fresh_s`` on
+    either side of a partition both stood where they were made, the majority's side
+    committed rounds under its own, and after the heal the better-ranked other claim
+    deposed it while its holder refused the majority's commits ("does not hold the
+    term") and the majority refused its announcements ("already committed"): the run
+    stopped for good (tests/test_run_machine.py, seed 1, 2026-11-25). Ranking by
+    progress first, both sides pick the claim that led rounds.
     """
+    if a.committed_round != b.committed_round:
+        return a.committed_round > b.committed_round
     if abs(a.claimed_at - b.claimed_at) <= fresh_s:
         return term_rank(run_id, a.term, a.holder) < term_rank(run_id, b.term, b.holder)
     return a.claimed_at < b.claimed_at
@@ -306,10 +322,20 @@ def claim_stands(run_id: str, a: Lease, b: Lease, fresh_s: float) -> bool:
 
 @dataclass(frozen=True)
 class PublishLease:
-    """Put ``lease`` in the DHT (``/pcp/lease/<run>``, seq = term) and send it to every member."""
+    """Send ``lease`` to every member and, when ``store``, put it in the DHT (``/pcp/lease/<run>``,
+    seq = term).
+
+    Why not every renewal into the DHT: a put is a store at up to k = 20 peers, one
+    stream each, and the DHT's copy is only read by nodes that start or lost their
+    term (members get every renewal directly). A renewal is stored only when the copy
+    there would otherwise lapse before the renewal after next (see
+    :meth:`Election.tick`), which halves the puts with the default timing (a 6 s
+    lease renewed every 2 s) and keeps the DHT's copy valid throughout.
+    """
 
     lease: Lease
     renewal: bool
+    store: bool = True
 
 
 @dataclass(frozen=True)
@@ -493,6 +519,7 @@ class Election:
         self.grace_until: float | None = None
         self.grace_for: float | None = None
         self.last_beat: float | None = None  # as the holder: when our last heartbeat (or lease) went out
+        self.stored_expiry: float | None = None  # as the holder: when the lease last put in the DHT lapses
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
         # The latest term's lease accepted from the network since start: with the anchor, what
@@ -859,6 +886,10 @@ class Election:
             raise StaleMessage(f"lease of term {lease.term} issued before its holder left the run")
         if not (lease.claimed_at <= lease.issued < lease.expiry):
             raise VerificationError("lease times are not claimed <= issued < expiry")
+        if lease.committed_round != -1 and not (
+                lease.from_round <= lease.committed_round < (c.rounds if c.rounds is not None else 2**62)):
+            raise VerificationError(f"lease of term {lease.term} says round {lease.committed_round} was committed; "
+                                    f"the term starts at round {lease.from_round}")
         if lease.expiry - lease.issued > c.lease_s + c.max_skew_s:
             raise VerificationError(
                 f"lease valid for {lease.expiry - lease.issued:.0f} s; the run allows {c.lease_s:g} s")
@@ -1102,6 +1133,13 @@ class Election:
             effects += self._accept_commit(rec, now)
         return effects
 
+    def _committed_in(self, lease: Lease) -> int:
+        """The last round this node committed as the holder of ``lease``'s term (-1: none yet)."""
+        best = self.best_commit
+        if best is None or best.term != lease.term or best.shepherd != self.peer_id:
+            return -1
+        return best.round
+
     def end_round(self, lease: Lease) -> int | None:
         r = self.config.rotate_every
         return None if r == 0 else lease.from_round + r
@@ -1123,11 +1161,18 @@ class Election:
                         run_id=self.run_id, term=lease.term, holder=self.peer_id, claimed_at=lease.claimed_at,
                         issued=now, expiry=now + c.lease_s, from_round=lease.from_round,
                         from_theta_cid=lease.from_theta_cid, from_checkpoint_cid=lease.from_checkpoint_cid,
+                        committed_round=self._committed_in(lease),
                     ),
                     self.identity,
                 )
                 self.lease = renewed
-                return [PublishLease(renewed, renewal=True)]
+                # Into the DHT only if the copy there would lapse before the renewal after next
+                # (due one renew_every_s from now; half of one more is slack for a late tick
+                # and the put's own time): that copy stays valid for whoever looks it up.
+                store = self.stored_expiry is None or self.stored_expiry < now + 1.5 * c.renew_every_s
+                if store:
+                    self.stored_expiry = renewed.expiry
+                return [PublishLease(renewed, renewal=True, store=store)]
             beat = self.heartbeat(now)
             if beat is not None and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
                 self.last_beat = now
@@ -1231,6 +1276,7 @@ class Election:
         self.role = Role.HOLDER
         self.suspected.pop(self.peer_id, None)  # (counted out after it resigned a term: see resign)
         self.last_beat = now  # the new lease goes to every member: the first heartbeat
+        self.stored_expiry = lease.expiry
         self.history.append(TermRecord(term, self.peer_id, lease.from_round))
         return [
             PublishLease(lease, renewal=False),

@@ -464,7 +464,7 @@ class RunRuntime:
             elif isinstance(e, LookUpOwnerRecord):
                 self._spawn(self._lookup_owner_record, e.kind)
             elif isinstance(e, PublishLease):
-                self._spawn(self._publish_lease, e.lease)
+                self._spawn(self._publish_lease, e.lease, e.store)
             elif isinstance(e, PublishCommit):
                 self._spawn(self.records.publish_commit, e.record)
             elif isinstance(e, ReplicateCommit):
@@ -624,11 +624,12 @@ class RunRuntime:
         self._replicas.append(cid)  # (unpinned with its round, by the pins)
         del self._replicas[:-KEEP_CHECKPOINTS]
 
-    async def _publish_lease(self, lease: Lease) -> None:
+    async def _publish_lease(self, lease: Lease, store: bool) -> None:
         async with trio.open_nursery() as n:
             for peer in self.machine.run_members():
                 n.start_soon(self.send_to, peer, lease)
-        await self.records.publish_lease(lease, self.spec.election.lease_s)
+        if store:
+            await self.records.publish_lease(lease, self.spec.election.lease_s)
 
     async def _lookup_commit(self, for_election: bool) -> None:
         self.post(CommitLookedUp(await self.records.lookup_commit(), for_election))
