@@ -889,7 +889,8 @@ class Election:
         if lease.committed_round != -1 and not (
                 lease.from_round <= lease.committed_round < (c.rounds if c.rounds is not None else 2**62)):
             raise VerificationError(f"lease of term {lease.term} says round {lease.committed_round} was committed; "
-                                    f"the term starts at round {lease.from_round}")
+                                    f"the term starts at round {lease.from_round}"
+                                    + ("" if c.rounds is None else f" and the run has {c.rounds} rounds"))
         if lease.expiry - lease.issued > c.lease_s + c.max_skew_s:
             raise VerificationError(
                 f"lease valid for {lease.expiry - lease.issued:.0f} s; the run allows {c.lease_s:g} s")

@@ -572,7 +572,7 @@ class RunRuntime:
 
     async def _beat(self, peer: str, hb: Heartbeat) -> None:
         """One heartbeat to ``peer``, posted on this node's line to it (one kept stream per
-        follower, no ack: a third of a beat's bytes on a stream of its own, docs/diloco.md).
+        follower, no ack: less than half of a beat's bytes on a stream of its own, docs/diloco.md).
         At most one is in flight per peer: a slow peer's must not queue beats behind it."""
         try:
             # Given up after a suspicion window (a beat that late is no use; the line is dropped
