@@ -15,6 +15,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from pcp_p2p.core.errors import PeerTimeout
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.net.budget import RATE_TOTAL, Rate, RateLimits
 from pcp_p2p.node.messaging import LINE_PROTOCOL
 from pcp_p2p.wire import Message, encode, wire_message
 
@@ -157,3 +158,27 @@ async def test_a_peers_newer_line_replaces_its_older_and_an_idle_line_is_closed(
         await ended(second)
     assert [m.seq for _, m in got] == [1, 2, 3]  # type: ignore[attr-defined]
     assert not [k for k in b.rejected if k.startswith("line:")]  # neither is the peer's fault
+
+
+async def test_lines_over_the_total_pace_drop_frames_but_keep_an_honest_line(swarm3) -> None:
+    """Strangers that stay within their own pace can still fill the total one together: a frame
+    over the total is dropped, but the line it came on stays open and is not counted against its
+    sender (ending it cut a shepherd's heartbeats off until it noticed and reopened)."""
+    _boot, a, b = swarm3
+    got = Inbox(b)
+    # one stranger's burst is the whole total, and the buckets hardly refill during the test
+    limits = RateLimits(per_peer_s=0.001, per_peer_burst=40.0, total_s=0.001, total_burst=40.0)
+    b.messenger.line_rate = Rate(limits, name="line")
+    await a.messenger.post(b.peer_id, LinePing(seq=1))  # a's line is open
+    await got.wait_for(1)
+    async with stranger_line(b.addrs()[0]) as line:
+        await line.write(b"".join(frame(LinePing(seq=100 + i)) for i in range(39)))  # within its own burst
+        await got.wait_for(40)
+        await a.messenger.post(b.peer_id, LinePing(seq=2))  # over the total: dropped
+        await b.wait_until(lambda: b.messenger.line_rate.refusals[RATE_TOTAL] == 1, timeout=10)
+    b.messenger.line_rate = Rate(limits, name="line")  # (full buckets again, as time would give)
+    await a.messenger.post(b.peer_id, LinePing(seq=3))
+    await got.wait_for(41)
+    assert [m.seq for s, m in got if s == a.peer_id] == [1, 3]  # type: ignore[attr-defined]
+    assert a.status().network["protocol_bytes"][LINE_PROTOCOL]["streams"] == 1  # the same line throughout
+    assert not [k for k in b.rejected if k.startswith("line:")]  # nobody's fault

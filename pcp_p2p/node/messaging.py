@@ -42,9 +42,10 @@ a stranger can make a node spend on lines is bounded: one line per peer (a
 newer one replaces it: the sender reopens when its old one broke),
 ``lines_total`` in all, frames of at most the largest line type's size, paced
 by a token bucket per peer and in total, and a line idle for ``line_idle_s``
-is closed. A frame that is malformed, oversized or over the pace ends its line
-(counted as the sender's rejection); one that decoded but its handler declined
-is counted and the line goes on.
+is closed. A frame that is malformed, oversized or over its sender's pace ends
+its line (counted as the sender's rejection); one that decoded but its handler
+declined is counted and the line goes on, and so does one dropped because all
+lines together are over the total pace (not its sender's fault).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from pcp_p2p.core.errors import (
     Refused,
 )
 from pcp_p2p.core.faults import INTERNAL_ERROR, LOCAL, PEER, refusal_reason
-from pcp_p2p.net.budget import Budget, Limits, Pace, Rate, Reservation
+from pcp_p2p.net.budget import RATE_TOTAL, Budget, Limits, Pace, Rate, Reservation
 from pcp_p2p.wire import Message, decode, encode, wire_message
 from pcp_p2p.wire.framing import read_body, read_exact, read_frame, read_length, reset_quietly, write_frame
 
@@ -142,6 +143,7 @@ class Messenger:
         self._lines_out: dict[str, _Line] = {}  # peer -> the line this node posts to it on
         self._lines_in: dict[str, trio.CancelScope] = {}  # peer -> the scope of the line it posts to us on
         self.line_rate = Rate(c.line_rate, name="line")
+        c.extra_status["line_rate"] = self.line_rate.snapshot  # (its refusals by reason)
 
     def register(self, types: tuple[type[Message], ...], handler: Handler, *, line: bool = False) -> None:
         """Deliver messages of ``types`` to ``handler(sender_peer_id, message)``; with ``line``,
@@ -243,7 +245,16 @@ class Messenger:
                         data = await read_body(stream, n)
                     if slow.cancelled_caught:
                         raise PeerTimeout(f"a line frame of {n} bytes did not arrive within {c.op_timeout:.0f} s")
-                    self.line_rate.take(sender, trio.current_time())  # OverBudget: the line ends
+                    try:
+                        self.line_rate.take(sender, trio.current_time())
+                    except OverBudget as exc:
+                        if exc.reason != RATE_TOTAL:
+                            raise  # this sender's own pace: the line ends, its rejection
+                        # All lines together are over the pace: this frame is dropped (counted in
+                        # the budget's refusals), but the line stays and is not its sender's
+                        # fault: strangers' floods must not cut the holder's heartbeats off.
+                        self.node._notify()
+                        continue
                     msg = decode(data, *types)
                     try:
                         await self._handlers[type(msg)](sender, msg)
