@@ -16,7 +16,7 @@ from pcp_p2p.diloco.protocol.effects import Send
 from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
 from pcp_p2p.diloco.run.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
-from pcp_p2p.diloco.run.run_effects import MessageIn
+from pcp_p2p.diloco.run.run_effects import MessageIn, ReplicateCommit, Replicated
 from pcp_p2p.diloco.run.runtime import RunRuntime
 
 RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
@@ -205,3 +205,48 @@ async def test_a_batchs_messages_reach_each_peer_in_the_machines_order(autojump_
     order = {peer: [r for p, r, _ in arrived if p == peer] for peer in ("slow", "fast")}
     assert order == {"slow": [7, 8], "fast": [7, 8]}
     assert max(t for p, _, t in arrived if p == "fast") - t0 < 1.0  # not behind the slow peer's ack
+
+
+async def test_a_commit_goes_to_every_node_at_once_and_each_gets_one_copy(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The replication asks every node the commit is for at once (each acks once it holds the
+    checkpoint), answers the machine at the first ack, and lets the other sends go on; the batch
+    the machine then lets out names the commit again for each node that has not acked, and
+    joins the send in flight instead of sending a second copy, so each node's next message
+    still waits for its own ack. Asking two nodes first and the rest after one ack put two
+    checkpoint fetches in a row on every round's path (docs/connectivity.md, run 7)."""
+    shepherd = FlakyDht(fails=0)
+    rec, after = commit(shepherd), dataclasses.replace(commit(shepherd), round=8)
+    ack_after = {"a": 1.0, "b": 3.0, "c": 4.0}  # how long each node takes to hold the checkpoint
+    sent: list[tuple[str, int, float]] = []  # (peer, round, when it left)
+    acked: list[tuple[str, int, float]] = []
+
+    async def send(peer: str, msg: CommitRecord) -> None:
+        sent.append((peer, msg.round, trio.current_time()))
+        await trio.sleep(ack_after[peer] if msg.round == 7 else 0.1)
+        acked.append((peer, msg.round, trio.current_time()))
+
+    async def nothing() -> None:
+        return None
+
+    rt, inbox = delivering_runtime(None, set())
+    rt.node = SimpleNamespace(peer_id="me", messenger=SimpleNamespace(send=send))  # type: ignore[assignment]
+    rt.io = SimpleNamespace(stores_done=nothing)  # type: ignore[assignment]
+    rt._commits_out = {}
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        rt._nursery = n
+        n.start_soon(rt._replicate_commit, ReplicateCommit(rec, ("a", "b", "c"), 5.0))
+        answer = await inbox.receive()
+        assert isinstance(answer, Replicated) and answer.acked == ["a"]
+        assert trio.current_time() - t0 == pytest.approx(1.0)  # the first ack, not the slowest
+        # what the machine lets out then: the commit to those that have not acked, each node's next message
+        rt._carry_out([Send("a", after), Send("b", rec), Send("b", after), Send("c", rec), Send("c", after)])
+    assert sorted((p, r) for p, r, _ in sent) == [("a", 7), ("a", 8), ("b", 7), ("b", 8), ("c", 7), ("c", 8)]
+    assert all(t == t0 for p, r, t in sent if r == 7)  # side by side, from the start
+    acks = {(p, r): t for p, r, t in acked}
+    for peer in ack_after:  # each node's next message left after its own ack of the commit
+        left = next(t for p, r, t in sent if (p, r) == (peer, 8))
+        assert left >= acks[(peer, 7)]
+    assert max(acks.values()) - t0 == pytest.approx(4.1)  # the slowest node's fetch, not two in a row
+    assert rt._commits_out == {}

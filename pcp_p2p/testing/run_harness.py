@@ -411,13 +411,12 @@ class RunSwarm:
                     acked.append(peer)
                     done.set()
 
-        async with trio.open_nursery() as n:
+        async with trio.open_nursery() as n:  # (as the runtime: the other sends go on)
             for peer in e.targets:
                 n.start_soon(ask, peer)
             with trio.move_on_after(e.timeout_s):
                 await done.wait()
-            n.cancel_scope.cancel()
-        node.post(Replicated(e.commit, acked))
+            node.post(Replicated(e.commit, list(acked)))
 
     async def _set_up(self, node: MemNode, e: SetUpShepherd) -> None:
         become, m = e.become, node.machine

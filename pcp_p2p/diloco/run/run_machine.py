@@ -10,9 +10,11 @@ swarm survives a kill at the wrong moment. They live here, and only here:
 - **A commit is held until another node holds its checkpoint.** The shepherd's
   first ``Send`` of a commit to another node and everything after it wait
   (``ReplicateCommit``) until one worker acknowledged it (a worker acknowledges
-  only once it holds the checkpoint) or a timeout passes; the rest of the commit's
-  sends then go out, in the shepherd's order. A shepherd killed right after
-  committing never takes the only copy of θ with it.
+  only once it holds the checkpoint) or a timeout passes; the rest then goes out,
+  in the shepherd's order. The commit itself goes to every node it is for at
+  once, so they all fetch the checkpoint side by side (through its relay tree)
+  while the first ack is awaited. A shepherd killed right after committing never
+  takes the only copy of θ with it.
 - **A commit counts only once the election vouched for it** (``CommitChecked``):
   nothing a commit names is fetched before its term's lease is accepted.
 - **Joins wait while the shepherd compiles.** ``Join``, ``Submission`` and
@@ -176,7 +178,6 @@ from pcp_p2p.wire import Message, encode
 
 log = logging.getLogger("pcp.run")
 
-REPLICAS = 2  # workers asked to hold a checkpoint before its commit goes out (one ack suffices)
 REPLICATE_TIMEOUT_S = 5.0  # a held commit goes out regardless after this; below the messenger's ack timeout
 HISTORY = 1000
 ALLOWLIST_EVERY_S = 30.0  # how often the owner's allowlist amendments are looked up (at most)
@@ -868,12 +869,16 @@ class RunMachine:
                 self._held = [effects[first:]]
                 peers = [e.to for e in self._held[0] if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
-                # Workers that just submitted to this round are the likeliest to be alive; among
-                # them, the checkpoint's relay-tree root and its first child (pcp_p2p.blob.swarm),
-                # so the second fetches it from the first and the origin's uplink carries one copy.
+                # Every node the commit is for at once (one ack suffices): each accepts it only
+                # once it holds the checkpoint, so none is left on a commit nobody holds, and
+                # they all fetch it side by side through its relay tree (pcp_p2p.blob.swarm), so
+                # the origin's uplink still carries one copy. Asking two first and the rest
+                # after one ack put two checkpoint fetches in a row on every round's path: about
+                # 2.8 s a round on the network lab's 20 Mbit/s, 40 ms links (docs/connectivity.md).
+                # Participants in tree order first (the likeliest alive, the root first).
                 tree = tree_order(commit.checkpoint_cid, [p for p in commit.participants if p != self.peer_id])
                 rank = {p: i for i, p in enumerate(tree)}
-                targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))[:REPLICAS]
+                targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))
                 self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S))
                 return
         self._round_now(who, effects, now)

@@ -16,7 +16,8 @@ StoreBlob, Fetch       :class:`~pcp_p2p.diloco.run.run_blobs.RunBlobs`; a train 
                        is checked, its vmfb fetched and the IREE executor started
 RunInner, CancelInner  :class:`~pcp_p2p.diloco.run.engine.InnerEngine` in a thread
 LookUp*, Publish*      :class:`~pcp_p2p.diloco.run.run_dht.RunRecords` (the DHT)
-ReplicateCommit        the commit sent to its targets; the first ack (or a timeout) answers
+ReplicateCommit        the commit sent to all its targets at once; the first ack (or a timeout)
+                       answers, the other sends go on (the batch after joins them)
 SetUpShepherd          dataset, artifacts (compiled, or the standby's), evaluator,
                        starting state; ``CancelSetUp`` cancels it (the compiler is killed)
 Audit                  :class:`~pcp_p2p.diloco.run.run_audits.AuditClerk`
@@ -173,6 +174,8 @@ class RunRuntime:
         self._beat_at = float("-inf")  # when this node last sent its heartbeat (its clock)
         self._beating: set[str] = set()  # peers a heartbeat is on its way to (one at a time each)
         self._beats_in: list[tuple[str, Heartbeat]] = []  # heartbeats received, for the next step
+        # Commits on their way to a peer (``send_to``): a second send of the same one joins it.
+        self._commits_out: dict[tuple[str, int, int, int, str], _InFlight] = {}
 
     # -- what others read -----------------------------------------------------------------
 
@@ -560,7 +563,30 @@ class RunRuntime:
             await self.send_to(peer, msg)
 
     async def send_to(self, peer: str, msg: Message) -> bool:
-        """Send and wait for the ack; False (logged once) if it did not arrive."""
+        """Send and wait for the ack; False (logged once) if it did not arrive.
+
+        A commit already on its way to ``peer`` is not sent twice: this waits for that send
+        and answers as it does. The replication (:meth:`_replicate_commit`) sends a commit to
+        every node at once and lets the machine go on after the first ack; the batch that
+        follows names the commit again for each node, before its announcement, and joins the
+        send still in flight (whose ack, given once the node holds the checkpoint, is what the
+        announcement must wait for)."""
+        if not isinstance(msg, CommitRecord):
+            return await self._send_once(peer, msg)
+        key = (peer, msg.term, msg.round, msg.attempt, msg.theta_cid)
+        flight = self._commits_out.get(key)
+        if flight is not None:
+            await flight.done.wait()
+            return flight.ok
+        flight = self._commits_out[key] = _InFlight()
+        try:
+            flight.ok = await self._send_once(peer, msg)
+            return flight.ok
+        finally:
+            del self._commits_out[key]
+            flight.done.set()
+
+    async def _send_once(self, peer: str, msg: Message) -> bool:
         if isinstance(msg, (RoundAnnouncement, CommitRecord)):
             await self.io.stores_done()  # never name a blob before we hold it
         try:
@@ -587,25 +613,25 @@ class RunRuntime:
 
     async def _replicate_commit(self, e: ReplicateCommit) -> None:
         """Make one other node hold the checkpoint: the commit message is the request (a worker
-        acks it only once it holds the checkpoint, :meth:`deliver`); the first ack wins, and
-        with none in ``e.timeout_s`` the commit goes out anyway (a swarm of one must
-        still make progress)."""
+        acks it only once it holds the checkpoint, :meth:`deliver`), sent to every target at
+        once; the first ack lets the machine go on, and with none in ``e.timeout_s`` the commit
+        goes out anyway (a swarm of one must still make progress). The other sends go on: the
+        machine's batch that follows joins them (:meth:`send_to`) rather than sending again."""
         commit = e.commit
         acked: list[str] = []
-        done = trio.Event()
+        first = trio.Event()
 
         async def ask(peer: str) -> None:
             if await self.send_to(peer, commit):
                 acked.append(peer)
-                done.set()
+                first.set()
 
         async with trio.open_nursery() as n:
             for peer in e.targets:
                 n.start_soon(ask, peer)
             with trio.move_on_after(e.timeout_s):
-                await done.wait()
-            n.cancel_scope.cancel()  # one replica suffices; the others get the commit from the machine
-        self.post(Replicated(commit, list(acked)))
+                await first.wait()
+            self.post(Replicated(commit, list(acked)))
 
     async def _replicate_checkpoint(self, cid: str, hint: str | None = None,
                                     swarm: tuple[str, ...] | None = None) -> None:
@@ -792,3 +818,11 @@ def _describe(x: Any) -> str:
     if msg is not None:
         fields.append(f"msg={type(msg).__name__}")
     return f"{type(x).__name__}({', '.join(fields)})"
+
+
+class _InFlight:
+    """A commit's send to one peer (``RunRuntime.send_to``): done, and whether it was acked."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.ok = False
