@@ -17,22 +17,21 @@ store). The driver (this process) plays the messages of the round flow
 2. the shepherd fetches the Δs into memory (``fetch_into``, as
    ``run_blobs`` does), decodes and averages them, takes the outer Nesterov
    step, encodes the checkpoint (θ and momentum, 80 MB) and stores it;
-3. the commit is held until a replica holds the checkpoint
-   (``REPLICAS`` = 2 asked, the first ack releases it), then every worker
-   fetches the checkpoint before it accepts the commit, then holds θ;
+3. every worker fetches the checkpoint before it accepts the commit, then
+   holds θ (see the arms for who fetches when);
 4. the clock stops when the last worker holds θ: checked against its CID,
    in memory, where the runtime hands it to the worker machine (it is
    stored in the background); in the ``direct`` arm, fetched into the store.
 
 Arms, in the same run, alternating round by round so both see the same load:
 
-- ``swarm`` (today's flow): the replicas are the checkpoint's relay-tree
-  root and first child; every worker fetches from its tree ancestors, the
-  shepherd last (:mod:`pcp_p2p.blob.swarm`), and takes θ out of the
-  checkpoint (byte-identical; its CID checked);
-- ``direct`` (the flow before swarming, the baseline): the replicas and then
-  every worker fetch the checkpoint from the shepherd, then θ from the
-  shepherd.
+- ``swarm`` (today's flow): the commit goes to every worker at once, and
+  each fetches the checkpoint from its tree ancestors, the shepherd last
+  (:mod:`pcp_p2p.blob.swarm`), and takes θ out of it (byte-identical; its
+  CID checked);
+- ``direct`` (the flow before swarming, the baseline): the commit is held
+  until one of ``REPLICAS`` = 2 replicas holds the checkpoint, then every
+  other worker fetches it from the shepherd, then θ from the shepherd.
 
 Also reported: the shepherd's side-channel bytes out per round over θ's size
 (``shepherd_out_per_theta``), per arm.
@@ -149,7 +148,7 @@ class BenchNode:
         import trio
 
         from pcp_p2p.blob.tensor_codec import decode_tensors
-        from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, checkpoint_theta_bytes, encode_checkpoint
+        from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, Checkpoint, checkpoint_theta_span, encode_checkpoint
 
         state = self.state
         assert state is not None
@@ -172,7 +171,8 @@ class BenchNode:
                 state.momentum[name] += mean
                 state.theta[name] -= 0.7 * (mean + 0.9 * state.momentum[name])
             ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, state))
-            theta = checkpoint_theta_bytes(ckpt)
+            off, size = checkpoint_theta_span(ckpt[:THETA_HEAD])  # as the shepherd takes θ's bytes
+            theta = ckpt[off : off + size]
             self.svc.store.put_bytes(theta)  # the shepherd's StoreBlob of θ and of the checkpoint
             return self.svc.store.put_bytes(ckpt), theta_cid, len(theta)
 
@@ -266,26 +266,24 @@ def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[
     ckpt, theta = agg["ckpt"], agg["theta"]
     members = [w.peer for w in workers]
     by_peer = {w.peer: w for w in workers}
-    if arm == "swarm":
-        order = tree_order(ckpt, members)
-        replicas = [by_peer[p] for p in order[:REPLICAS]]
-
-        def fetch(w: Proc) -> None:
+    if arm == "swarm":  # the commit goes to every worker at once; each fetches through the tree
+        for w in [by_peer[p] for p in tree_order(ckpt, members)]:
             w.send(op="fetch", ckpt=ckpt, providers=[*upstream(ckpt, members, w.peer), shepherd.peer],
                    ordered=True, theta=theta, theta_from_ckpt=True)
+        done = [w.read()["t"] for w in workers]
     else:
         replicas = workers[:REPLICAS]
 
         def fetch(w: Proc) -> None:
             w.send(op="fetch", ckpt=ckpt, providers=[shepherd.peer], ordered=False, theta=theta,
                    theta_from_ckpt=False, shepherd=shepherd.peer)
-    for r in replicas:
-        fetch(r)
-    done = [replicas[0].read()["t"]]  # one ack releases the commit
-    rest = [w for w in workers if w not in replicas]
-    for w in rest:
-        fetch(w)
-    done += [w.read()["t"] for w in [*replicas[1:], *rest]]
+        for r in replicas:
+            fetch(r)
+        done = [replicas[0].read()["t"]]  # one ack releases the commit
+        rest = [w for w in workers if w not in replicas]
+        for w in rest:
+            fetch(w)
+        done += [w.read()["t"] for w in [*replicas[1:], *rest]]
     after = shepherd.ask(op="traffic")["bytes_out"]
     return {"s": max(done) - t0, "aggregate_s": agg["t"] - t0,
             "shepherd_out_per_theta": (after - before) / agg["theta_bytes"]}

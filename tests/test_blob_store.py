@@ -160,3 +160,22 @@ def test_usage_reports_what_is_held_and_what_is_pinned(tmp_path: Path) -> None:
     assert s.usage() == {"used_bytes": 1300, "max_bytes": 10_000, "pinned_bytes": 1000, "blobs": 2, "pinned_blobs": 1}
     s.unpin(a)
     assert s.usage()["pinned_bytes"] == 0 and s.usage()["pinned_blobs"] == 0
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, (4 << 20) * 2 + 123, (4 << 20) * 3])
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_durably_writes_exactly_the_bytes(tmp_path: Path, size: int, direct: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Direct I/O from a bounce buffer (the aligned part) plus the page cache (the tail), or the
+    page cache alone where O_DIRECT is missing or refused: the file holds the bytes, nothing more."""
+    from pcp_p2p.blob import store as store_mod
+
+    if not direct:
+        monkeypatch.setattr(store_mod, "_O_DIRECT", 0)
+    data = os.urandom(size)
+    path = tmp_path / "blob"
+    store_mod.write_durably(path, data)
+    assert path.read_bytes() == data
+    s = BlobStore(tmp_path / "s", 1 << 30)
+    cid = s.put_bytes(data)
+    assert cid == cid_of(data) and s.read(cid) == data

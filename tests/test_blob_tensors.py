@@ -161,3 +161,26 @@ def test_int8_across_slabs_matches_the_per_block_definition(block: int) -> None:
     scale = (np.abs(pad.reshape(-1, block)).max(axis=1) / 127).astype(np.float32).astype(np.float64)
     bound = np.repeat(scale / 2, block)[: x.size] + np.abs(x) * 2.0**-23
     assert np.all(np.abs(y.astype(np.float64) - x) <= bound)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 3000), st.sampled_from([1, 7, 256, 1024]), st.sampled_from(["float16", "float32", "float64"]),
+       st.integers(0, 2**32 - 1))
+def test_int8_decodes_to_the_exact_product_rounded_once(n: int, block: int, dtype: str, seed: int) -> None:
+    """Arbitrary int8 values and scales (subnormal to huge, as a sender may write them): each
+    value decodes to q·s computed exactly (float64) and rounded once to the declared dtype, or
+    the whole bundle is refused as non-finite — the float32 fast path is bit for bit that."""
+    rng = np.random.default_rng(seed)
+    nblocks = -(-n // block)
+    scales = np.exp2(rng.uniform(-149, 128, nblocks)).astype(np.float32)
+    q = rng.integers(-127, 128, n, dtype=np.int8)
+    e = {"name": "w", "dtype": dtype, "shape": [n], "codec": "int8", "block": block}
+    with np.errstate(over="ignore"):
+        want = (q.astype(np.float64) * np.repeat(scales.astype(np.float64), block)[:n]).astype(dtype)
+    data = _payload([e], scales.astype("<f4").tobytes() + q.tobytes())
+    if not np.all(np.isfinite(want)):
+        with pytest.raises(MalformedMessage):
+            decode_tensors(data, max_bytes=LIMIT)
+        return
+    got = decode_tensors(data, max_bytes=LIMIT)["w"]
+    assert got.dtype == np.dtype(dtype) and got.tobytes() == want.tobytes()

@@ -99,6 +99,22 @@ def test_a_run_without_outer_momentum_checkpoints_theta_alone_and_continues_exac
     assert a.theta_cid == b.theta_cid
 
 
+@pytest.mark.parametrize("n", [0, 3, 70, 16_000, 70_000])  # bin8, bin16 and bin32 bundles
+@pytest.mark.parametrize("with_momentum", [True, False])
+def test_a_checkpoint_is_the_msgpack_array_it_is_specified_as(n: int, with_momentum: bool) -> None:
+    """encode_checkpoint frames the bundles itself (one copy of the tensors): byte for byte msgpack's."""
+    import msgpack
+
+    rng = np.random.default_rng(n)
+    theta = {"w": rng.standard_normal(n).astype(np.float32), "b": np.ones((2, 3), np.float32)}
+    state = OuterState(theta, {k: v * 0.5 for k, v in theta.items()}, 4)
+    data, theta_cid = encode_checkpoint(Checkpoint("run", 2, state, {"val_loss": 1.25}), with_momentum=with_momentum)
+    meta = {"run_id": "run", "term": 2, "round": 4, "metrics": {"val_loss": 1.25}}
+    want = msgpack.packb(["pcp-checkpoint", 1, meta, pack_tensors(theta),
+                          pack_tensors(state.momentum if with_momentum else {})], use_bin_type=True)
+    assert data == want and theta_cid == cid_of(pack_tensors(theta))
+
+
 @pytest.mark.parametrize("n", [3, 70_000])  # a small and a large θ (bin header widths differ)
 def test_theta_span_from_a_checkpoints_head_is_the_theta_bundle(n: int) -> None:
     """A worker reads only θ's range of the checkpoint it replicated (``runtime._theta_from_checkpoint``)."""

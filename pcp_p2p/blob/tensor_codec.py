@@ -75,6 +75,20 @@ def encode_tensors(
     named: dict[str, np.ndarray], codec: str = "int8", *, block: int = DEFAULT_BLOCK
 ) -> bytes:
     """Serialise named float tensors with one codec (see module docstring)."""
+    return b"".join(encode_tensor_parts(named, codec, block=block))
+
+
+def encode_tensor_parts(
+    named: dict[str, np.ndarray], codec: str = "int8", *, block: int = DEFAULT_BLOCK
+) -> list[bytes | memoryview]:
+    """:func:`encode_tensors`'s bytes as pieces to join, not yet joined.
+
+    Why: an fp32 payload is the caller's own array when it is already
+    little-endian float32 and contiguous (no copy), so a caller that frames the
+    bundle inside a larger blob (a checkpoint: θ and momentum, 80 MB for a 10M
+    model, built inside the shepherd's round) copies every byte once, in its
+    one ``b"".join``, instead of once per layer of framing.
+    """
     if codec not in CODECS:
         raise InvalidInput(f"unknown codec {codec!r}; use one of {', '.join(CODECS)}")
     if not 1 <= block <= 1 << 20:
@@ -82,7 +96,7 @@ def encode_tensors(
     if len(named) > MAX_TENSORS:
         raise InvalidInput(f"{len(named)} tensors > limit {MAX_TENSORS}")
     entries: list[TensorEntry] = []
-    payloads: list[bytes] = []
+    payloads: list[bytes | memoryview] = []
     for name, arr in named.items():
         if not isinstance(name, str) or len(name) > MAX_NAME:
             raise InvalidInput(f"tensor name {name!r:.40} is not a string of <= {MAX_NAME} chars")
@@ -100,12 +114,12 @@ def encode_tensors(
         )
         payloads.append(_encode_one(name, flat, codec, block))
     header = encode(TensorHeader(tuple(entries)))
-    return b"".join([MAGIC, struct.pack(">I", len(header)), header, *payloads])
+    return [MAGIC, struct.pack(">I", len(header)), header, *payloads]
 
 
-def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes:
+def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes | memoryview:
     if codec == "fp32":
-        return flat.astype("<f4").tobytes()
+        return np.ascontiguousarray(flat, dtype="<f4").data  # the array itself when it already is: no copy
     if codec == "fp16":
         if flat.size and float(np.max(np.abs(flat))) > _FP16_MAX:
             raise InvalidInput(f"{name}: values beyond the fp16 range (|x| > {_FP16_MAX})")
@@ -198,17 +212,26 @@ def _decode_one(e: TensorEntry, view: memoryview, start: int, n: int) -> np.ndar
             raise MalformedMessage(f"{e.name}: negative or non-finite int8 scale")
         q = np.frombuffer(view, dtype=np.int8, count=n, offset=start + 4 * nblocks)
         out = np.empty(n, dtype=dtype)
-        step = _slab(e.block)
-        for s0 in range(0, n, step):  # slabs bound the float64 temporaries
-            seg = q[s0 : s0 + step]
-            m = seg.size
-            nb = -(-m // e.block)
-            padded = np.zeros(nb * e.block, dtype=np.float64)
-            padded[:m] = seg
-            sc = scales[s0 // e.block : s0 // e.block + nb].astype(np.float64)
-            vals64 = (padded.reshape(nb, e.block) * sc[:, None]).reshape(-1)[:m]
-            with np.errstate(over="ignore", invalid="ignore"):
-                out[s0 : s0 + m] = vals64.astype(dtype)
+        # One pass, no temporaries: q·s is exact in float64 (8 × 24 significant bits), so
+        # rounding it once to float32 is what float32 multiplication does anyway; the
+        # result is bit for bit that of computing in float64 and casting (tested).
+        whole = (n // e.block) * e.block
+        with np.errstate(over="ignore", invalid="ignore"):
+            if dtype == np.float32:
+                np.multiply(q[:whole].reshape(-1, e.block), scales[: whole // e.block, None],
+                            out=out[:whole].reshape(-1, e.block))
+                if whole < n:
+                    np.multiply(q[whole:], scales[-1], out=out[whole:])
+            else:  # float16 (rounded once from the exact product) or float64 (exact)
+                step = _slab(e.block)
+                for s0 in range(0, n, step):  # slabs bound the float64 temporaries
+                    seg = q[s0 : s0 + step]
+                    m = seg.size
+                    nb = -(-m // e.block)
+                    padded = np.zeros(nb * e.block, dtype=np.float64)
+                    padded[:m] = seg
+                    sc = scales[s0 // e.block : s0 // e.block + nb].astype(np.float64)
+                    out[s0 : s0 + m] = (padded.reshape(nb, e.block) * sc[:, None]).reshape(-1)[:m].astype(dtype)
         if not np.all(np.isfinite(out)):
             raise MalformedMessage(f"{e.name}: non-finite values (or beyond {e.dtype})")
         return out.reshape(e.shape)

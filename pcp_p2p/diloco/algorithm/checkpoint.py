@@ -29,7 +29,7 @@ import numpy as np
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import MalformedMessage
 from pcp_p2p.diloco.algorithm.outer import OuterState
-from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
+from pcp_p2p.diloco.algorithm.params import pack_tensor_parts, unpack_tensors
 
 MAGIC = "pcp-checkpoint"
 VERSION = 1
@@ -48,15 +48,35 @@ def encode_checkpoint(ckpt: Checkpoint, *, with_momentum: bool = True) -> tuple[
 
     ``with_momentum=False`` (a run with outer momentum 0) stores an empty momentum
     bundle, which :func:`decode_checkpoint` reads back as zeros."""
-    theta = pack_tensors(ckpt.state.theta, "fp32")
-    momentum = pack_tensors(ckpt.state.momentum if with_momentum else {}, "fp32")
     meta = {
         "run_id": ckpt.run_id,
         "term": ckpt.term,
         "round": ckpt.state.round,
         "metrics": {k: float(v) for k, v in ckpt.metrics.items()},
     }
-    return msgpack.packb([MAGIC, VERSION, meta, theta, momentum], use_bin_type=True), cid_of(theta)
+    # The same bytes as msgpack.packb([MAGIC, VERSION, meta, θ bundle, momentum bundle]), framed
+    # here so that the tensors' bytes are copied once (a 10M model's checkpoint is 80 MB, built
+    # inside the shepherd's round): the bundles' pieces go straight into the one join.
+    head = [b"\x95", *(msgpack.packb(x, use_bin_type=True) for x in (MAGIC, VERSION, meta))]
+    theta = pack_tensor_parts(ckpt.state.theta)
+    momentum = pack_tensor_parts(ckpt.state.momentum if with_momentum else {})
+    theta_size, theta_header = _size(theta), _bin_header(_size(theta))
+    theta_at = sum(map(len, head)) + len(theta_header)
+    data = b"".join([*head, theta_header, *theta, _bin_header(_size(momentum)), *momentum])
+    return data, cid_of(memoryview(data)[theta_at : theta_at + theta_size])
+
+
+def _size(parts: list[bytes | memoryview]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+def _bin_header(size: int) -> bytes:
+    """msgpack's header for a bin of ``size`` bytes (the smallest, as msgpack.packb writes it)."""
+    if size < 1 << 8:
+        return bytes([0xC4, size])
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    return b"\xc6" + size.to_bytes(4, "big")
 
 
 def checkpoint_theta_bytes(data: bytes) -> bytes:

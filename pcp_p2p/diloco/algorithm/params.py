@@ -27,7 +27,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pcp_p2p.blob.tensor_codec import decode_tensors, encode_tensors
+from pcp_p2p.blob.tensor_codec import decode_tensors, encode_tensor_parts
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import ConfigError
 from pcp_p2p.diloco.algorithm.sparse import SparseTopK
@@ -61,9 +61,14 @@ def _as_f32(params: Mapping[str, np.ndarray]) -> Params:
 
 def pack_tensors(params: Mapping[str, np.ndarray], codec: str = "fp32") -> bytes:
     """Bytes for ``params`` (as float32) in ``codec``; :class:`InvalidInput` for NaN/inf."""
+    return b"".join(pack_tensor_parts(params, codec))
+
+
+def pack_tensor_parts(params: Mapping[str, np.ndarray], codec: str = "fp32") -> list[bytes | memoryview]:
+    """:func:`pack_tensors`'s bytes as pieces to join (see :func:`~pcp_p2p.blob.tensor_codec.encode_tensor_parts`)."""
     if codec not in TENSOR_CODECS:
         raise ConfigError(f"unknown tensor codec {codec!r}; known: {', '.join(TENSOR_CODECS)}")
-    return encode_tensors(_as_f32(params), codec)
+    return encode_tensor_parts(_as_f32(params), codec)
 
 
 def unpack_tensors(data: bytes, max_bytes: int = MAX_BUNDLE_BYTES) -> Params:

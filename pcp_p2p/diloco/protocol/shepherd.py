@@ -86,7 +86,13 @@ from pcp_p2p.core.errors import (
 )
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.algorithm import data as data_mod
-from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, decode_checkpoint, encode_checkpoint
+from pcp_p2p.diloco.algorithm.checkpoint import (
+    THETA_HEAD,
+    Checkpoint,
+    checkpoint_theta_span,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
 from pcp_p2p.diloco.algorithm.params import Params, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
@@ -753,7 +759,8 @@ class Shepherd:
         self.state = new_state
         self.val_loss = val_loss
         self._guard_fails = 0
-        self.theta_bytes = pack_tensors(new_state.theta, "fp32")
+        off, size = checkpoint_theta_span(ckpt_bytes[:THETA_HEAD])
+        self.theta_bytes = ckpt_bytes[off : off + size]  # the checkpoint's θ bundle is the θ blob
         self.theta_cid = theta_cid
         self.attempt = 0
         self.round_agg = None
