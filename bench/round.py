@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,7 @@ class BenchNode:
 
         from pcp_p2p.blob.tensor_codec import decode_tensors
         from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, Checkpoint, checkpoint_theta_span, encode_checkpoint
+        from pcp_p2p.diloco.algorithm.outer import nesterov_step
 
         state = self.state
         assert state is not None
@@ -165,16 +167,18 @@ class BenchNode:
 
         def outer() -> tuple[str, str, int]:
             decoded = [decode_tensors(bytes(v), max_bytes=8 * PARAMS) for v in views]
-            for name in state.theta:
-                mean = sum(d[name] for d in decoded) / len(decoded)
-                state.momentum[name] *= 0.9
-                state.momentum[name] += mean
-                state.theta[name] -= 0.7 * (mean + 0.9 * state.momentum[name])
-            ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, state))
+            mean = {name: sum(d[name] for d in decoded) / len(decoded) for name in state.theta}
+            self.state = new = nesterov_step(state, mean, lr=0.7, momentum=0.9)  # the shepherd's step
+            ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new))
             off, size = checkpoint_theta_span(ckpt[:THETA_HEAD])  # as the shepherd takes θ's bytes
             theta = ckpt[off : off + size]
-            self.svc.store.put_bytes(theta)  # the shepherd's StoreBlob of θ and of the checkpoint
-            return self.svc.store.put_bytes(ckpt), theta_cid, len(theta)
+            # the shepherd's StoreBlob of θ and of the checkpoint: two stores side by side, as the
+            # runtime's store_later runs them; the commit leaves once both are done
+            with ThreadPoolExecutor(2) as pool:
+                stored_theta = pool.submit(self.svc.store.put_bytes, theta)
+                ckpt_cid = self.svc.store.put_bytes(ckpt)
+                stored_theta.result()
+            return ckpt_cid, theta_cid, len(theta)
 
         ckpt_cid, theta_cid, theta_bytes = await trio.to_thread.run_sync(outer)
         return {"ckpt": ckpt_cid, "theta": theta_cid, "theta_bytes": theta_bytes, "t": time.monotonic()}

@@ -42,6 +42,21 @@ def test_nesterov_matches_the_formula_over_two_steps():
     np.testing.assert_array_equal(s0.theta["a"], THETA["a"])  # the old state is untouched
 
 
+def test_nesterov_is_bit_for_bit_the_two_line_formula() -> None:
+    """The in-place step computes exactly v = μ·m + d, θ' = θ − η·(μ·v + d) in float32 (every
+    node that steps from a checkpoint must reach the same θ CID)."""
+    rng = np.random.default_rng(7)
+    th = {"w": rng.standard_normal(100_003).astype(np.float32)}
+    state = OuterState(th, {"w": rng.standard_normal(100_003).astype(np.float32)}, 0)
+    d = {"w": (rng.standard_normal(100_003) * 1e-3).astype(np.float32)}
+    mu, eta = np.float32(0.9), np.float32(0.7)
+    v = mu * state.momentum["w"] + d["w"]
+    want = (th["w"] - eta * (mu * v + d["w"])).astype(np.float32)
+    got = nesterov_step(state, d, lr=0.7, momentum=0.9)
+    assert got.theta["w"].tobytes() == want.tobytes() and got.momentum["w"].tobytes() == v.tobytes()
+    assert got.theta["w"].dtype == np.float32 and state.theta["w"].tobytes() == th["w"].tobytes()
+
+
 def test_params_cid_is_a_function_of_values():
     assert params_cid(THETA) == params_cid({k: v.copy() for k, v in THETA.items()})
     bumped = dict(THETA, b=THETA["b"] + np.float32(1e-6))
