@@ -149,7 +149,7 @@ class BenchNode:
         import trio
 
         from pcp_p2p.blob.tensor_codec import decode_tensors
-        from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, Checkpoint, checkpoint_theta_span, encode_checkpoint
+        from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, checkpoint_theta_bytes, encode_checkpoint
         from pcp_p2p.diloco.algorithm.outer import nesterov_step
 
         state = self.state
@@ -170,8 +170,7 @@ class BenchNode:
             mean = {name: sum(d[name] for d in decoded) / len(decoded) for name in state.theta}
             self.state = new = nesterov_step(state, mean, lr=0.7, momentum=0.9)  # the shepherd's step
             ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new))
-            off, size = checkpoint_theta_span(ckpt[:THETA_HEAD])  # as the shepherd takes θ's bytes
-            theta = ckpt[off : off + size]
+            theta = checkpoint_theta_bytes(ckpt)  # as the shepherd takes θ's bytes
             # the shepherd's StoreBlob of θ and of the checkpoint: two stores side by side, as the
             # runtime's store_later runs them; the commit leaves once both are done
             with ThreadPoolExecutor(2) as pool:

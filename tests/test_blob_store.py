@@ -171,7 +171,7 @@ def test_write_durably_writes_exactly_the_bytes(tmp_path: Path, size: int, direc
     from pcp_p2p.blob import store as store_mod
 
     if not direct:
-        monkeypatch.setattr(store_mod, "_O_DIRECT", 0)
+        monkeypatch.setattr(store_mod, "O_DIRECT", 0)
     data = os.urandom(size)
     path = tmp_path / "blob"
     store_mod.write_durably(path, data)

@@ -137,6 +137,8 @@ def test_theta_span_from_a_checkpoints_head_is_the_theta_bundle(n: int) -> None:
     data, theta_cid = encode_checkpoint(Checkpoint("run", 0, state, {"val_loss": 2.0}))
     off, length = checkpoint_theta_span(data[:THETA_HEAD])
     assert data[off : off + length] == checkpoint_theta_bytes(data) and cid_of(data[off : off + length]) == theta_cid
+    with pytest.raises(MalformedMessage):  # a head that claims more θ than the bytes hold
+        checkpoint_theta_bytes(data[: off + length - 1])
     for junk in (b"", b"\x95\xa3abc", b"\x95\xaepcp-checkpoint\x01\x80\xa1x", b"garbage" * 9, data[:off - 1]):
         with pytest.raises(MalformedMessage):
             checkpoint_theta_span(junk)

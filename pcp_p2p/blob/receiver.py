@@ -48,13 +48,11 @@ from contextlib import contextmanager
 
 from pcp_p2p.blob.chunks import ChunkManifest
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, RecordReader
-from pcp_p2p.blob.store import PendingBlob, start_writeback
+from pcp_p2p.blob.store import DIRECT_ALIGN, O_DIRECT, PendingBlob, start_writeback
 from pcp_p2p.core.errors import HashMismatch, LocalError, PcpError
 from pcp_p2p.net.budget import Pace
 
 VERIFIERS = 2
-DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length (any block size up to a page)
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 class ChunkPool:
@@ -131,9 +129,9 @@ class FileSink(ChunkSink):
     def open(cls, pending: PendingBlob, *, direct: bool = True) -> Iterator[FileSink]:
         fd = os.open(pending.path, os.O_RDWR)
         direct_fd = None
-        if direct and _O_DIRECT:
+        if direct and O_DIRECT:
             try:
-                direct_fd = os.open(pending.path, os.O_RDWR | _O_DIRECT)
+                direct_fd = os.open(pending.path, os.O_RDWR | O_DIRECT)
             except OSError:  # tmpfs and some others refuse O_DIRECT
                 direct_fd = None
         try:

@@ -75,8 +75,9 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
 
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_BOUNCE = 4 << 20  # bytes per direct write: a multiple of any block size up to a page
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096  # O_DIRECT: buffer address, file offset and length (any block size up to a page)
+_BOUNCE = 4 << 20  # bytes per direct write: a multiple of DIRECT_ALIGN
 
 
 def write_durably(path: Path, data: bytes | bytearray | memoryview) -> None:
@@ -90,9 +91,9 @@ def write_durably(path: Path, data: bytes | bytearray | memoryview) -> None:
     here); a file system that refuses ``O_DIRECT`` (tmpfs) gets the plain write.
     """
     view = memoryview(data).cast("B")
-    whole = len(view) - len(view) % 4096
+    whole = len(view) - len(view) % DIRECT_ALIGN
     done = 0
-    if _O_DIRECT and whole >= _BOUNCE:
+    if O_DIRECT and whole >= _BOUNCE:
         done = _write_direct(path, view[:whole])
     with open(path, "r+b" if done else "wb") as f:  # the rest (all of it without direct I/O) cached
         f.seek(done)
@@ -102,10 +103,10 @@ def write_durably(path: Path, data: bytes | bytearray | memoryview) -> None:
 
 
 def _write_direct(path: Path, view: memoryview) -> int:
-    """Write ``view`` (a multiple of 4096 bytes) at the start of a new file with ``O_DIRECT``:
+    """Write ``view`` (a multiple of :data:`DIRECT_ALIGN` bytes) at the start of a new file with ``O_DIRECT``:
     how many bytes were written (0 if the file system refuses direct I/O; the caller writes the rest)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
     except OSError:  # tmpfs and some others refuse O_DIRECT
         return 0
     done = 0

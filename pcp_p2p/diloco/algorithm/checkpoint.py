@@ -80,8 +80,13 @@ def _bin_header(size: int) -> bytes:
 
 
 def checkpoint_theta_bytes(data: bytes) -> bytes:
-    """The θ bundle inside checkpoint bytes (to serve θ without re-encoding)."""
-    return _split(data)[1]
+    """The θ bundle inside checkpoint bytes (to serve θ without re-encoding): its range, found
+    from the head (:func:`checkpoint_theta_span`), one copy of θ and none of the momentum.
+    Only a claim, like the span: a caller checks it against θ's CID."""
+    off, length = checkpoint_theta_span(data[:THETA_HEAD])
+    if off + length > len(data):
+        raise MalformedMessage("checkpoint θ runs past its end")
+    return data[off : off + length]
 
 
 THETA_HEAD = 64 * 1024

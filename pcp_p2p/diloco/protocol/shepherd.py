@@ -87,9 +87,8 @@ from pcp_p2p.core.errors import (
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.algorithm import data as data_mod
 from pcp_p2p.diloco.algorithm.checkpoint import (
-    THETA_HEAD,
     Checkpoint,
-    checkpoint_theta_span,
+    checkpoint_theta_bytes,
     decode_checkpoint,
     encode_checkpoint,
 )
@@ -759,8 +758,7 @@ class Shepherd:
         self.state = new_state
         self.val_loss = val_loss
         self._guard_fails = 0
-        off, size = checkpoint_theta_span(ckpt_bytes[:THETA_HEAD])
-        self.theta_bytes = ckpt_bytes[off : off + size]  # the checkpoint's θ bundle is the θ blob
+        self.theta_bytes = checkpoint_theta_bytes(ckpt_bytes)  # the checkpoint's θ bundle is the θ blob
         self.theta_cid = theta_cid
         self.attempt = 0
         self.round_agg = None
