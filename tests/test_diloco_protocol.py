@@ -576,3 +576,44 @@ def test_worker_still_training_submits_to_the_next_term_that_starts_from_its_the
     assert sent(w.set_shepherd(1, new, now=5.0, base=(0, r.ann.theta_cid)), Submission) == []
     effects = w.on_inner_done(InnerResult(0, 0, dict(THETA0), 10, (1.0,) * 10, None), now=10.0)
     assert [(e.to, type(e.message)) for e in effects if isinstance(e, Send)] == [(new, Submission)]
+
+
+def _overtaken_commit(r: Round, w: Worker):
+    """``w`` submitted round 0 with inner state "state-0"; the round committed; returns
+    (commit of round 0, announcement of round 1, θ_1's bytes) without delivering them."""
+    w.theta, w.theta_cid = dict(THETA0), r.ann.theta_cid
+    (run,) = [e for e in w.on_announcement(r.ann, now=0.0) if isinstance(e, RunInner)]
+    local = {k: v - 0.01 for k, v in run.theta.items()}
+    (sub,) = sent(w.on_inner_done(InnerResult(0, 0, local, 10, (1.0,) * 10, "state-0"), now=5.0), Submission)
+    effects = r.shepherd.on_submission(sub, now=5.0)
+    for who in r.ids[1:]:
+        effects += r.shepherd.on_submission(r.submission(who), now=5.0)
+    (rec,) = [e.record for e in effects if isinstance(e, Committed)]
+    assert w.peer_id in rec.participants
+    ann1 = sent(effects, RoundAnnouncement)[0]  # the same message goes to each worker
+    theta1 = next(e.data for e in effects if isinstance(e, StoreBlob) and e.cid == rec.theta_cid)
+    return rec, ann1, theta1
+
+
+def test_an_announcement_that_overtakes_the_commit_waits_for_it_to_settle_the_inner_state():
+    r = Round()
+    w = make_worker(10)
+    rec, ann1, theta1 = _overtaken_commit(r, w)
+    effects = w.on_announcement(ann1, now=6.0)  # before the commit of the round we submitted
+    assert any(isinstance(e, LookupCommit) for e in effects)
+    assert not any(isinstance(e, RunInner) for e in w.on_blob(rec.theta_cid, theta1, now=6.1))
+    assert w.phase is WorkerPhase.FETCHING and w.inner_state is None  # held: not from the stale state
+    (run,) = [e for e in w.on_commit(rec, now=6.2) if isinstance(e, RunInner)]
+    assert (run.round, run.inner_state) == (1, "state-0") and w.inner_state == "state-0"
+
+
+def test_a_hold_for_a_commit_that_never_comes_ends_and_the_round_trains_from_the_settled_state():
+    r = Round()
+    w = make_worker(10)
+    rec, ann1, theta1 = _overtaken_commit(r, w)
+    w.on_announcement(ann1, now=6.0)
+    assert w.on_blob(rec.theta_cid, theta1, now=6.1) == []
+    assert w.next_wakeup == 6.0 + ann1.time_budget_s / 4 and w.tick(now=w.next_wakeup - 0.01) == []
+    (run,) = [e for e in w.tick(now=w.next_wakeup) if isinstance(e, RunInner)]
+    assert run.inner_state is None and w.pending_state is None
+    assert w.on_commit(rec, now=9.0) == []  # the late commit changes nothing for the round in flight

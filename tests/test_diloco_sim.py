@@ -7,11 +7,15 @@ worker ends holding exactly the final committed θ, and training made progress.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pcp_p2p.core.errors import StaleMessage
+from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.messages import DataAssignment
 from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.testing.diloco_sim import KILL_PHASES, Faults, SimConfig, SimResult, WorkerPlan, simulate
+from pcp_p2p.testing.quadratic import Quadratic
 
 
 def spec(rounds: int = 6, quorum: int = 2):
@@ -125,3 +129,32 @@ async def test_heavy_fault_sweep(autojump_clock, seed):
     r = await simulate(SimConfig(spec=spec(), workers=tuple(plans), faults=faults, seed=seed))
     check_invariants(r, 6)
     assert all(isinstance(e, StaleMessage) for _, _, e in r.rejected), r.rejected
+
+
+# --- the toy objective itself ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shards", [2, 3, 4, 7])
+def test_the_toys_shard_optima_are_equally_far_from_the_optimum_and_average_to_it(shards):
+    # on a line (the toy before 2026-11-28) two of four shards sat at θ* and the others twice as far
+    # as with three; honest Δs then differed by more than the norm screen allows
+    q = Quadratic.make(np.random.default_rng(5), (8, 4))
+    optima = [q.shard_optimum(s, shards) for s in range(shards)]
+    dist = [np.sqrt(sum(float(np.sum((o[k] - q.optimum[k]) ** 2)) for k in o)) for o in optima]
+    assert max(dist) < 1.0001 * min(dist) and min(dist) > 0.5
+    for k in q.optimum:
+        assert np.allclose(np.mean([o[k] for o in optima], axis=0), q.optimum[k], atol=1e-5)
+
+
+def test_the_toys_inner_run_leaves_the_state_it_started_from_as_it_was():
+    # a worker keeps its settled state to train from again if a submission is not committed;
+    # an inner run that updated the moments in place would change that state too
+    q = Quadratic.make(np.random.default_rng(5), (8, 4))
+    s = spec()
+    run0 = RunInner(0, 0, q.initial(), "cid", None, DataAssignment("w", 0, 4, 1, 10), 10.0, None)
+    settled = q.inner(run0, 10, s).inner_state
+    before = {part: {k: v.copy() for k, v in settled[part].items()} for part in ("m", "v")}
+    q.inner(RunInner(1, 0, q.initial(), "cid", None, DataAssignment("w", 0, 4, 2, 10), 10.0, settled), 10, s)
+    for part in ("m", "v"):
+        for k, v in before[part].items():
+            assert np.array_equal(settled[part][k], v), (part, k)

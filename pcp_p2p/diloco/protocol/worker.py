@@ -28,7 +28,15 @@ and trains each round from θ − residual (:func:`~pcp_p2p.diloco.algorithm.spa
 and ended with, and the worker moves on to a new state only once a commit
 lists it as a participant of the round it submitted: a submission that was
 lost, refused or discarded never becomes a start state, so the worker's
-states form the same chain the shepherd sees (``audit.StateChain``).
+states form the same chain the shepherd sees (``audit.StateChain``). For the
+same reason a worker whose submission of round r is still pending does not
+train a later round until it has seen a commit of round r or later: only that
+commit says whether round r's inner state and residual are its new start
+(an announcement can overtake the commit it builds on: a failover, a lost
+commit). It looks the commit up meanwhile (``LookupCommit``) and, if none
+comes within a quarter of the round's time budget, drops the pending state
+and trains from the last settled one (the shepherd accepts any committed state
+as a start, so the round still counts).
 
 A late joiner sends ``Join`` and looks up the latest commit record (the DHT's
 latest-checkpoint record), which makes it prefetch that θ; the first
@@ -39,7 +47,8 @@ lost) joins again, at most once per announcement.
 Transitions::
 
     IDLE       --announcement assigning me-->   FETCHING (or TRAINING if θ held)
-    FETCHING   --all blobs arrived-->           TRAINING (RunInner)
+    FETCHING   --all blobs arrived-->           TRAINING (RunInner), unless held for a commit
+    FETCHING   --held: the commit, or the hold's end-->  TRAINING (RunInner)
     FETCHING   --fetch failed-->                IDLE
     TRAINING   --inner done-->                  SUBMITTED (Send Submission)
     TRAINING   --inner failed-->                IDLE
@@ -100,6 +109,11 @@ from pcp_p2p.wire import Message
 
 KEEP_SUBMITTED = 16
 """Own submissions kept (signed, as sent): an audit request names one of the last rounds."""
+
+HOLD_FOR_COMMIT = 0.25
+"""The longest a worker holds a round's training for the commit of its pending submission, as a
+fraction of the round's time budget: the commit usually arrives within a round trip (or the lookup
+finds it); past this the round's own work is worth more than the state it would have settled."""
 
 
 class WorkerPhase(enum.Enum):
@@ -168,6 +182,8 @@ class Worker:
         self.pending_residual: Params | None = None
         # (round, attempt, inner state) submitted, waiting for a commit naming us
         self.pending_state: tuple[int, int, Any] | None = None
+        # While set, the current announcement waits for a commit that settles pending_state (until then)
+        self.held_until: float | None = None
         self.last_commit: CommitRecord | None = None
         self.joined_for: tuple[int, int, int] | None = None
         self.submitted: list[Submission] = []
@@ -223,14 +239,21 @@ class Worker:
 
     @property
     def next_wakeup(self) -> float:
-        """When silence from the shepherd becomes suspicious (one round deadline)."""
-        return self.last_heard + self.spec.round.deadline_s
+        """When silence from the shepherd becomes suspicious (one round deadline), or a hold ends."""
+        silence = self.last_heard + self.spec.round.deadline_s
+        return silence if self.held_until is None else min(silence, self.held_until)
 
     def tick(self, now: float) -> list[Effect]:
         """After a deadline of silence: look up the latest commit and join again.
 
         Covers a lost commit record, a lost Join, and eviction after missed rounds.
+        A hold for a commit that has not come by its end is released here.
         """
+        if self.held_until is not None and now >= self.held_until:
+            self.held_until = None
+            self.pending_state = None  # not known to be committed: train from the settled state
+            self.pending_residual = None
+            return self._train() if self.phase is WorkerPhase.FETCHING and not self.wanted else []
         if now < self.next_wakeup or self.phase in (WorkerPhase.FETCHING, WorkerPhase.TRAINING):
             return []
         self.last_heard = now
@@ -289,6 +312,7 @@ class Worker:
         if self.phase is WorkerPhase.TRAINING and cur is not None:
             effects.append(CancelInner(cur.round, cur.attempt))
         self.current = ann
+        self.held_until = None
         if ann.assignment_for(self.peer_id) is None:
             self.phase = WorkerPhase.IDLE
             return effects + self._join(ann)
@@ -301,7 +325,11 @@ class Worker:
             self.wanted.add(ann.theta_cid)
         if artifact is not None and artifact not in self.held_artifacts:
             self.wanted.add(artifact)
-        if not self.wanted:
+        if self.pending_state is not None and self.pending_state[0] < ann.round:
+            # The commit of our pending round has not reached us: hold until it says which state to start from.
+            self.held_until = now + HOLD_FOR_COMMIT * ann.time_budget_s
+            effects.append(LookupCommit())
+        elif not self.wanted:
             return effects + self._train()
         self.phase = WorkerPhase.FETCHING
         return effects + [FetchBlob(cid, hint=ann.shepherd) for cid in sorted(self.wanted)]
@@ -330,13 +358,14 @@ class Worker:
         else:
             return []  # a late or duplicate delivery nobody asked for any more
         self.wanted.discard(cid)
-        if self.phase is WorkerPhase.FETCHING and not self.wanted:
+        if self.phase is WorkerPhase.FETCHING and not self.wanted and self.held_until is None:
             return self._train()
         return []
 
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
         if self.phase is WorkerPhase.FETCHING and cid in self.wanted:
             self.phase = WorkerPhase.IDLE
+            self.held_until = None
             return [Rejected(None, error)]
         return []
 
@@ -423,8 +452,14 @@ class Worker:
         ann = self.current
         if ann is not None and ann.round > rec.round:
             # The next round's announcement overtook this commit: it already named
-            # θ_{r+1} and whatever it needs is being fetched or trained on.
+            # θ_{r+1} and whatever it needs is being fetched or trained on; it may
+            # have been held for exactly this commit.
+            if self.held_until is not None and self.pending_state is None:
+                self.held_until = None
+                if self.phase is WorkerPhase.FETCHING and not self.wanted:
+                    return self._train()
             return effects
+        self.held_until = None
         if self.phase is WorkerPhase.TRAINING and ann is not None:
             effects.append(CancelInner(ann.round, ann.attempt))
         self.phase = WorkerPhase.IDLE
