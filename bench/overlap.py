@@ -28,12 +28,25 @@ across rounds. Arms, each the same tokens:
   overlapped DiLoCo). Auditable in principle (θ_{r−1} and the worker's
   signed Δ are public) but each worker's start differs, so it needs new
   base rules in the protocol.
+- ``corrected_<τ>``: eager until θ_r arrives, then corrected. Round r starts
+  from the worker's own end point of round r−1 (θ_{r−1} − Δ^m_{r−1}, as
+  eager); after the fraction τ of its H steps (the time the exchange takes)
+  θ_r has arrived, and the worker shifts its current parameters by
+  θ_r − (that start), i.e. swaps its stand-in for the real update and keeps
+  the progress of its τ·H steps; it trains the rest of the round and
+  measures its Δ from θ_r, so the shepherd's step is sync's (η = 0.7,
+  μ = 0.9). Staleness τ of a round instead of one (Streaming DiLoCo's
+  overlap of τ inner steps, with its merge replaced by the shift). Every
+  input is public (θ_{r−1}, θ_r, the worker's signed Δ, τ), so a round
+  replays exactly; the exchange hides behind compute as long as it takes
+  less than τ of the round.
 
 Headline: the best overlapped arm's final validation loss over DP's (lower is
 better); target 1.05, issue #15's bound on the val-loss ratio against DP for
 its bandwidth work (sync DiLoCo's own ratio is in the line too, as
 ``sync_ratio``). Knobs: ``PCP_BENCH_ROUNDS`` (10), ``PCP_BENCH_WARMUP`` (200),
-``PCP_BENCH_OVERLAP_ARMS`` (comma-separated arm names; default all).
+``PCP_BENCH_OVERLAP_ARMS`` (comma-separated arm names; default all; ``sync``
+always runs).
 """
 
 from __future__ import annotations
@@ -58,21 +71,25 @@ from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.testing.inprocess import AdamState, JaxTrainer
 
 TARGET = 1.05
-ARMS: dict[str, tuple[str, float, float]] = {
-    "sync": ("sync", 0.7, 0.9),
-    "delayed_0.7_0.9": ("delayed", 0.7, 0.9),
-    "delayed_0.7_0.5": ("delayed", 0.7, 0.5),
-    "delayed_1.0_0.0": ("delayed", 1.0, 0.0),
-    "rebased_0.7_0.9": ("rebased", 0.7, 0.9),
-    "rebased_1.0_0.9": ("rebased", 1.0, 0.9),
-    "rebased_1.0_0.0": ("rebased", 1.0, 0.0),
-    "eager_0.7_0.9": ("eager", 0.7, 0.9),
-    "eager_0.7_0.5": ("eager", 0.7, 0.5),
+ARMS: dict[str, tuple[str, float, float, float]] = {  # rule, outer lr, momentum, τ (corrected)
+    "sync": ("sync", 0.7, 0.9, 0.0),
+    "delayed_0.7_0.9": ("delayed", 0.7, 0.9, 1.0),
+    "delayed_0.7_0.5": ("delayed", 0.7, 0.5, 1.0),
+    "delayed_1.0_0.0": ("delayed", 1.0, 0.0, 1.0),
+    "rebased_0.7_0.9": ("rebased", 0.7, 0.9, 1.0),
+    "rebased_1.0_0.9": ("rebased", 1.0, 0.9, 1.0),
+    "rebased_1.0_0.0": ("rebased", 1.0, 0.0, 1.0),
+    "eager_0.7_0.9": ("eager", 0.7, 0.9, 1.0),
+    "eager_0.7_0.5": ("eager", 0.7, 0.5, 1.0),
+    "corrected_0.1": ("corrected", 0.7, 0.9, 0.1),
+    "corrected_0.25": ("corrected", 0.7, 0.9, 0.25),
+    "corrected_0.5": ("corrected", 0.7, 0.9, 0.5),
+    "corrected_0.75": ("corrected", 0.7, 0.9, 0.75),
 }
 
 
-def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float) -> list[float]:
-    """Val loss after each commit of one arm (``rule``: sync, delayed or rebased)."""
+def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float, tau: float) -> list[float]:
+    """Val loss after each commit of one arm (``rule``: sync, delayed, rebased, eager or corrected)."""
     seq = trainer.spec.inner.seq_len
     state = OuterState.initial(theta0)
     before: Params | None = None  # θ_{r−1}: an overlapped round's base
@@ -88,7 +105,15 @@ def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float
                 base = {k: before[k] - last[k] for k in last}
             xs, ys = batches_for(trainer.ds.train, shard=i, num_shards=harness.WORKERS, seed=1000 * r + i,
                                  steps=harness.H, batch_size=harness.B, seq_len=seq)
-            local, inner[i], _ = trainer.train(base, inner[i], xs, ys)
+            if rule == "corrected" and last is not None and before is not None:
+                start = {k: before[k] - last[k] for k in last}  # its own end point of round r−1
+                cut = round(tau * harness.H)
+                early, inner[i], _ = trainer.train(start, inner[i], xs[:cut], ys[:cut])
+                base = state.theta  # θ_r has arrived: swap the stand-in for it, keep the τ·H steps' progress
+                shifted = {k: early[k] + (base[k] - start[k]) for k in base}
+                local, inner[i], _ = trainer.train(shifted, inner[i], xs[cut:], ys[cut:])
+            else:
+                local, inner[i], _ = trainer.train(base, inner[i], xs, ys)
             d = {k: base[k] - local[k] for k in base}
             own[i] = d
             if rule == "rebased":
@@ -119,7 +144,7 @@ def main() -> None:
         "headline": overlapped[best] if best else None,
         "target": TARGET,
         "better": "lower",
-        "unit": "final val loss, best staleness-one arm / synchronous DP (same tokens)",
+        "unit": "final val loss, best overlapped arm / synchronous DP (same tokens)",
         "best_arm": best,
         "sync_ratio": ratios["sync"],
         "ratios": ratios,

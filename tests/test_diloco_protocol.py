@@ -617,3 +617,16 @@ def test_a_hold_for_a_commit_that_never_comes_ends_and_the_round_trains_from_the
     (run,) = [e for e in w.tick(now=w.next_wakeup) if isinstance(e, RunInner)]
     assert run.inner_state is None and w.pending_state is None
     assert w.on_commit(rec, now=9.0) == []  # the late commit changes nothing for the round in flight
+
+
+@pytest.mark.parametrize("arrives_after, share", [(0.0, 1.0), (0.3, 0.7), (0.9, 0.25)])
+def test_the_inner_budget_counts_from_the_announcements_arrival(arrives_after, share):
+    # every worker submits about one budget after the announcement, however long its θ took
+    # (down to a quarter of the budget): the fast fetchers do not idle out the slowest fetch
+    r = Round()
+    w = make_worker(10)
+    budget = r.ann.time_budget_s
+    (fetch,) = [e for e in w.on_announcement(r.ann, now=5.0) if isinstance(e, FetchBlob)]
+    effects = w.on_blob(fetch.cid, pack_tensors(THETA0, "fp32"), now=5.0 + arrives_after * budget)
+    (run,) = [e for e in effects if isinstance(e, RunInner)]
+    assert run.time_budget_s == pytest.approx(share * budget)

@@ -5,7 +5,8 @@ is a plain object: inputs with ``now``, effects out, no I/O, no clock. Its job
 per round: check that the announcement comes from the shepherd of its term,
 fetch what it lacks (θ_r by CID, hash-checked; the artifact for its target),
 ask the executor to run inner steps for the round's time budget (``RunInner``:
-fast hardware does more steps, slow fewer, capped by its assignment), then send
+fast hardware does more steps, slow fewer, capped by its assignment; the budget
+counts from the announcement's arrival, :data:`MIN_BUDGET_SHARE`), then send
 the signed pseudo-gradient Δ = θ_r − θ_local, compressed with the run's codec.
 
 Two rules keep every worker on the same trajectory:
@@ -115,6 +116,15 @@ HOLD_FOR_COMMIT = 0.25
 fraction of the round's time budget: the commit usually arrives within a round trip (or the lookup
 finds it); past this the round's own work is worth more than the state it would have settled."""
 
+MIN_BUDGET_SHARE = 0.25
+"""The least of the round's time budget an inner run gets, however long its θ took to arrive.
+
+A run's budget counts from the announcement's arrival, not from the end of the fetch: every
+worker then submits about one budget after the announcement went out, whoever fetched fast,
+so the round is not as long as its slowest fetch plus a whole budget, and the fast fetchers do
+not wait that difference out idle after submitting (they train it instead). A worker whose
+fetch took most of the budget still trains this share of it: a contribution, a little late."""
+
 
 class WorkerPhase(enum.Enum):
     IDLE = "idle"
@@ -184,6 +194,8 @@ class Worker:
         self.pending_state: tuple[int, int, Any] | None = None
         # While set, the current announcement waits for a commit that settles pending_state (until then)
         self.held_until: float | None = None
+        # When the current announcement reached us: its inner run's budget counts from here
+        self.announced_at = 0.0
         self.last_commit: CommitRecord | None = None
         self.joined_for: tuple[int, int, int] | None = None
         self.submitted: list[Submission] = []
@@ -253,7 +265,7 @@ class Worker:
             self.held_until = None
             self.pending_state = None  # not known to be committed: train from the settled state
             self.pending_residual = None
-            return self._train() if self.phase is WorkerPhase.FETCHING and not self.wanted else []
+            return self._train(now) if self.phase is WorkerPhase.FETCHING and not self.wanted else []
         if now < self.next_wakeup or self.phase in (WorkerPhase.FETCHING, WorkerPhase.TRAINING):
             return []
         self.last_heard = now
@@ -313,6 +325,7 @@ class Worker:
             effects.append(CancelInner(cur.round, cur.attempt))
         self.current = ann
         self.held_until = None
+        self.announced_at = now
         if ann.assignment_for(self.peer_id) is None:
             self.phase = WorkerPhase.IDLE
             return effects + self._join(ann)
@@ -330,7 +343,7 @@ class Worker:
             self.held_until = now + HOLD_FOR_COMMIT * ann.time_budget_s
             effects.append(LookupCommit())
         elif not self.wanted:
-            return effects + self._train()
+            return effects + self._train(now)
         self.phase = WorkerPhase.FETCHING
         return effects + [FetchBlob(cid, hint=ann.shepherd) for cid in sorted(self.wanted)]
 
@@ -359,7 +372,7 @@ class Worker:
             return []  # a late or duplicate delivery nobody asked for any more
         self.wanted.discard(cid)
         if self.phase is WorkerPhase.FETCHING and not self.wanted and self.held_until is None:
-            return self._train()
+            return self._train(now)
         return []
 
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
@@ -457,7 +470,7 @@ class Worker:
             if self.held_until is not None and self.pending_state is None:
                 self.held_until = None
                 if self.phase is WorkerPhase.FETCHING and not self.wanted:
-                    return self._train()
+                    return self._train(now)
             return effects
         self.held_until = None
         if self.phase is WorkerPhase.TRAINING and ann is not None:
@@ -496,12 +509,14 @@ class Worker:
         )
         return [Send(shepherd, msg)]
 
-    def _train(self) -> list[Effect]:
+    def _train(self, now: float) -> list[Effect]:
         ann = self.current
         assert ann is not None and self.theta is not None and self.theta_cid == ann.theta_cid
         assignment = ann.assignment_for(self.peer_id)
         assert assignment is not None
         self.phase = WorkerPhase.TRAINING
+        spent = max(0.0, now - self.announced_at)  # fetching θ or the artifact, or held for a commit
+        budget = max(MIN_BUDGET_SHARE * ann.time_budget_s, ann.time_budget_s - spent)
         return [
             RunInner(
                 round=ann.round,
@@ -510,7 +525,7 @@ class Worker:
                 theta_cid=ann.theta_cid,
                 artifact_cid=ann.artifacts.get(self.target),
                 assignment=assignment,
-                time_budget_s=ann.time_budget_s,
+                time_budget_s=budget,
                 inner_state=self.inner_state,
             )
         ]
