@@ -1,11 +1,12 @@
 """Does DiLoCo still converge when the next round trains while this one's exchange is in flight?
 
-Run: ``.venv/bin/python bench/overlap.py`` (about 10 minutes on 2 CPU cores).
+Run: ``.venv/bin/python bench/overlap.py`` (about 15 minutes on 2 CPU cores).
 
 Issue #15 item 2 asks for overlap (a worker starts round r+1 while its Δ of
 round r is in flight) and to make it the default if it wins. Every way of doing
-that in PCP's round protocol (``docs/diloco.md``, "Overlap") trains round r+1
-from a θ that does not yet hold round r's update: staleness one. Before any
+that trains (part of) round r+1 from a θ that does not yet hold round r's
+update: staleness one round, or the part τ of a round the exchange takes in
+the ``corrected`` arms (``docs/diloco.md``, "Overlap"). Before any
 protocol is built for it, this bench asks the numerical question on the real
 model and data: the ``tiny`` GPT on Shakespeare, 4 workers, H = 50 inner AdamW
 steps, ``ROUNDS`` rounds from the same warm start as ``bench/diloco.py`` (whose
