@@ -82,10 +82,7 @@ ARMS: dict[str, tuple[str, float, float, float]] = {  # rule, outer lr, momentum
     "rebased_1.0_0.0": ("rebased", 1.0, 0.0, 1.0),
     "eager_0.7_0.9": ("eager", 0.7, 0.9, 1.0),
     "eager_0.7_0.5": ("eager", 0.7, 0.5, 1.0),
-    "corrected_0.1": ("corrected", 0.7, 0.9, 0.1),
-    "corrected_0.25": ("corrected", 0.7, 0.9, 0.25),
-    "corrected_0.5": ("corrected", 0.7, 0.9, 0.5),
-    "corrected_0.75": ("corrected", 0.7, 0.9, 0.75),
+    **{f"corrected_{tau:g}": ("corrected", 0.7, 0.9, tau) for tau in (0.1, 0.25, 0.5, 0.75)},
 }
 
 
