@@ -145,6 +145,8 @@ def test_the_toys_shard_optima_are_equally_far_from_the_optimum_and_average_to_i
     assert max(dist) < 1.0001 * min(dist) and min(dist) > 0.5
     for k in q.optimum:
         assert np.allclose(np.mean([o[k] for o in optima], axis=0), q.optimum[k], atol=1e-5)
+    iid = Quadratic.make(np.random.default_rng(5), (8, 4), spread=0.0)  # no spread: every shard at θ*
+    assert all(np.array_equal(iid.shard_optimum(s, shards)[k], iid.optimum[k]) for s in range(shards) for k in "wb")
 
 
 def test_the_toys_inner_run_leaves_the_state_it_started_from_as_it_was():

@@ -46,16 +46,19 @@ class Quadratic:
         axis_a = {k: rng.normal(0, spread, s) for k, s in names.items()}
         held_out = {k: (rng.random(s) < 0.25).astype(np.float32) for k, s in names.items()}
         # drawn last, so the draws above are what they were before this axis existed; then made
-        # orthogonal to the first axis and as long, so the shards' circle is a circle
+        # orthogonal to the first axis and as long, so the shards' circle is a circle (spread 0:
+        # IID shards, both axes zero)
         axis_b = {k: rng.normal(0, spread, s) for k, s in names.items()}
-        dot = sum(float(np.vdot(axis_a[k], axis_b[k])) for k in names)
         aa = sum(float(np.vdot(a, a)) for a in axis_a.values())
-        axis_b = {k: b - dot / aa * axis_a[k] for k, b in axis_b.items()}
-        scale = math.sqrt(aa / sum(float(np.vdot(b, b)) for b in axis_b.values()))
+        if aa > 0:
+            dot = sum(float(np.vdot(axis_a[k], axis_b[k])) for k in names)
+            axis_b = {k: b - dot / aa * axis_a[k] for k, b in axis_b.items()}
+            scale = math.sqrt(aa / sum(float(np.vdot(b, b)) for b in axis_b.values()))
+            axis_b = {k: b * scale for k, b in axis_b.items()}
         return cls(
             curvature=curvature, optimum=optimum,
             spread={k: a.astype(np.float32) for k, a in axis_a.items()},
-            spread_b={k: (b * scale).astype(np.float32) for k, b in axis_b.items()},
+            spread_b={k: b.astype(np.float32) for k, b in axis_b.items()},
             held_out=held_out, floor=floor,
         )
 
