@@ -217,56 +217,17 @@ def main() -> None:
     print(json.dumps(result))
 
 
-UTIL_WORKERS = int(os.environ.get("PCP_BENCH_UTIL_WORKERS", "2"))
-UTIL_ROUNDS = int(os.environ.get("PCP_BENCH_UTIL_ROUNDS", "4"))
-UTIL_BUDGET = float(os.environ.get("PCP_BENCH_UTIL_BUDGET", "20"))
-
-
 def utilisation() -> dict:
-    """(c): compute utilisation of real worker processes over a run on loopback."""
+    """(c): compute utilisation of real worker processes over a run on loopback (synchronous rounds,
+    the default audits; ``bench/utilisation.py`` sets them against overlapped ones)."""
     if os.environ.get("PCP_BENCH_UTIL", "1") == "0":
         return {"utilisation": None, "utilisation_note": "skipped (PCP_BENCH_UTIL=0)"}
-    import subprocess
-    import tempfile
+    from bench.utilisation import BUDGET_S as UTIL_BUDGET
+    from bench.utilisation import ROUNDS as UTIL_ROUNDS
+    from bench.utilisation import WORKERS as UTIL_WORKERS
+    from bench.utilisation import loopback_run, mean_utilisation, spec
 
-    import trio
-
-    from pcp_p2p.node.local_swarm import local_swarm, pcp_command
-    from pcp_p2p.node.status import to_json
-
-    spec = f"""
-name = "bench-utilisation"
-[model]
-preset = "tiny"
-[round]
-time_budget_s = {UTIL_BUDGET}
-deadline_s = {UTIL_BUDGET * 2 + 10}
-max_inner_steps = 100000
-rounds = {UTIL_ROUNDS}
-min_quorum = {UTIL_WORKERS}
-"""
-
-    async def run() -> list[dict]:
-        with tempfile.TemporaryDirectory(prefix="pcp-bench-util-") as tmp:
-            async with local_swarm(Path(tmp), extra_args=["--trust-any"]) as swarm:
-                boot = await swarm.start_bootstrap()
-                for _ in range(UTIL_WORKERS):
-                    await swarm.add_worker()
-                await swarm.wait_views({w.peer_id for w in swarm.workers}, deadline_s=60)
-                (Path(tmp) / "run.toml").write_text(spec)
-                await trio.to_thread.run_sync(lambda: subprocess.run(
-                    [*pcp_command(), "run", "create", str(Path(tmp) / "run.toml"), "--bootstrap", boot.addr,
-                     "--data-dir", str(Path(tmp) / "owner")], check=True, capture_output=True, timeout=120))
-                with trio.fail_after(120 + UTIL_ROUNDS * (UTIL_BUDGET * 2 + 15)):
-                    while True:
-                        await trio.sleep(1.0)
-                        runs = [to_json(await swarm.status(w)).get("run") or {} for w in swarm.workers]
-                        if all(r.get("phase") == "finished" for r in runs):
-                            return runs
-
-    runs = trio.run(run)
-    per_worker = [r.get("utilisation") for r in runs]
-    values = [u for u in per_worker if u is not None]
+    runs = loopback_run(spec(overlap=False, audit_rate=None))
     # (b) as the networked system runs: H is set by the time budget, not fixed.
     sent = sum(r.get("bytes_submitted") or 0 for r in runs)
     trained = sum(r.get("tokens_trained") or 0 for r in runs)
@@ -276,9 +237,9 @@ min_quorum = {UTIL_WORKERS}
     dp_bytes_per_token = 4 * num_params(preset("tiny", vocab_size=vocab)) / (16 * 64)  # the spec's B=16, T=64
     net_bpt = sent / trained if trained else None
     return {
-        "utilisation": round(sum(values) / len(values), 4) if values else None,
+        "utilisation": mean_utilisation(runs),
         "utilisation_target": 0.95,
-        "utilisation_per_worker": per_worker,
+        "utilisation_per_worker": [r.get("utilisation") for r in runs],
         "utilisation_setup": f"{UTIL_WORKERS} worker processes + bootstrap on loopback, {UTIL_ROUNDS} rounds, "
                              f"{UTIL_BUDGET:.0f} s inner budget, tiny GPT through the IREE executor",
         "tokens_per_s_per_worker": [r.get("tokens_per_s") for r in runs],

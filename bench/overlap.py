@@ -41,6 +41,12 @@ across rounds. Arms, each the same tokens:
   input is public (θ_{r−1}, θ_r, the worker's signed Δ, τ), so a round
   replays exactly; the exchange hides behind compute as long as it takes
   less than τ of the round.
+- ``corrected-nesterov_<τ>`` and ``corrected-base_<τ>``: the same, from a
+  better guess of θ_r than the worker's own end point: the shepherd's Nesterov
+  step with the worker's own Δ for the mean (θ_{r−1} − η·(μ·v̂ + Δ^m), v̂ = μ·v_{r−1}
+  + Δ^m, with the momentum v_{r−1} that the checkpoint of θ_{r−1} holds), or
+  θ_{r−1} itself. In steady state the outer step is several times one Δ
+  (momentum 0.9), so the own end point lies far short of θ_r.
 
 Headline: the best overlapped arm's final validation loss over DP's (lower is
 better); target 1.05, issue #15's bound on the val-loss ratio against DP for
@@ -83,6 +89,8 @@ ARMS: dict[str, tuple[str, float, float, float]] = {  # rule, outer lr, momentum
     "eager_0.7_0.9": ("eager", 0.7, 0.9, 1.0),
     "eager_0.7_0.5": ("eager", 0.7, 0.5, 1.0),
     **{f"corrected_{tau:g}": ("corrected", 0.7, 0.9, tau) for tau in (0.1, 0.25, 0.5, 0.75)},
+    **{f"corrected-{start}_{tau:g}": (f"corrected-{start}", 0.7, 0.9, tau)
+       for start in ("nesterov", "base") for tau in (0.25, 0.5)},
 }
 
 
@@ -93,6 +101,7 @@ def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float
     before: Params | None = None  # θ_{r−1}: an overlapped round's base
     inner: list[AdamState | None] = [None] * harness.WORKERS
     own: list[Params | None] = [None] * harness.WORKERS  # each worker's last Δ (eager)
+    momentum_before: Params | None = None  # v_{r−1}: the momentum the checkpoint of θ_{r−1} holds
     curve = []
     for r in range(harness.ROUNDS):
         base = state.theta if rule == "sync" or before is None else before
@@ -103,8 +112,14 @@ def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float
                 base = {k: before[k] - last[k] for k in last}
             xs, ys = batches_for(trainer.ds.train, shard=i, num_shards=harness.WORKERS, seed=1000 * r + i,
                                  steps=harness.H, batch_size=harness.B, seq_len=seq)
-            if rule == "corrected" and last is not None and before is not None:
-                start = {k: before[k] - last[k] for k in last}  # its own end point of round r−1
+            if rule.startswith("corrected") and last is not None and before is not None:
+                if rule == "corrected-nesterov" and momentum_before is not None:
+                    v = {k: mu * momentum_before[k] + last[k] for k in last}
+                    start = {k: before[k] - lr * (mu * v[k] + last[k]) for k in last}
+                elif rule == "corrected-base":
+                    start = dict(before)
+                else:
+                    start = {k: before[k] - last[k] for k in last}  # its own end point of round r−1
                 cut = round(tau * harness.H)
                 early, inner[i], _ = trainer.train(start, inner[i], xs[:cut], ys[:cut])
                 base = state.theta  # θ_r has arrived: swap the stand-in for it, keep the τ·H steps' progress
@@ -118,7 +133,7 @@ def run_arm(trainer: JaxTrainer, theta0: Params, rule: str, lr: float, mu: float
                 d = {k: d[k] + (state.theta[k] - base[k]) for k in d}
             deltas.append(d)
         mean = {k: np.mean([d[k] for d in deltas], axis=0) for k in state.theta}
-        before = state.theta
+        before, momentum_before = state.theta, state.momentum
         state = nesterov_step(state, mean, lr=lr, momentum=mu)
         curve.append(round(trainer.val_loss(state.theta), 4))
     return curve

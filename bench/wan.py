@@ -28,7 +28,9 @@ Figures:
   blob service refuses relayed streams both ways.
 
 Knobs: ``PCP_BENCH_WAN_ROUNDS`` (5), ``PCP_BENCH_WAN_BUDGET`` (8 s),
-``PCP_BENCH_WAN_MODEL`` (tiny), ``PCP_BENCH_WAN_ARMS`` (``wan,loopback``: which
+``PCP_BENCH_WAN_MODEL`` (tiny), ``PCP_BENCH_WAN_OVERLAP`` (1: ``round.overlap``
+on, with ``audit_rate`` 0 as overlap needs; 0: the synchronous rounds with the
+default audits), ``PCP_BENCH_WAN_ARMS`` (``wan,loopback``: which
 arms run; the figures of a skipped arm are null), ``PCP_BENCH_WAN_KEEP`` (a
 directory: the nodes' data directories and logs are kept there, to trace a round
 afterwards; by default they go with a temporary directory).
@@ -59,6 +61,7 @@ from pcp_p2p.testing.netlab import LinkSpec, Nat, netlab, unavailable
 ROUNDS = int(os.environ.get("PCP_BENCH_WAN_ROUNDS", "5"))
 BUDGET_S = float(os.environ.get("PCP_BENCH_WAN_BUDGET", "8"))
 MODEL = os.environ.get("PCP_BENCH_WAN_MODEL", "tiny")
+OVERLAP = os.environ.get("PCP_BENCH_WAN_OVERLAP", "1") == "1"
 UP_MBIT, DOWN_MBIT, DELAY_MS = 20.0, 100.0, 40.0
 WORKERS = 4
 SPEC = f"""
@@ -73,9 +76,10 @@ max_inner_steps = 100000
 deadline_s = {BUDGET_S * 3 + 20}
 rounds = {ROUNDS}
 min_quorum = {WORKERS - 1}
+overlap = {"true" if OVERLAP else "false"}
 [election]
 rotate_every = 0
-"""
+""" + ("[aggregation]\naudit_rate = 0.0\n" if OVERLAP else "")
 RUN_DEADLINE_S = 240 + ROUNDS * (BUDGET_S * 3 + 20)
 
 
@@ -116,6 +120,8 @@ def summary(runs: list[dict[str, Any]], commits: dict[int, float]) -> dict[str, 
         "round_s": round(statistics.median(times), 2) if times else None,
         "participants": [h.get("participants") for h in (runs[0].get("history") or [])] if runs else [],
         "contributed_rounds": [len(r.get("contributed_rounds") or []) for r in runs],
+        "overlapped_rounds": [r.get("overlapped_rounds") for r in runs],
+        "overlap_tau": [r.get("overlap_tau") for r in runs],
     }
 
 
@@ -226,7 +232,8 @@ def main() -> None:
         root = Path(tmp)
         arms = os.environ.get("PCP_BENCH_WAN_ARMS", "wan,loopback").split(",")
         empty = {"utilisation": None, "utilisation_per_worker": [], "round_s": None, "participants": [],
-                 "contributed_rounds": [], "phase_s_per_round": {}, "relayed_bytes": None, "bytes_sent": None,
+                 "contributed_rounds": [], "overlapped_rounds": [], "overlap_tau": [], "phase_s_per_round": {},
+                 "relayed_bytes": None, "bytes_sent": None,
                  "relay_byte_share": None, "reachability": []}
         wan = wan_arm(root) if "wan" in arms else empty
         loop = loopback_arm(root) if "loopback" in arms else empty
@@ -238,7 +245,9 @@ def main() -> None:
         "unit": "fraction of wall time inside inner steps (mean over workers)",
         "setup": f"bootstrap/relay + {WORKERS} workers (2 public, 1 cone NAT, 1 symmetric NAT), each link "
                  f"{UP_MBIT:.0f} Mbit/s up / {DOWN_MBIT:.0f} down, {DELAY_MS:.0f} ms one way; {MODEL} GPT, "
-                 f"{ROUNDS} rounds, {BUDGET_S:.0f} s inner budget; baseline: the same run on 127.0.0.1",
+                 f"{ROUNDS} rounds, {BUDGET_S:.0f} s inner budget, overlap {'on' if OVERLAP else 'off'}; "
+                 "baseline: the same run on 127.0.0.1",
+        "overlap": OVERLAP,
         "loopback_utilisation": loop["utilisation"],
         "round_s_wan": wan["round_s"],
         "round_s_loopback": loop["round_s"],
@@ -251,6 +260,10 @@ def main() -> None:
         "utilisation_per_worker_loopback": loop["utilisation_per_worker"],
         "participants_wan": wan["participants"],
         "contributed_rounds_wan": wan["contributed_rounds"],
+        "overlapped_rounds_wan": wan["overlapped_rounds"],
+        "overlapped_rounds_loopback": loop["overlapped_rounds"],
+        "overlap_tau_wan": wan["overlap_tau"],
+        "overlap_tau_loopback": loop["overlap_tau"],
         "reachability_wan": wan["reachability"],
         "phase_s_per_round_wan": wan["phase_s_per_round"],
         "phase_s_per_round_loopback": loop["phase_s_per_round"],

@@ -31,6 +31,15 @@ def test_a_small_planet_commits_every_round_through_churn_and_a_shepherd_kill() 
     assert r.val_loss_last < 0.5 * r.val_loss_first  # the surrogate trained, and commits combined it
 
 
+def test_a_small_planet_with_overlapped_rounds_commits_every_round_and_learns() -> None:
+    # round.overlap: workers train round r+1 while their Δ of round r travels (docs/diloco.md)
+    r = simulate(PlanetConfig(nodes=40, rounds=ROUNDS, churn=0.3, shepherd_kills=1, pool=6, seed=3, overlap=True))
+    assert r.finished and r.rounds_committed == ROUNDS
+    assert r.early_runs >= 20 * (ROUNDS - 1)  # most workers, every round after the first
+    assert r.val_loss_first is not None and r.val_loss_last is not None
+    assert r.val_loss_last < 0.5 * r.val_loss_first
+
+
 def test_links_are_drawn_within_their_documented_bounds() -> None:
     rng = random.Random(0)
     draws = [LinkModel().draw(rng) for _ in range(2000)]
@@ -64,6 +73,9 @@ def test_pcp_sim_prints_the_figures_of_one_run(capsys) -> None:  # type: ignore[
     assert main(["sim", "--nodes", "12", "--rounds", "2", "--pool", "4", "--shepherd-kills", "0", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["nodes"] == 12 and out["rounds_committed"] == 2 and 0 < out["goodput"] <= 1
+    assert main(["sim", "--nodes", "12", "--rounds", "3", "--pool", "4", "--shepherd-kills", "0", "--churn", "0",
+                 "--overlap", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["early_runs"] > 0
     assert main(["sim", "--nodes", "12", "--pool", "13"]) == 1  # a ConfigError, reported the CLI's way
     assert "--pool" in capsys.readouterr().err
 

@@ -30,6 +30,7 @@ from pcp_p2p.diloco.protocol.lifecycle import (
     stop_record,
 )
 from pcp_p2p.diloco.protocol.spec import parse_spec
+from pcp_p2p.diloco.run.engine import ShiftSlot
 from pcp_p2p.diloco.run.reputation import ReputationLedger
 from pcp_p2p.diloco.run.run_blobs import RunBlobs
 from pcp_p2p.diloco.run.run_machine import RunMachine
@@ -183,7 +184,7 @@ def stopped_runtime(work_dir: Path) -> RunRuntime:
                                      ledger=ReputationLedger(work_dir / "ledger.json", RUN), target="cpu",
                                      tokens_per_s=1.0, started_at=NOW)
     rt.machine.shepherd, rt.machine.phase = object(), "training"  # type: ignore[assignment]
-    rt._cancel = {}
+    rt._inner_jobs = {}
     rt.finished = trio.Event()
     rt._nursery = None
     rt._send, rt._inbox = trio.open_memory_channel[tuple](10)
@@ -196,7 +197,7 @@ async def test_a_stopped_run_releases_its_pins_and_stays_stopped_after_a_restart
 
     rt = stopped_runtime(tmp_path)
     inner = threading.Event()
-    rt._cancel[(3, 0)] = inner
+    rt._inner_jobs[(3, 0)] = (inner, ShiftSlot())
     with pytest.raises(NotOwner):
         rt.stop(sign_stop(STRANGER, RUN, now=NOW), NOW)
     assert not rt.finished.is_set() and not (tmp_path / STOP_FILE).exists()

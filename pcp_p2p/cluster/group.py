@@ -79,7 +79,7 @@ from pcp_p2p.cluster.rank_messages import (
 from pcp_p2p.core.errors import ConfigError, ExecutorError, PcpError, PeerTimeout
 from pcp_p2p.core.launch import Launch
 from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
-from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.effects import EARLY, RunInner
 from pcp_p2p.diloco.protocol.group_replay import encode_group_state
 from pcp_p2p.diloco.protocol.group_split import (
     GROUP_STATE_PREFIX,
@@ -98,7 +98,7 @@ if TYPE_CHECKING:
     from pcp_p2p.diloco.protocol.audit import InnerState
     from pcp_p2p.diloco.protocol.messages import DataAssignment
     from pcp_p2p.diloco.protocol.spec import SignedRunSpec
-    from pcp_p2p.diloco.run.engine import InnerEngine, Replay
+    from pcp_p2p.diloco.run.engine import InnerEngine, Replay, ShiftSlot
 
 R = TypeVar("R", bound=Message)
 
@@ -424,7 +424,9 @@ class GroupEngine:
             blobs[r] = bytes(parts[0])
         return encode_group_state(blobs)
 
-    def run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
+    def run(self, eff: RunInner, cancelled: threading.Event, shift: ShiftSlot | None = None) -> InnerResult:
+        if eff.attempt == EARLY:  # (the worker then trains the round when it is announced, not early)
+            raise ExecutorError("a worker group does not run rounds early (round.overlap) yet")
         with self.group._lock:
             return self._run(eff, cancelled)
 

@@ -9,6 +9,9 @@ caller-supplied inner loop — :class:`JaxTrainer` (the compile engineer's
 ``train`` program under ``jax.jit`` on the run's real data) for figures, or any
 cheap function for tests. Delivery is in order, one message at a time, on a
 mock clock that advances one second per delivery, so a run is deterministic.
+An early run (``round.overlap``) is run when its ``ShiftInner`` comes, from the
+shifted start: here the exchange takes no time (the shift lands before the first
+step), so an overlapped run's rounds are the synchronous ones bit for bit.
 
 Nothing here changes what the machines decide: a harness that bent the
 protocol would measure itself. Byzantine behaviour lives in the workers
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,6 +32,8 @@ from pcp_p2p.diloco.algorithm.data import CharDataset, batches_for, batches_for_
 from pcp_p2p.diloco.algorithm.params import Params
 from pcp_p2p.diloco.protocol.audit import InnerState, inner_state_digest
 from pcp_p2p.diloco.protocol.effects import (
+    EARLY,
+    CancelInner,
     Committed,
     Discarded,
     Effect,
@@ -37,6 +42,7 @@ from pcp_p2p.diloco.protocol.effects import (
     Rejected,
     RunInner,
     Send,
+    ShiftInner,
     StoreBlob,
 )
 from pcp_p2p.diloco.protocol.messages import (
@@ -72,6 +78,7 @@ class RunLog:
     discarded: int = 0
     submission_bytes: list[int] = field(default_factory=list)
     inner_runs: int = 0
+    early_runs: int = 0  # of inner_runs: early runs (round.overlap) that were adopted and shifted
     deliveries: int = 0
 
     def rejected_from(self, peer: str) -> list[str]:
@@ -104,6 +111,7 @@ def pump_run(
     log = RunLog() if log is None else log
     blobs: dict[str, bytes] = {}
     queue: list[tuple[str, tuple[Any, ...]]] = []  # (node, input) in delivery order
+    early: dict[str, RunInner] = {}  # a worker's early run (round.overlap), waiting for its shift
     me = shepherd.peer_id
     now = 0.0
 
@@ -121,9 +129,22 @@ def pump_run(
                 blobs[e.cid] = e.data
             elif isinstance(e, FetchBlob):
                 queue.append((node, ("blob", e.cid, blobs[e.cid])))
+            elif isinstance(e, RunInner) and e.attempt == EARLY:
+                early[node] = e  # runs when its shift comes (below), or never (cancelled)
             elif isinstance(e, RunInner):
                 log.inner_runs += 1
                 queue.append((node, ("inner", run_inner(node, e))))
+            elif isinstance(e, ShiftInner):
+                run = early.pop(node, None)
+                if run is not None and run.round == e.round:
+                    # The exchange took no time here: the shift lands before the first step.
+                    log.inner_runs += 1
+                    log.early_runs += 1
+                    res = run_inner(node, replace(run, theta=e.to, assignment=e.assignment))
+                    queue.append((node, ("inner", replace(res, attempt=EARLY, shifted_at=0))))
+            elif isinstance(e, CancelInner) and e.attempt == EARLY:
+                if node in early and early[node].round == e.round:
+                    del early[node]
             elif isinstance(e, Rejected):
                 log.rejected.append((e.peer, type(e.error).__name__, str(e.error)))
             elif isinstance(e, Committed):

@@ -26,7 +26,10 @@ bends a rule tests itself:
   little noise, ``θ* + (θ − θ*)·exp(−k·a·steps)``: one numpy expression whatever
   the step count, on a 36-parameter θ. It takes ``steps · tokens_per_step /
   tokens_per_s`` virtual seconds. Validation loss still falls only if the
-  protocol really combines the shards.
+  protocol really combines the shards. An early run (``round.overlap``) trains
+  from its start until its ``ShiftInner`` arrives, is moved by the shift there
+  (at that step, not at a chunk boundary; it waits for it past
+  ``EARLY_SHARE`` of its steps) and trains the rest of its steps.
 - **Membership** (the one model that is not the node's): a real node's view lists
   every member of its run and is posted to the machine every second; at 10,000
   nodes that is 10⁸ entries posted per second and 10⁴ views of 10⁴ members in
@@ -81,7 +84,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +99,16 @@ from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.protocol import aggregate, commits, departures, election, messages, shepherd, worker
 from pcp_p2p.diloco.protocol.departures import make_leave
-from pcp_p2p.diloco.protocol.effects import Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.effects import (
+    EARLY,
+    EARLY_SHARE,
+    CancelInner,
+    Rejected,
+    RunInner,
+    Send,
+    ShiftInner,
+    StoreBlob,
+)
 from pcp_p2p.diloco.protocol.election import ElectionConfig, Lease, PublishLease, commit_key, start_candidates
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
@@ -162,7 +174,7 @@ class LinkModel:
         return down * 125_000, max(0.5, up) * 125_000, lat / 1000
 
 
-def planet_spec(rounds: int = 50, min_quorum: int = 2) -> RunSpec:
+def planet_spec(rounds: int = 50, min_quorum: int = 2, overlap: bool = False) -> RunSpec:
     """The run every simulated node takes part in: minute-long rounds, 60 s leases, no audits.
 
     Leases are longer than the spec's default (6 s, renewed every 2 s: sized for a
@@ -180,6 +192,7 @@ deadline_s = 90.0
 max_inner_steps = 100
 rounds = {rounds}
 min_quorum = {min_quorum}
+overlap = {"true" if overlap else "false"}
 [election]
 lease_s = 60.0
 renew_every_s = 20.0
@@ -212,10 +225,11 @@ class PlanetConfig:
     seed: int = 0
     min_quorum: int = 2
     time_limit: float | None = None  # virtual seconds; default: rounds x 4 deadlines
+    overlap: bool = False  # round.overlap: workers train the next round while their Δ travels
     spec: RunSpec | None = None
 
     def run_spec(self) -> RunSpec:
-        return self.spec if self.spec is not None else planet_spec(self.rounds, self.min_quorum)
+        return self.spec if self.spec is not None else planet_spec(self.rounds, self.min_quorum, self.overlap)
 
 
 @dataclass
@@ -245,6 +259,7 @@ class PlanetResult:
     rss_per_node_kib: float
     deliveries: int
     rejected: dict[str, int] = field(default_factory=dict)
+    early_runs: int = 0  # early runs (round.overlap) that were adopted and shifted
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -419,6 +434,7 @@ class PNode:
         "alive",
         "blobs",
         "down",
+        "early",
         "ended",
         "epoch",
         "identity",
@@ -467,6 +483,7 @@ class PNode:
         self.member: Member | None = None
         self.term_seen: int | None = None
         self.ended: str | None = None
+        self.early: tuple[RunInner, int, float, float] | None = None  # (run, steps, started, compute done)
 
 
 KEEP_BLOBS = 8  # round blobs (θ, checkpoints) a node keeps; older ones are released
@@ -496,6 +513,7 @@ class Planet:
         self._seq = 0
         self.events = 0
         self.deliveries = 0
+        self.early_runs = 0  # early runs shifted (round.overlap)
         # nodes
         self.nodes: list[PNode] = []
         for i in range(cfg.nodes):
@@ -649,6 +667,7 @@ class Planet:
             self.leader_departures += 1
         node.alive, node.machine, node.leading = False, None, False
         node.epoch += 1
+        node.early = None
         node.up_free = self.now
         self._member_changed(node, False)
 
@@ -717,8 +736,16 @@ class Planet:
             elif isinstance(e, RunInner):
                 steps = max(1, min(e.assignment.max_steps,
                                    int(node.speed * e.time_budget_s // self.spec.tokens_per_step)))
-                self.at(self.now + steps * self.spec.tokens_per_step / node.speed, self._inner_done,
-                        node, node.epoch, e, steps)
+                done = self.now + steps * self.spec.tokens_per_step / node.speed
+                if e.attempt == EARLY:
+                    node.early = (e, steps, self.now, done)  # its result waits for its shift
+                else:
+                    self.at(done, self._inner_done, node, node.epoch, e, steps)
+            elif isinstance(e, ShiftInner):
+                self._shift(node, e)
+            elif isinstance(e, CancelInner):
+                if e.attempt == EARLY and node.early is not None and node.early[0].round == e.round:
+                    node.early = None
             elif isinstance(e, LookUpCommit):
                 self.at(self.now + self.cfg.dht_delay_s, self._answer, node, node.epoch,
                         "commit", e.for_election)
@@ -758,8 +785,8 @@ class Planet:
             elif isinstance(e, Rejected):
                 key = type(e.error).__name__
                 self.rejected[key] = self.rejected.get(key, 0) + 1
-            # Discarded, Finished, CommitAccepted, CancelInner (a superseded result is ignored by
-            # the worker), Audit, LookUpOwnerRecord, Stopped: nothing to do in this world
+            # Discarded, Finished, CommitAccepted, CancelInner of an announced run (a superseded
+            # result is ignored by the worker), Audit, LookUpOwnerRecord, Stopped: nothing to do in this world
         if node.alive:
             self._follow(node)
             self._arm(node)
@@ -940,6 +967,28 @@ class Planet:
             return
         self.handle(node, InnerDone(surrogate_inner(self.problem, run, steps, self.noise)))
 
+    def _shift(self, node: PNode, e: ShiftInner) -> None:
+        """The early run learns its real start: the steps done so far are kept, moved by the shift."""
+        if node.early is None or node.early[0].round != e.round:
+            return
+        run, steps, started, done = node.early
+        node.early = None
+        self.early_runs += 1
+        step_s = self.spec.tokens_per_step / node.speed
+        before = min(int(EARLY_SHARE * steps), int((self.now - started) / step_s))
+        done = max(done, self.now + (steps - before) * step_s)  # (it waited for the shift past its share)
+        mid = surrogate_inner(self.problem, run, before, self.noise).theta if before else run.theta
+        shifted = {k: (mid[k] + (e.to[k] - run.theta[k])).astype(np.float32) for k in mid}
+        rest = replace(run, theta=shifted, assignment=e.assignment)
+        end = surrogate_inner(self.problem, rest, steps - before, self.noise) if steps > before else None
+        result = InnerResult(run.round, run.attempt, end.theta if end else shifted, steps,
+                             end.losses if end else (), None, shifted_at=before)
+        self.at(done, self._inner_result, node, node.epoch, result)
+
+    def _inner_result(self, node: PNode, epoch: int, result: InnerResult) -> None:
+        if node.epoch == epoch and node.alive:
+            self.handle(node, InnerDone(result))
+
     def _set_up(self, node: PNode, epoch: int, setup: int, e: SetUpShepherd) -> None:
         m = node.machine
         if node.epoch != epoch or not node.alive or m is None or node.setup_epoch != setup:
@@ -1104,5 +1153,5 @@ def simulate(cfg: PlanetConfig) -> PlanetResult:
         val_loss_first=p.problem.loss(p.problem.initial()) if first_commit else None,
         val_loss_last=vals[-1] if vals else None, virtual_s=round(end, 1), wall_s=round(wall, 2),
         events=p.events, rss_per_node_kib=round((rss - rss0) / cfg.nodes, 1), deliveries=p.deliveries,
-        rejected=dict(sorted(p.rejected.items())),
+        rejected=dict(sorted(p.rejected.items())), early_runs=p.early_runs,
     )

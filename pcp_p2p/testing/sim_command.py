@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--shepherd-kills", type=int, default=1, help="extra kills of the leading node (default 1)")
     p.add_argument("--pool", type=int, default=16, help="shepherd-capable members (default 16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap", action="store_true",
+                   help="round.overlap: workers train the next round while their Δ travels (docs/diloco.md)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.set_defaults(func=_cmd_sim)
 
@@ -45,14 +47,16 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     from pcp_p2p.testing.planet import PlanetConfig, simulate
 
     r = simulate(PlanetConfig(nodes=args.nodes, rounds=args.rounds, churn=args.churn, graceful=args.graceful,
-                              shepherd_kills=args.shepherd_kills, pool=args.pool, seed=args.seed))
+                              shepherd_kills=args.shepherd_kills, pool=args.pool, seed=args.seed,
+                              overlap=args.overlap))
     if args.json:
         print(json.dumps(r.as_dict()))
     else:
         print(f"{r.nodes} nodes, {r.rounds} rounds: {r.rounds_committed}/{r.rounds_attempted} committed/attempted "
               f"(goodput {r.goodput:.3f}){'' if r.finished else ', NOT finished'}")
         print(f"  round time {r.round_time_s:.1f} s (virtual), {r.seated_mean:.0f} workers per commit, "
-              f"val loss {r.val_loss_first or 0:.4f} -> {r.val_loss_last or 0:.4f}")
+              f"val loss {r.val_loss_first or 0:.4f} -> {r.val_loss_last or 0:.4f}"
+              + (f", {r.early_runs} early runs" if args.overlap else ""))
         print(f"  shepherd {r.shepherd_bytes_per_round / 1e6:.2f} MB/round; elections converged in "
               f"{', '.join(f'{x:.1f}' for x in r.election_convergence_s) or '-'} s")
         print(f"  churn: {r.departures} departures ({r.kills} kills), {r.returns} returns")

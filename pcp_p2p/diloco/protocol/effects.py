@@ -49,6 +49,12 @@ class RunInner:
 
     ``inner_state`` is the worker's opaque optimiser state (AdamW moments, step)
     carried across rounds; the executor hands the new one back in the result.
+
+    ``attempt`` = :data:`EARLY` marks an *early* run (``round.overlap``): round
+    ``round`` started before its announcement, from ``theta``, the worker's own
+    end point of the round before. It trains for the budget as any run, but it
+    does not end before a :class:`ShiftInner` has told it its real start; a
+    :class:`CancelInner` for (round, EARLY) stops it.
     """
 
     round: int
@@ -59,6 +65,39 @@ class RunInner:
     assignment: DataAssignment
     time_budget_s: float
     inner_state: Any
+
+
+EARLY = -1
+"""The ``attempt`` of an early inner run: it precedes every announced attempt of its round, and
+its own key keeps its cancellation apart from the announced run that may replace it."""
+
+EARLY_SHARE = 0.5
+"""The most of its time budget, and of its assignment's steps, an early run trains before its shift.
+
+Steps before the shift start from an estimate (the worker's own end point), and what they
+are worth falls with their share τ of the round: final val loss over synchronous data
+parallel 1.028 at τ = 0.1, 1.042 at 0.5, 1.056 at 0.75, 1.076 at 1 (docs/diloco.md,
+"Overlap"). Past this share the run waits for the shift: on a fast link the shift comes
+long before; a worker whose step cap ends its round early (fast hardware) would otherwise
+do every step from the estimate. After a late shift the run still trains the rest of a
+round (``1 − EARLY_SHARE`` of the budget): its steps stay at most this share estimated."""
+
+
+@dataclass(frozen=True)
+class ShiftInner:
+    """The early run of ``round`` learns its real start: move its parameters by ``to − theta``.
+
+    ``to`` is where the announced round starts (θ_{r+1}, less an error-feedback residual);
+    ``theta`` was the run's estimate of it (its ``RunInner.theta``). The moments and the
+    progress made so far are kept: the "corrected" overlap of ``docs/diloco.md``. Applied at
+    the next chunk boundary; the run then trains what is left of its budget (possibly nothing)
+    on ``assignment``, the announced one (the expected one unless the roster changed: then
+    the steps before the shift were drawn from the expected shard, the rest from the announced).
+    """
+
+    round: int
+    to: dict[str, np.ndarray]
+    assignment: DataAssignment
 
 
 @dataclass(frozen=True)
@@ -121,6 +160,6 @@ class Banned:
 
 
 Effect = (
-    Send | StoreBlob | FetchBlob | RunInner | CancelInner | LookupCommit | Rejected | Committed | Discarded
-    | Finished | Banned
+    Send | StoreBlob | FetchBlob | RunInner | ShiftInner | CancelInner | LookupCommit | Rejected | Committed
+    | Discarded | Finished | Banned
 )

@@ -38,6 +38,8 @@ Example (every key optional; these are the defaults)::
                              # audit_rate = 0 and rule = "centered_clip" or "mean")
     max_delta_norm = 0.0     # 0: derive from AdamW's step size (see aggregate.py)
     token_slack = 1.5        # how far above its measured speed a worker may claim
+    overlap = false          # start the next round's inner steps while the Δ is in flight
+                             # (needs audit_rate = 0; docs/diloco.md, "Overlap")
 
     [election]         # who is shepherd: terms, leases, rotation (see docs/election.md)
     lease_s = 6.0
@@ -127,6 +129,7 @@ class RoundPolicy(Message):
     delta_codec: str = "int8"
     max_delta_norm: float = 0.0
     token_slack: float = 1.5
+    overlap: bool = False  # early inner runs (pcp_p2p.diloco.protocol.worker, "Overlap")
 
 
 @wire_struct
@@ -244,6 +247,9 @@ class RunSpec(Message):
         need(g.rule != "trimmed_mean" or r.delta_codec not in FEEDBACK_CODECS, "aggregation.rule",
              f"must not be trimmed_mean with round.delta_codec = {r.delta_codec!r}: it drops what fewer than "
              "trim_fraction of the workers sent, which their residuals already let go (use centered_clip)")
+        need(g.audit_rate == 0 or not r.overlap, "aggregation.audit_rate",
+             "must be 0 with round.overlap = true: an overlapped round starts from the worker's own end point "
+             "and is shifted mid-run, which an audit cannot replay yet")
         a = self.admission
         need(a.mode in ADMISSION_MODES, "admission.mode", f"must be one of {ADMISSION_MODES}")
         need(len(a.allowlist) <= 10_000 and all(0 < len(p) <= 128 for p in a.allowlist),

@@ -39,6 +39,18 @@ comes within a quarter of the round's time budget, drops the pending state
 and trains from the last settled one (the shepherd accepts any committed state
 as a start, so the round still counts).
 
+**Overlap** (``round.overlap``; docs/diloco.md, "Overlap"): on submitting round r
+the worker starts round r+1 at once, *early*, from its own end point of round r
+and round r's inner state, on the assignment it expects (the same roster
+position, attempt 0's seed), while its Δ travels and the shepherd combines.
+When the commit of r lists it and the announcement of r+1 assigns it (with the
+same step cap and artifact), it *adopts* the early run: once θ_{r+1} is held it
+tells the run its real start and its announced assignment (``ShiftInner``), and
+the run moves its parameters by the difference and keeps the progress of its
+steps so far; the Δ is measured from θ_{r+1} as always, so the shepherd's side
+does not change. Anything else (a commit without it, a round it is not in,
+another artifact) cancels the early run and the round starts as without overlap.
+
 A late joiner sends ``Join`` and looks up the latest commit record (the DHT's
 latest-checkpoint record), which makes it prefetch that θ; the first
 announcement that assigns it names the same θ — it contributes from that round on. A
@@ -53,6 +65,9 @@ Transitions::
     FETCHING   --fetch failed-->                IDLE
     TRAINING   --inner done-->                  SUBMITTED (Send Submission)
     TRAINING   --inner failed-->                IDLE
+    SUBMITTED  --(overlap) at once-->           SUBMITTED, the next round's early run in flight
+    any        --announcement fitting the early run-->  TRAINING (adopted; ShiftInner once θ and the
+                                                commit are in; its result is the round's)
     any        --newer announcement-->          FETCHING/TRAINING (CancelInner first)
     any        --commit-->                      IDLE (prefetch new θ)
     SUBMITTED  --a new term from the same θ-->  SUBMITTED (Join; the submission sent again)
@@ -67,7 +82,8 @@ over (:meth:`~pcp_p2p.diloco.protocol.shepherd.Shepherd.adopt`).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -83,9 +99,11 @@ from pcp_p2p.core.errors import (
     VerificationError,
 )
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.data import assignment_seed
 from pcp_p2p.diloco.algorithm.params import Params, codec_of, unpack_tensors
 from pcp_p2p.diloco.algorithm.sparse import encode_with_feedback, local_start
 from pcp_p2p.diloco.protocol.effects import (
+    EARLY,
     CancelInner,
     Effect,
     FetchBlob,
@@ -93,11 +111,13 @@ from pcp_p2p.diloco.protocol.effects import (
     Rejected,
     RunInner,
     Send,
+    ShiftInner,
     StoreBlob,
 )
 from pcp_p2p.diloco.protocol.messages import (
     INLINE_DELTA_LIMIT,
     CommitRecord,
+    DataAssignment,
     GroupPart,
     Join,
     RoundAnnouncement,
@@ -146,6 +166,20 @@ class InnerResult:
     state_in: str = ""  # digest of the inner state the run started from (FRESH_STATE, or "" untracked)
     state_out: str = ""  # digest of the inner state it ended with ("" untracked)
     group: tuple[GroupPart, ...] = ()  # a worker group's split of the round (Submission.group)
+    shifted_at: int | None = None  # an early run: the steps it trained before its shift
+
+
+@dataclass
+class EarlyRun:
+    """The inner run of ``round`` a worker started before its announcement (``round.overlap``)."""
+
+    round: int
+    assignment: DataAssignment  # expected: round − 1's position and cap, attempt 0's seed
+    artifact_cid: str | None
+    state_in: Any  # round − 1's end state, the run's start: it must be the settled one
+    state_digest: str  # its digest, as the run's result names its start ("" untracked)
+    ann: RoundAnnouncement | None = None  # the announcement it was adopted for
+    shifted: bool = False
 
 
 def pseudo_gradient(theta: Params, theta_local: Params) -> Params:
@@ -197,6 +231,11 @@ class Worker:
         # When the current announcement reached us: its inner run's budget counts from here
         self.announced_at = 0.0
         self.last_commit: CommitRecord | None = None
+        self.early: EarlyRun | None = None  # the next round's inner run, started early (overlap)
+        self.early_rounds = 0  # submissions that came from an adopted early run
+        self.early_failed: PcpError | None = None  # an early run failed: this worker trains when announced
+        # their steps before the shift over all their steps: the τ the exchange cost (docs/diloco.md)
+        self.early_shares: deque[float] = deque(maxlen=32)
         self.joined_for: tuple[int, int, int] | None = None
         self.submitted: list[Submission] = []
         self.last_heard = 0.0
@@ -265,6 +304,8 @@ class Worker:
             self.held_until = None
             self.pending_state = None  # not known to be committed: train from the settled state
             self.pending_residual = None
+            if self._adopted() is not None:
+                return self._maybe_shift(now)
             return self._train(now) if self.phase is WorkerPhase.FETCHING and not self.wanted else []
         if now < self.next_wakeup or self.phase in (WorkerPhase.FETCHING, WorkerPhase.TRAINING):
             return []
@@ -320,9 +361,8 @@ class Worker:
             return [Rejected(ann.shepherd, exc)]
         self.term = ann.term
         self.last_heard = now
-        effects: list[Effect] = []
-        if self.phase is WorkerPhase.TRAINING and cur is not None:
-            effects.append(CancelInner(cur.round, cur.attempt))
+        early = self.early if self.early is not None and self._early_fits(self.early, ann) else None
+        effects = self._cancel_inner(keep_early=early is not None)
         self.current = ann
         self.held_until = None
         self.announced_at = now
@@ -338,14 +378,21 @@ class Worker:
             self.wanted.add(ann.theta_cid)
         if artifact is not None and artifact not in self.held_artifacts:
             self.wanted.add(artifact)
-        if self.pending_state is not None and self.pending_state[0] < ann.round:
+        held = self.pending_state is not None and self.pending_state[0] < ann.round
+        if held:
             # The commit of our pending round has not reached us: hold until it says which state to start from.
             self.held_until = now + HOLD_FOR_COMMIT * ann.time_budget_s
             effects.append(LookupCommit())
-        elif not self.wanted:
+        fetches: list[Effect] = [FetchBlob(cid, hint=ann.shepherd) for cid in sorted(self.wanted)]
+        if early is not None:
+            # Adopt the early run: it trains on while θ (and the commit it builds on) arrive.
+            early.ann = ann
+            self.phase = WorkerPhase.TRAINING
+            return effects + fetches + self._maybe_shift(now)
+        if not held and not self.wanted:
             return effects + self._train(now)
         self.phase = WorkerPhase.FETCHING
-        return effects + [FetchBlob(cid, hint=ann.shepherd) for cid in sorted(self.wanted)]
+        return effects + fetches
 
     def on_blob(self, cid: str, data: bytes, now: float) -> list[Effect]:
         try:
@@ -371,19 +418,32 @@ class Worker:
         else:
             return []  # a late or duplicate delivery nobody asked for any more
         self.wanted.discard(cid)
+        if self._adopted() is not None:
+            return self._maybe_shift(now)
         if self.phase is WorkerPhase.FETCHING and not self.wanted and self.held_until is None:
             return self._train(now)
         return []
 
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
-        if self.phase is WorkerPhase.FETCHING and cid in self.wanted:
+        if cid in self.wanted and (self.phase is WorkerPhase.FETCHING or self._adopted() is not None):
+            effects = self._cancel_inner()  # an adopted early run cannot be shifted without θ
             self.phase = WorkerPhase.IDLE
             self.held_until = None
-            return [Rejected(None, error)]
+            return [*effects, Rejected(None, error)]
         return []
 
     def on_inner_done(self, result: InnerResult, now: float) -> list[Effect]:
         ann = self.current
+        if result.attempt == EARLY:
+            early = self._adopted()
+            if (early is None or not early.shifted or ann is None or result.round != ann.round
+                    or result.state_in != early.state_digest):
+                return []  # cancelled, or an older early run of the same round
+            self.early = None
+            self.early_rounds += 1
+            if result.shifted_at is not None and result.steps:
+                self.early_shares.append(result.shifted_at / result.steps)
+            result = replace(result, attempt=ann.attempt)  # the adopted run's result is the round's
         if (
             self.phase is not WorkerPhase.TRAINING
             or ann is None
@@ -431,10 +491,20 @@ class Worker:
         self.phase = WorkerPhase.SUBMITTED
         # (a failover while training: the new term's shepherd may take the attempt over)
         to = self.shepherd if self._carries_over(ann) and self.shepherd is not None else ann.shepherd
-        return [*effects, Send(to, sub)]
+        return [*effects, Send(to, sub), *self._start_early(ann, result)]
 
     def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Effect]:
         ann = self.current
+        early = self.early
+        if attempt == EARLY:
+            if early is not None and early.round == round_:
+                self.early = None
+                if early.ann is not None and early.ann is ann and self.phase is WorkerPhase.TRAINING:
+                    self.phase = WorkerPhase.IDLE  # the adopted round is lost, as any failed run's
+            # Once is enough to stop trying: an engine that cannot run early (a worker group's)
+            # would fail every round, and a run that diverged early would have as announced.
+            self.early_failed = error
+            return [Rejected(None, error)]
         if self.phase is WorkerPhase.TRAINING and ann is not None and (ann.round, ann.attempt) == (round_, attempt):
             self.phase = WorkerPhase.IDLE
         return [Rejected(None, error)]
@@ -469,12 +539,15 @@ class Worker:
             # have been held for exactly this commit.
             if self.held_until is not None and self.pending_state is None:
                 self.held_until = None
+                if self._adopted() is not None:
+                    return self._maybe_shift(now)
                 if self.phase is WorkerPhase.FETCHING and not self.wanted:
                     return self._train(now)
             return effects
         self.held_until = None
-        if self.phase is WorkerPhase.TRAINING and ann is not None:
-            effects.append(CancelInner(ann.round, ann.attempt))
+        early = self.early
+        keep = early is not None and early.round == rec.round + 1 and self.inner_state is early.state_in
+        effects += self._cancel_inner(keep_early=keep)  # kept: it builds on this commit, which lists us
         self.phase = WorkerPhase.IDLE
         if self.theta_cid != rec.theta_cid:
             self.wanted = {rec.theta_cid}
@@ -482,6 +555,76 @@ class Worker:
         return effects
 
     # --- internals -------------------------------------------------------------
+
+    def _adopted(self) -> EarlyRun | None:
+        """The early run that is the current round's inner run, if it is."""
+        early = self.early
+        if early is None or early.ann is None or early.ann is not self.current:
+            return None
+        return early if self.phase is WorkerPhase.TRAINING else None
+
+    def _cancel_inner(self, keep_early: bool = False) -> list[Effect]:
+        """Stop the current round's inner run, and the early run unless ``keep_early``."""
+        effects: list[Effect] = []
+        early = self.early
+        cur = self.current
+        if self.phase is WorkerPhase.TRAINING and cur is not None and self._adopted() is None:
+            effects.append(CancelInner(cur.round, cur.attempt))
+        if early is not None and not keep_early:
+            effects.append(CancelInner(early.round, EARLY))
+            self.early = None
+        return effects
+
+    def _start_early(self, ann: RoundAnnouncement, result: InnerResult) -> list[Effect]:
+        """On submitting ``ann``'s round, start the next one from where this one ended (overlap)."""
+        mine = ann.assignment_for(self.peer_id)
+        if (not self.spec.round.overlap or self.early_failed is not None or mine is None
+                or ann.round + 1 >= self.spec.round.rounds):
+            return []
+        # The shepherd numbers shards by roster position and seeds them by (round, attempt,
+        # position): with the same roster, round r+1's attempt 0 assigns exactly this.
+        expected = replace(mine, seed=assignment_seed(self.run_id, ann.round + 1, 0, mine.shard))
+        artifact = ann.artifacts.get(self.target)
+        self.early = EarlyRun(ann.round + 1, expected, artifact, result.inner_state, result.state_out)
+        return [RunInner(round=ann.round + 1, attempt=EARLY, theta=result.theta, theta_cid="",
+                         artifact_cid=artifact, assignment=expected, time_budget_s=ann.time_budget_s,
+                         inner_state=result.inner_state)]
+
+    def _early_fits(self, early: EarlyRun, ann: RoundAnnouncement) -> bool:
+        """Whether ``ann`` is the round the early run trains, with its artifact and the same step cap.
+
+        The assignment itself may differ (a join or a departure renumbers the shards, and then
+        every worker's): the shift then carries the announced one, whose batches the run takes
+        from there on. Requiring the expected assignment would make overlap useless under churn.
+        A run adopted already belongs to its announcement: a retried attempt trains anew.
+        """
+        mine = ann.assignment_for(self.peer_id)
+        return (early.ann is None and ann.round == early.round and mine is not None
+                and mine.max_steps == early.assignment.max_steps
+                and ann.artifacts.get(self.target) == early.artifact_cid)
+
+    def _maybe_shift(self, now: float) -> list[Effect]:
+        """Tell the adopted early run its real start once θ and the commit it builds on are in.
+
+        The run started from round r's end state, so it is valid only if round r's commit
+        listed us (that state is the settled one now); if not, or if the hold for that commit
+        gave up, it is cancelled and the round trains from the settled state, as without overlap.
+        """
+        early = self._adopted()
+        if early is None or early.shifted or early.ann is None:
+            return []
+        if self.theta is None or self.theta_cid != early.ann.theta_cid or self.held_until is not None:
+            return []  # θ on its way, or the commit of round r not seen yet
+        if self.pending_state is not None or self.inner_state is not early.state_in:
+            effects = self._cancel_inner()
+            if self.wanted:  # (the artifact: a restarted executor)
+                self.phase = WorkerPhase.FETCHING
+                return effects
+            return effects + self._train(now)
+        mine = early.ann.assignment_for(self.peer_id)
+        assert mine is not None  # (_early_fits)
+        early.shifted = True
+        return [ShiftInner(early.round, local_start(self.theta, self.residual), mine)]
 
     def _settle_state(self, rec: CommitRecord) -> None:
         """Start from the submitted inner state once a commit lists us for its round."""

@@ -15,7 +15,10 @@ only *ask* for work. This module does it:
   state with a digest computed on the device side and keeping a snapshot of it
   under that name (references, no copy); the next run starts from the snapshot
   the worker names (``inner_state``), so a run whose result was never submitted
-  or committed cannot leak into the next. :meth:`InnerEngine.replay` re-executes
+  or committed cannot leak into the next. An *early* run (overlap: ``attempt``
+  :data:`~pcp_p2p.diloco.protocol.effects.EARLY`) takes its real start through a
+  :class:`ShiftSlot` between chunks and does not end without it.
+  :meth:`InnerEngine.replay` re-executes
   an exact step count from a given θ and inner state, and
   :meth:`InnerEngine.export_state` serves a kept state to an auditor.
 - :class:`Evaluator` (shepherd): validation loss of a θ with ``jax.jit``, and a
@@ -40,7 +43,7 @@ import numpy as np
 from pcp_p2p.core.errors import ConfigError, ExecutorError
 from pcp_p2p.diloco.algorithm.data import CharDataset, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS, InnerState, encode_inner_state
-from pcp_p2p.diloco.protocol.effects import RunInner
+from pcp_p2p.diloco.protocol.effects import EARLY, EARLY_SHARE, RunInner, ShiftInner
 from pcp_p2p.diloco.protocol.messages import FRESH_STATE, DataAssignment
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.diloco.protocol.worker import InnerResult
@@ -168,6 +171,34 @@ class Evaluator:
         return self._loss(theta, self._sx, self._sy)
 
 
+class ShiftSlot:
+    """How an early inner run learns its real start from another thread (a ``ShiftInner``).
+
+    The event loop calls :meth:`shift` (or :meth:`wake`, with the run's cancel event set);
+    the run takes the shift at its next chunk boundary, or waits for it once its budget
+    is spent: an early run's Δ means nothing until it is measured from the announced θ.
+    """
+
+    def __init__(self) -> None:
+        self._shift: ShiftInner | None = None
+        self._woken = threading.Event()
+
+    def shift(self, e: ShiftInner) -> None:
+        self._shift = e
+        self._woken.set()
+
+    def wake(self) -> None:
+        """Stop a wait for the shift (the run was cancelled)."""
+        self._woken.set()
+
+    def take(self) -> ShiftInner | None:
+        e, self._shift = self._shift, None
+        return e
+
+    def wait(self) -> None:
+        self._woken.wait()
+
+
 class InnerEngine:
     """Runs a worker's inner steps on the IREE executor (call from a thread)."""
 
@@ -183,12 +214,24 @@ class InnerEngine:
         self._lock = threading.Lock()
         self._states: OrderedDict[str, None] = OrderedDict()
 
-    def run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
-        """Train from ``eff.theta`` for the round's time budget (whole chunks, up to max_steps)."""
-        with self._lock:
-            return self._run(eff, cancelled)
+    def run(self, eff: RunInner, cancelled: threading.Event, shift: ShiftSlot | None = None) -> InnerResult:
+        """Train from ``eff.theta`` for the round's time budget (whole chunks, up to max_steps).
 
-    def _run(self, eff: RunInner, cancelled: threading.Event) -> InnerResult:
+        An early run (``eff.attempt == EARLY``) needs ``shift``: it moves its parameters by
+        ``to − eff.theta`` when the shift comes, trains on the announced assignment's batches
+        from there, and ends only after it (or when cancelled).
+        """
+        if eff.attempt == EARLY and shift is None:
+            raise ExecutorError("an early inner run needs a shift slot")
+        with self._lock:
+            return self._run(eff, cancelled, shift if eff.attempt == EARLY else None)
+
+    def _shift(self, start: dict[str, np.ndarray], e: ShiftInner) -> None:
+        """Move the device's parameters by ``e.to − start``; the moments and step stay."""
+        now = self.executor.read_params()
+        self.executor.load_params({k: now[k] + (e.to[k] - start[k]) for k in now})
+
+    def _run(self, eff: RunInner, cancelled: threading.Event, shift: ShiftSlot | None) -> InnerResult:
         state_in = self._start(eff.theta, eff.inner_state)
         xs, ys = self._batches(eff.assignment)
         max_steps = len(xs)
@@ -196,10 +239,30 @@ class InnerEngine:
         t_end = time.monotonic() + eff.time_budget_s
         losses: list[float] = []
         steps = 0
+        shifted_at: int | None = None
         per_chunk = 0.0
-        while steps + CHUNK_STEPS <= max_steps and not cancelled.is_set():
-            # Stop when another chunk would overrun the budget (first chunk always runs).
-            if steps and time.monotonic() + per_chunk > t_end:
+        # An early run trains at most EARLY_SHARE of its budget and steps before its shift, then waits.
+        early_end = time.monotonic() + EARLY_SHARE * eff.time_budget_s
+        early_steps = max(CHUNK_STEPS, int(EARLY_SHARE * max_steps))
+        while not cancelled.is_set():
+            if shift is not None and (moved := shift.take()) is not None:
+                self._shift(eff.theta, moved)
+                shift, shifted_at = None, steps
+                # A late shift still gets the rest of a round after it: otherwise a round that waited
+                # for a straggler ends at the shift, all its steps from the estimate.
+                t_end = max(t_end, time.monotonic() + (1 - EARLY_SHARE) * eff.time_budget_s)
+                if moved.assignment != eff.assignment:  # the roster changed: the announced data from here on
+                    xs, ys = self._batches(moved.assignment)
+                    max_steps = len(xs)
+            room = steps + CHUNK_STEPS <= max_steps
+            # Another chunk would overrun the budget? (The first chunk always runs, and the first
+            # after a shift: an early run's Δ always holds steps from the announced θ.)
+            over = bool(steps) and steps != shifted_at and time.monotonic() + per_chunk > t_end
+            if shift is not None and (not room or over or steps + CHUNK_STEPS > early_steps
+                                      or (steps and time.monotonic() + per_chunk > early_end)):
+                shift.wait()  # an early run past its share (or its budget): its start first
+                continue
+            if not room or over:
                 break
             t0 = time.monotonic()
             out = self.executor.train(lr, xs[steps : steps + CHUNK_STEPS], ys[steps : steps + CHUNK_STEPS])
@@ -214,7 +277,7 @@ class InnerEngine:
         theta = self.executor.read_params()
         state_out = self._keep()
         return InnerResult(eff.round, eff.attempt, theta, steps, tuple(losses), state_out,
-                           state_in=state_in, state_out=state_out)
+                           state_in=state_in, state_out=state_out, shifted_at=shifted_at)
 
     def replay(self, theta: dict[str, np.ndarray], state: InnerState | None,
                assignment: DataAssignment, steps: int) -> Replay:

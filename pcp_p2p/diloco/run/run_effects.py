@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pcp_p2p.core.errors import PcpError
-from pcp_p2p.diloco.protocol.effects import CancelInner, Discarded, Finished, Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.effects import (
+    CancelInner,
+    Discarded,
+    Finished,
+    Rejected,
+    RunInner,
+    Send,
+    ShiftInner,
+    StoreBlob,
+)
 from pcp_p2p.diloco.protocol.election import BecomeShepherd, Lease, PublishLease
 from pcp_p2p.diloco.protocol.messages import CommitRecord
 from pcp_p2p.wire import Message
@@ -261,7 +270,7 @@ class Audit:
 
 
 RunEffect = (
-    Send | StoreBlob | RunInner | CancelInner | Rejected | Discarded | Finished | PublishLease
+    Send | StoreBlob | RunInner | ShiftInner | CancelInner | Rejected | Discarded | Finished | PublishLease
     | Fetch | LookUpCommit | LookUpLease | LookUpOwnerRecord | PublishCommit | ReplicateCommit | ReplicateCheckpoint
     | SetUpShepherd | CancelSetUp | Leads | SaveLease | ReleasePins | RunEnded | Stopped | CommitAccepted | Audit
 )

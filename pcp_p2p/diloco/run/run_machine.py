@@ -923,7 +923,7 @@ class RunMachine:
                     self.phase = "finished"
                     self.finished = True
                     self._out.append(RunEnded("finished", None))
-            else:  # StoreBlob, CancelInner
+            else:  # StoreBlob, CancelInner, ShiftInner
                 self._out.append(e)
 
     def _reject(self, peer: str, exc: PcpError) -> None:

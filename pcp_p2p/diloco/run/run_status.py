@@ -7,6 +7,7 @@ and the node's membership view, at ``now`` (the runtime's injected clock).
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from pcp_p2p.diloco.protocol.lifecycle import ENDED, PhaseInputs, run_phase
@@ -100,6 +101,10 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "outer_lr": rt.spec.outer.lr,
         "first_contribution_s": stats.first_contribution_s,
         "contributed_rounds": stats.contributed_rounds[-100:],
+        # rounds this worker trained early, while its Δ of the round before was in flight (round.overlap)
+        "overlapped_rounds": w.early_rounds if w is not None else 0,
+        # their steps before the shift over all their steps (the last 32; τ in docs/diloco.md)
+        "overlap_tau": round(statistics.median(w.early_shares), 3) if w is not None and w.early_shares else None,
         "rejected": dict(stats.rejected),
         "held": stats.held,  # leases/commits kept until their authority can be checked
         "audits": dict(stats.audits),

@@ -15,6 +15,7 @@ Send                   ``/pcp/msg/1.0.0`` (direct, acknowledged); to ourselves: 
 StoreBlob, Fetch       :class:`~pcp_p2p.diloco.run.run_blobs.RunBlobs`; a train manifest
                        is checked, its vmfb fetched and the IREE executor started
 RunInner, CancelInner  :class:`~pcp_p2p.diloco.run.engine.InnerEngine` in a thread
+ShiftInner             the early run's :class:`~pcp_p2p.diloco.run.engine.ShiftSlot`
 LookUp*, Publish*      :class:`~pcp_p2p.diloco.run.run_dht.RunRecords` (the DHT)
 ReplicateCommit        the commit sent to all its targets at once; the first ack (or a timeout)
                        answers, the other sends go on (the batch after joins them)
@@ -64,11 +65,12 @@ from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_spa
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.departures import make_leave
-from pcp_p2p.diloco.protocol.effects import CancelInner, Rejected, RunInner, Send, StoreBlob
+from pcp_p2p.diloco.protocol.effects import EARLY, CancelInner, Rejected, RunInner, Send, ShiftInner, StoreBlob
 from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
 from pcp_p2p.diloco.protocol.lifecycle import STOP_FILE, STOP_KIND, STOPPED, StopOrder
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, verify
 from pcp_p2p.diloco.protocol.runs import KnownRun
+from pcp_p2p.diloco.run.engine import ShiftSlot
 from pcp_p2p.diloco.run.reputation import ReputationLedger
 from pcp_p2p.diloco.run.run_audits import AuditClerk
 from pcp_p2p.diloco.run.run_blobs import PINS_FILE, RunBlobs
@@ -161,7 +163,8 @@ class RunRuntime:
         self.finished = trio.Event()
         self._send, self._inbox = trio.open_memory_channel[Event](1000)
         self._nursery: trio.Nursery | None = None
-        self._cancel: dict[tuple[int, int], threading.Event] = {}
+        # (round, attempt) -> the inner run's cancel event and shift slot (EARLY: an early run)
+        self._inner_jobs: dict[tuple[int, int], tuple[threading.Event, ShiftSlot]] = {}
         self.setup = TermSetUp(self)  # compiling, when this node wins a term
         self._prewarmed = False
         self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
@@ -316,30 +319,44 @@ class RunRuntime:
             self._nursery = self.io.nursery = nursery
             if self._stopped_before():
                 return
-            await self._start()
-            last_tick = float("-inf")
-            while not self.finished.is_set():
-                now = self.clock()
-                wake = self.machine.next_wakeup
-                # A wakeup already past (a worker fetching or training) must not make this
-                # loop spin: look again in half a second.
-                wait = 3600.0 if wake is None else max(wake - now, 0.5 if wake <= now else 0.0)
-                ev: Event | None = None
-                with trio.move_on_after(wait):
-                    ev = await self._inbox.receive()
-                if ev is not None:
-                    await self._dispatch(ev)
-                    # A steady flow of messages must not starve the deadlines (a shepherd's
-                    # heartbeats): tick once one is due, at most every TICK_FLOOR_S.
-                    due = self.machine.next_wakeup
-                    if due is None or self.clock() < due or self.clock() - last_tick < TICK_FLOOR_S:
-                        continue
-                last_tick = self.clock()
-                await self._feed(functools.partial(self.machine.tick, last_tick), "tick")
+            try:
+                await self._loop()
+            finally:
+                # Inner runs are moot once the run is over, and an early one would wait for its
+                # shift forever: the nursery waits for their threads (they are not abandoned).
+                self._cancel_inner_runs()
             # Finished: let in-flight work (the final commit's sends, announcements)
             # complete, but not forever; a stopped run has nothing more to say.
             grace = STOP_GRACE_S if self.machine.stop_latch.stopped else FINISH_GRACE_S
             nursery.cancel_scope.deadline = trio.current_time() + grace
+
+    def _cancel_inner_runs(self) -> None:
+        for cancel, slot in self._inner_jobs.values():
+            cancel.set()
+            slot.wake()
+
+    async def _loop(self) -> None:
+        """Feed the machine its inputs and ticks until the run is over."""
+        await self._start()
+        last_tick = float("-inf")
+        while not self.finished.is_set():
+            now = self.clock()
+            wake = self.machine.next_wakeup
+            # A wakeup already past (a worker fetching or training) must not make this
+            # loop spin: look again in half a second.
+            wait = 3600.0 if wake is None else max(wake - now, 0.5 if wake <= now else 0.0)
+            ev: Event | None = None
+            with trio.move_on_after(wait):
+                ev = await self._inbox.receive()
+            if ev is not None:
+                await self._dispatch(ev)
+                # A steady flow of messages must not starve the deadlines (a shepherd's
+                # heartbeats): tick once one is due, at most every TICK_FLOOR_S.
+                due = self.machine.next_wakeup
+                if due is None or self.clock() < due or self.clock() - last_tick < TICK_FLOOR_S:
+                    continue
+            last_tick = self.clock()
+            await self._feed(functools.partial(self.machine.tick, last_tick), "tick")
 
     async def _start(self) -> None:
         from pcp_p2p.executor.cpu import best_cpu_target
@@ -453,13 +470,18 @@ class RunRuntime:
             elif isinstance(e, Fetch):
                 self._spawn(self._fetch, e.who, e.cid, e.hint)
             elif isinstance(e, RunInner):
-                cancel = threading.Event()
-                self._cancel[(e.round, e.attempt)] = cancel
-                self._spawn(self._inner, e, cancel)
+                job = (threading.Event(), ShiftSlot())
+                self._inner_jobs[(e.round, e.attempt)] = job
+                self._spawn(self._inner, e, job)
             elif isinstance(e, CancelInner):
-                ev = self._cancel.pop((e.round, e.attempt), None)
-                if ev is not None:
-                    ev.set()
+                found = self._inner_jobs.pop((e.round, e.attempt), None)
+                if found is not None:
+                    found[0].set()
+                    found[1].wake()
+            elif isinstance(e, ShiftInner):
+                found = self._inner_jobs.get((e.round, EARLY))
+                if found is not None:
+                    found[1].shift(e)
             elif isinstance(e, LookUpCommit):
                 self._spawn(self._lookup_commit, e.for_election)
             elif isinstance(e, LookUpLease):
@@ -503,9 +525,8 @@ class RunRuntime:
             self._spawn(self._send_in_order, peer, messages)
 
     def _end(self, e: RunEnded) -> None:
-        if e.phase == STOPPED:
-            for cancel in self._cancel.values():
-                cancel.set()
+        if e.phase == STOPPED:  # at once (the loop's end cancels them too: run_forever)
+            self._cancel_inner_runs()
         if e.final_theta_cid is not None:
             self.io.release_run_pins(e.final_theta_cid)
         self.finished.set()
@@ -781,16 +802,18 @@ class RunRuntime:
         log.info("run %s: executor started for %s (artifact %s)", self.run_id[:16], manifest.target,
                  manifest.artifact_cid[:20])
 
-    async def _inner(self, eff: RunInner, cancel: threading.Event) -> None:
+    async def _inner(self, eff: RunInner, job: tuple[threading.Event, ShiftSlot]) -> None:
         try:
             if self.engine is None:
                 raise VerificationError("no verified artifact is loaded")
-            result = await trio.to_thread.run_sync(self.engine.run, eff, cancel)
+            result = await trio.to_thread.run_sync(self.engine.run, eff, *job)
         except PcpError as exc:
             self.post(InnerFailed(eff.round, eff.attempt, exc))
             return
         finally:
-            self._cancel.pop((eff.round, eff.attempt), None)
+            key = (eff.round, eff.attempt)
+            if self._inner_jobs.get(key) is job:  # (a cancelled job's key may name its successor by now)
+                del self._inner_jobs[key]
         self.post(InnerDone(result))
 
     # -- the executor -----------------------------------------------------------------------
