@@ -15,35 +15,33 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("iree.compiler")
 
-from conftest_compile import artifact, artifact_file, shepherd
+from test_audit_replay import SPEC, engine  # the same tiny train artifact and data, built once
 
 from pcp_p2p.core.errors import ExecutorError
-from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
 from pcp_p2p.diloco.protocol.effects import EARLY, RunInner, ShiftInner
 from pcp_p2p.diloco.protocol.messages import DataAssignment
-from pcp_p2p.diloco.protocol.spec import InnerOptimizer, RunSpec
-from pcp_p2p.diloco.run.engine import InnerEngine, ShiftSlot, initial_theta, program_options
-from pcp_p2p.executor.cpu import best_cpu_target, local_cpu
-from pcp_p2p.executor.executor import Executor
+from pcp_p2p.diloco.protocol.worker import InnerResult
+from pcp_p2p.diloco.run.engine import InnerEngine, ShiftSlot, initial_theta
 
-if local_cpu().arch != "x86_64":
-    pytest.skip("these tests build x86-64 artifacts", allow_module_level=True)
-
-SPEC = RunSpec(inner=InnerOptimizer(batch_size=4, seq_len=32)).validate()
-TEXT = "".join(f"{i} To be, or not to be, that is the question; whether 'tis nobler.\n" for i in range(400))
-DATASET = CharDataset.from_text(TEXT)
 STEPS = 2 * CHUNK_STEPS
 
 
 @pytest.fixture(scope="module")
 def eng():
-    target = best_cpu_target().name
-    opts = program_options(SPEC)
-    art = artifact("train", target, opts)
-    ex = Executor.start(artifact_file("train", target, opts), art.manifest, expected_signer=shepherd().peer_id)
-    yield InnerEngine(ex, SPEC, DATASET)
-    ex.close()
+    e = engine()
+    yield e
+    e.executor.close()
+
+
+def in_thread(eng: InnerEngine, eff: RunInner, slot: ShiftSlot,
+              cancelled: threading.Event | None = None) -> tuple[threading.Thread, list[InnerResult]]:
+    """Start ``eff`` in a thread (as the runtime does) and give it half a second to reach its wait."""
+    out: list[InnerResult] = []
+    t = threading.Thread(target=lambda: out.append(eng.run(eff, cancelled or threading.Event(), slot)))
+    t.start()
+    t.join(timeout=0.5)
+    return t, out
 
 
 ASSIGNMENT = DataAssignment(worker="w", shard=0, num_shards=2, seed=5, max_steps=STEPS)
@@ -84,10 +82,7 @@ def test_a_shift_after_the_last_step_moves_the_end_point_by_the_difference(eng):
     theta, to = starts()
     one = DataAssignment(worker="w", shard=0, num_shards=2, seed=5, max_steps=CHUNK_STEPS)
     slot = ShiftSlot()
-    out = []
-    t = threading.Thread(target=lambda: out.append(eng.run(inner(theta, EARLY, a=one), threading.Event(), slot)))
-    t.start()
-    t.join(timeout=0.5)
+    t, out = in_thread(eng, inner(theta, EARLY, a=one), slot)
     assert t.is_alive()  # its steps are done, and it waits for its start
     slot.shift(ShiftInner(1, to, one))
     t.join(timeout=60)
@@ -100,11 +95,7 @@ def test_a_shift_after_the_last_step_moves_the_end_point_by_the_difference(eng):
 def test_a_run_past_its_budget_still_trains_a_chunk_after_its_shift(eng):
     theta, to = starts()
     slot = ShiftSlot()
-    out = []
-    t = threading.Thread(target=lambda: out.append(eng.run(inner(theta, EARLY, budget_s=0.0), threading.Event(),
-                                                           slot)))
-    t.start()
-    t.join(timeout=0.5)
+    t, out = in_thread(eng, inner(theta, EARLY, budget_s=0.0), slot)
     assert t.is_alive()  # one chunk (the first always runs), then waiting
     slot.shift(ShiftInner(1, to, ASSIGNMENT))
     t.join(timeout=60)
@@ -115,10 +106,7 @@ def test_a_run_past_its_budget_still_trains_a_chunk_after_its_shift(eng):
 def test_a_cancel_ends_an_early_runs_wait_and_it_needs_a_slot(eng):
     theta, _ = starts()
     slot, cancelled = ShiftSlot(), threading.Event()
-    out = []
-    t = threading.Thread(target=lambda: out.append(eng.run(inner(theta, EARLY, budget_s=0.0), cancelled, slot)))
-    t.start()
-    t.join(timeout=0.5)
+    t, out = in_thread(eng, inner(theta, EARLY, budget_s=0.0), slot, cancelled)
     cancelled.set()
     slot.wake()
     t.join(timeout=60)
@@ -132,10 +120,7 @@ def test_an_early_run_waits_for_its_shift_past_its_early_share(eng):
     # shift it trains the rest from the moved parameters
     theta, to = starts()
     slot = ShiftSlot()
-    out = []
-    t = threading.Thread(target=lambda: out.append(eng.run(inner(theta, EARLY), threading.Event(), slot)))
-    t.start()
-    t.join(timeout=0.5)
+    t, out = in_thread(eng, inner(theta, EARLY), slot)
     assert t.is_alive()
     slot.shift(ShiftInner(1, to, ASSIGNMENT))
     t.join(timeout=60)
@@ -163,11 +148,8 @@ def test_a_shift_after_the_budget_still_gets_the_rest_of_a_round(eng):
     # run trains (1 − EARLY_SHARE) of a budget after it instead of ending with every step estimated
     theta, to = starts()
     slot = ShiftSlot()
-    out = []
-    t = threading.Thread(target=lambda: out.append(eng.run(inner(theta, EARLY, budget_s=2.0), threading.Event(),
-                                                           slot)))
-    t.start()
-    t.join(timeout=2.5)  # past the budget: one chunk (its early share), then waiting
+    t, out = in_thread(eng, inner(theta, EARLY, budget_s=2.0), slot)
+    t.join(timeout=2.0)  # past the budget: one chunk (its early share), then waiting
     assert t.is_alive()
     slot.shift(ShiftInner(1, to, ASSIGNMENT))
     t.join(timeout=60)
