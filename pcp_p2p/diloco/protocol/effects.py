@@ -52,9 +52,10 @@ class RunInner:
 
     ``attempt`` = :data:`EARLY` marks an *early* run (``round.overlap``): round
     ``round`` started before its announcement, from ``theta``, the worker's own
-    end point of the round before. It trains for the budget as any run, but it
-    does not end before a :class:`ShiftInner` has told it its real start; a
-    :class:`CancelInner` for (round, EARLY) stops it.
+    end point of the round before. It trains for the budget as any run, at most
+    :data:`EARLY_SHARE` of it before a :class:`ShiftInner` has told it its real
+    start, and it does not end before that; a :class:`CancelInner` for
+    (round, EARLY) stops it.
     """
 
     round: int
@@ -90,9 +91,10 @@ class ShiftInner:
     ``to`` is where the announced round starts (θ_{r+1}, less an error-feedback residual);
     ``theta`` was the run's estimate of it (its ``RunInner.theta``). The moments and the
     progress made so far are kept: the "corrected" overlap of ``docs/diloco.md``. Applied at
-    the next chunk boundary; the run then trains what is left of its budget (possibly nothing)
-    on ``assignment``, the announced one (the expected one unless the roster changed: then
-    the steps before the shift were drawn from the expected shard, the rest from the announced).
+    the next chunk boundary; the run then trains what is left of its budget (at least one
+    chunk, and ``1 − EARLY_SHARE`` of a budget after a late shift) on ``assignment``, the
+    announced one (the expected one unless the roster changed: then the steps before the
+    shift were drawn from the expected shard, the rest from the announced).
     """
 
     round: int

@@ -175,8 +175,9 @@ class ShiftSlot:
     """How an early inner run learns its real start from another thread (a ``ShiftInner``).
 
     The event loop calls :meth:`shift` (or :meth:`wake`, with the run's cancel event set);
-    the run takes the shift at its next chunk boundary, or waits for it once its budget
-    is spent: an early run's Δ means nothing until it is measured from the announced θ.
+    the run takes the shift at its next chunk boundary, or waits for it once it has trained
+    its early share (``EARLY_SHARE``) or its steps: an early run's Δ means nothing until it
+    is measured from the announced θ.
     """
 
     def __init__(self) -> None:
