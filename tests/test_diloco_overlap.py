@@ -101,6 +101,12 @@ class Swarm:
         (early,) = of(effects, RunInner)
         return early, sub
 
+    def round0_committed(self) -> tuple[RunInner, CommitRecord, RoundAnnouncement, bytes]:
+        """Round 0 commits with everyone, worker 0 included: (its early run, the commit, round 1's
+        announcement, θ_1's bytes), none of them delivered to worker 0 yet."""
+        early, sub = self.round0()
+        return early, *self.commit(self.shepherd.on_submission(sub, now=5.0) + self.others_submit(self.ann, now=5.0))
+
     def commit(self, effects: list) -> tuple[CommitRecord, RoundAnnouncement, bytes]:
         (rec,) = [e.record for e in effects if isinstance(e, Committed)]
         ann = sent(effects, RoundAnnouncement)[0]
@@ -171,8 +177,7 @@ def test_an_announcement_with_another_assignment_adopts_the_early_run_with_the_a
 
 def test_an_announcement_that_does_not_assign_the_worker_cancels_the_early_run():
     s = Swarm()
-    _, sub = s.round0()
-    rec, ann1, _ = s.commit(s.shepherd.on_submission(sub, now=5.0) + s.others_submit(s.ann, now=5.0))
+    _, rec, ann1, _ = s.round0_committed()
     s.w.on_commit(rec, now=6.0)
     without = sign(dataclasses.replace(
         ann1, assignments=tuple(a for a in ann1.assignments if a.worker != s.w.peer_id)), OWNER)
@@ -184,8 +189,7 @@ def test_an_announcement_that_does_not_assign_the_worker_cancels_the_early_run()
 
 def test_an_adopted_run_is_shifted_only_once_the_commit_it_builds_on_lists_the_worker():
     s = Swarm()
-    _, sub = s.round0()
-    rec, ann1, theta1 = s.commit(s.shepherd.on_submission(sub, now=5.0) + s.others_submit(s.ann, now=5.0))
+    _, rec, ann1, theta1 = s.round0_committed()
     effects = s.w.on_announcement(ann1, now=6.0)  # overtakes the commit
     assert of(effects, LookupCommit) and of(effects, RunInner) == []
     assert of(s.w.on_blob(rec.theta_cid, theta1, now=6.1), ShiftInner) == []  # held for the commit
@@ -195,8 +199,7 @@ def test_an_adopted_run_is_shifted_only_once_the_commit_it_builds_on_lists_the_w
 
 def test_a_hold_that_ends_without_the_commit_cancels_the_adopted_run_and_trains_from_the_settled_state():
     s = Swarm()
-    _, sub = s.round0()
-    rec, ann1, theta1 = s.commit(s.shepherd.on_submission(sub, now=5.0) + s.others_submit(s.ann, now=5.0))
+    _, rec, ann1, theta1 = s.round0_committed()
     s.w.on_announcement(ann1, now=6.0)
     s.w.on_blob(rec.theta_cid, theta1, now=6.1)
     effects = s.w.tick(now=s.w.next_wakeup)
@@ -258,8 +261,7 @@ def test_an_overlapped_run_whose_exchange_takes_no_time_commits_exactly_the_sync
 
 def test_a_retried_attempt_does_not_take_over_an_adopted_early_run():
     s = Swarm()
-    _, sub = s.round0()
-    rec, ann1, theta1 = s.commit(s.shepherd.on_submission(sub, now=5.0) + s.others_submit(s.ann, now=5.0))
+    _, rec, ann1, theta1 = s.round0_committed()
     s.w.on_commit(rec, now=6.0)
     s.w.on_blob(rec.theta_cid, theta1, now=6.1)
     assert of(s.w.on_announcement(ann1, now=6.2), ShiftInner)  # adopted for attempt 0, shifted

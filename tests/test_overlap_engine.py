@@ -17,7 +17,7 @@ pytest.importorskip("iree.compiler")
 
 from test_audit_replay import SPEC, engine  # the same tiny train artifact and data, built once
 
-from pcp_p2p.core.errors import ExecutorError
+from pcp_p2p.core.errors import ExecutorError, InvalidInput
 from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS
 from pcp_p2p.diloco.protocol.effects import EARLY, RunInner, ShiftInner
 from pcp_p2p.diloco.protocol.messages import DataAssignment
@@ -36,11 +36,11 @@ def eng():
 
 def in_thread(eng: InnerEngine, eff: RunInner, slot: ShiftSlot,
               cancelled: threading.Event | None = None) -> tuple[threading.Thread, list[InnerResult]]:
-    """Start ``eff`` in a thread (as the runtime does) and give it half a second to reach its wait."""
+    """Start ``eff`` in a thread (as the runtime does) and return once it waits for its shift."""
     out: list[InnerResult] = []
     t = threading.Thread(target=lambda: out.append(eng.run(eff, cancelled or threading.Event(), slot)))
     t.start()
-    t.join(timeout=0.5)
+    assert slot.waiting.wait(timeout=60)
     return t, out
 
 
@@ -149,9 +149,24 @@ def test_a_shift_after_the_budget_still_gets_the_rest_of_a_round(eng):
     theta, to = starts()
     slot = ShiftSlot()
     t, out = in_thread(eng, inner(theta, EARLY, budget_s=2.0), slot)
-    t.join(timeout=2.0)  # past the budget: one chunk (its early share), then waiting
+    t.join(timeout=2.0)  # waiting (its early share done) while its 2 s budget runs out: the shift comes late
     assert t.is_alive()
     slot.shift(ShiftInner(1, to, ASSIGNMENT))
     t.join(timeout=60)
     (early,) = out
     assert (early.shifted_at, early.steps) == (CHUNK_STEPS, STEPS)
+
+
+def test_a_shift_to_a_theta_of_another_shape_is_refused_with_a_typed_error(eng):
+    # the announced θ is hash-checked against its signed CID, not against the model
+    theta, to = starts()
+    name = next(iter(to))
+    slot = ShiftSlot()
+    slot.shift(ShiftInner(1, {**to, name: np.zeros((3, 3), np.float32)}, ASSIGNMENT))
+    with pytest.raises(InvalidInput, match="tensors"):
+        eng.run(inner(theta, EARLY), threading.Event(), slot)
+    slot = ShiftSlot()
+    slot.shift(ShiftInner(1, {k: v for k, v in to.items() if k != name}, ASSIGNMENT))
+    with pytest.raises(InvalidInput, match="tensors"):
+        eng.run(inner(theta, EARLY), threading.Event(), slot)
+    assert eng.run(inner(to, 0), threading.Event()).steps == STEPS  # the engine goes on

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pcp_p2p.core.errors import ConfigError, ExecutorError
+from pcp_p2p.core.errors import ConfigError, ExecutorError, InvalidInput
 from pcp_p2p.diloco.algorithm.data import CharDataset, batches_for_assignment, validation_batches
 from pcp_p2p.diloco.protocol.audit import CHUNK_STEPS, InnerState, encode_inner_state
 from pcp_p2p.diloco.protocol.effects import EARLY, EARLY_SHARE, RunInner, ShiftInner
@@ -183,6 +183,7 @@ class ShiftSlot:
     def __init__(self) -> None:
         self._shift: ShiftInner | None = None
         self._woken = threading.Event()
+        self.waiting = threading.Event()  # the run has trained what it may before its shift
 
     def shift(self, e: ShiftInner) -> None:
         self._shift = e
@@ -197,6 +198,7 @@ class ShiftSlot:
         return e
 
     def wait(self) -> None:
+        self.waiting.set()
         self._woken.wait()
 
 
@@ -228,7 +230,13 @@ class InnerEngine:
             return self._run(eff, cancelled, shift if eff.attempt == EARLY else None)
 
     def _shift(self, start: dict[str, np.ndarray], e: ShiftInner) -> None:
-        """Move the device's parameters by ``e.to − start``; the moments and step stay."""
+        """Move the device's parameters by ``e.to − start``; the moments and step stay.
+
+        ``e.to`` is the announced θ (hash-checked against the CID its shepherd signed, not
+        against the model): tensors that do not fit are refused here, before any arithmetic.
+        """
+        if e.to.keys() != start.keys() or any(np.shape(e.to[k]) != np.shape(start[k]) for k in start):
+            raise InvalidInput("the announced θ does not have this model's tensors")
         now = self.executor.read_params()
         self.executor.load_params({k: now[k] + (e.to[k] - start[k]) for k in now})
 
