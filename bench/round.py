@@ -23,13 +23,25 @@ store). The driver (this process) plays the messages of the round flow
    in memory, where the runtime hands it to the worker machine (it is
    stored in the background); in the ``direct`` arm, fetched into the store.
 
-Arms, in the same run, alternating round by round so both see the same load:
+Arms, in the same run, alternating round by round so all see the same load:
 
-- ``swarm`` (today's flow): the commit goes to every worker at once, and
-  each fetches the checkpoint from its tree ancestors, the shepherd last
-  (:mod:`pcp_p2p.blob.swarm`), and takes θ out of it (byte-identical; its
-  CID checked);
-- ``direct`` (the flow before swarming, the baseline): the commit is held
+- ``update`` (today's flow): the shepherd steps with the mean as its int8
+  update blob carries it (``outer.update_codec``) and stores the update
+  beside θ and the checkpoint; the commit goes to every worker at once, and
+  each, holding the last checkpoint, fetches the update (an eighth of a
+  checkpoint) from its tree ancestors, the shepherd last, builds the
+  checkpoint itself (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`:
+  both CIDs checked) and stores it, then holds θ (its range, copied out).
+  As ``RunRuntime`` does, a worker keeps the checkpoint it built in memory
+  and builds the next from it, in the buffer of the one before. This arm
+  runs two rounds in a row: the first builds from a checkpoint fetched the
+  round before, read from the store (``update_cold_s``), the second is the
+  steady state (the headline);
+- ``swarm`` (the flow before the update, the baseline): the commit goes to
+  every worker at once, and each fetches the checkpoint from its tree
+  ancestors, the shepherd last (:mod:`pcp_p2p.blob.swarm`), and takes θ out
+  of it (byte-identical; its CID checked);
+- ``direct`` (the flow before swarming): the commit is held
   until one of ``REPLICAS`` = 2 replicas holds the checkpoint, then every
   other worker fetches it from the shepherd, then θ from the shepherd.
 
@@ -61,6 +73,7 @@ PARAMS = int(os.environ.get("PCP_BENCH_ROUND_PARAMS", "10000000"))
 WORKERS = int(os.environ.get("PCP_BENCH_ROUND_WORKERS", "4"))
 ROUNDS = int(os.environ.get("PCP_BENCH_ROUND_ROUNDS", "3"))
 REPLICAS = 2
+LR, MOMENTUM = 0.7, 0.9  # the outer step's (DiLoCo's)
 TARGET_S = 0.3
 TENSORS = 4  # θ as this many equal tensors
 
@@ -105,6 +118,9 @@ class BenchNode:
         self.state: OuterState | None = None
         self.bufs: list[bytearray] = []
         self.size = PARAMS // TENSORS
+        self.last_ckpt = ""  # a worker's: the checkpoint it holds from the round before
+        self.built: tuple[str, bytearray] | None = None  # the last checkpoint it built, in memory
+        self.spare: bytearray | None = None  # the buffer of the one before
 
     async def peers_are(self, peers: dict[str, list[str]]) -> dict[str, Any]:
         from libp2p.peer.id import ID
@@ -144,13 +160,20 @@ class BenchNode:
 
         return {"cid": await trio.to_thread.run_sync(make), "t": time.monotonic()}
 
-    async def aggregate(self, subs: list[tuple[str, str]]) -> dict[str, Any]:
-        """The shepherd: fetch the Δs into memory, average, outer Nesterov step, checkpoint and θ stored."""
+    async def aggregate(self, subs: list[tuple[str, str]], update: bool) -> dict[str, Any]:
+        """The shepherd: fetch the Δs into memory, average, outer Nesterov step, checkpoint and θ
+        stored (with ``update``: the step applies the int8 update, stored beside them)."""
         import trio
 
         from pcp_p2p.blob.tensor_codec import decode_tensors
-        from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, checkpoint_theta_bytes, encode_checkpoint
+        from pcp_p2p.diloco.algorithm.checkpoint import (
+            Checkpoint,
+            checkpoint_theta_bytes,
+            encode_checkpoint,
+            round_metrics,
+        )
         from pcp_p2p.diloco.algorithm.outer import nesterov_step
+        from pcp_p2p.diloco.algorithm.update import encode_update
 
         state = self.state
         assert state is not None
@@ -165,22 +188,56 @@ class BenchNode:
             for k, (cid, peer) in enumerate(subs):
                 n.start_soon(one, k, cid, peer)
 
-        def outer() -> tuple[str, str, int]:
+        def outer() -> tuple[str, str, str, int]:
             decoded = [decode_tensors(bytes(v), max_bytes=8 * PARAMS) for v in views]
             mean = {name: sum(d[name] for d in decoded) / len(decoded) for name in state.theta}
-            self.state = new = nesterov_step(state, mean, lr=0.7, momentum=0.9)  # the shepherd's step
-            ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new))
+            blob, applied = encode_update(mean, "int8") if update else (b"", mean)
+            self.state = new = nesterov_step(state, applied, lr=LR, momentum=MOMENTUM)  # the shepherd's step
+            ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new, round_metrics(0, 0.0, None)))
             theta = checkpoint_theta_bytes(ckpt)  # as the shepherd takes θ's bytes
-            # the shepherd's StoreBlob of θ and of the checkpoint: two stores side by side, as the
-            # runtime's store_later runs them; the commit leaves once both are done
+            # the shepherd's StoreBlobs (θ, the checkpoint, the update): side by side, as the
+            # runtime's store_later runs them; the commit leaves once all are done
             with ThreadPoolExecutor(2) as pool:
-                stored_theta = pool.submit(self.svc.store.put_bytes, theta)
+                stored = [pool.submit(self.svc.store.put_bytes, b) for b in ([theta, blob] if update else [theta])]
                 ckpt_cid = self.svc.store.put_bytes(ckpt)
-                stored_theta.result()
-            return ckpt_cid, theta_cid, len(theta)
+                update_cid = stored[-1].result() if update else ""
+                stored[0].result()
+            return ckpt_cid, theta_cid, update_cid, len(theta)
 
-        ckpt_cid, theta_cid, theta_bytes = await trio.to_thread.run_sync(outer)
-        return {"ckpt": ckpt_cid, "theta": theta_cid, "theta_bytes": theta_bytes, "t": time.monotonic()}
+        prev_theta = state.theta_cid
+        ckpt_cid, theta_cid, update_cid, theta_bytes = await trio.to_thread.run_sync(outer)
+        return {"ckpt": ckpt_cid, "theta": theta_cid, "update": update_cid, "prev_theta": prev_theta,
+                "round": state.round, "theta_bytes": theta_bytes, "t": time.monotonic()}
+
+    async def rebuild(self, record: dict[str, Any], providers: list[str]) -> dict[str, Any]:
+        """A worker, as ``RunRuntime._rebuild_checkpoint``: the update through the tree, the checkpoint
+        built from the last one (in memory if this worker built it, in the buffer of the one before),
+        checked and stored; then θ is held (its range of the checkpoint, in memory)."""
+        import trio
+
+        from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
+        from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
+        from pcp_p2p.diloco.protocol.messages import CommitRecord
+        from pcp_p2p.diloco.protocol.spec import OuterOptimizer
+
+        store, rec = self.svc.store, CommitRecord(**record)
+        await self.svc.fetch(rec.update_cid, providers=[self.peers[p] for p in providers], ordered=True,
+                             announce=False)
+        outer = OuterOptimizer(lr=LR, momentum=MOMENTUM, update_codec="int8")
+        cached = self.built[1] if self.built is not None and self.built[0] == self.last_ckpt else None
+
+        def build() -> bytearray:
+            base = cached if cached is not None else store.read(self.last_ckpt)
+            ckpt = rebuild_checkpoint(rec, base, store.read(rec.update_cid), outer, reuse=self.spare)
+            store.put_bytes(ckpt)
+            off, length = checkpoint_theta_span(bytes(ckpt[:THETA_HEAD]))
+            bytes(memoryview(ckpt)[off : off + length])  # θ for the worker machine: a copy (the buffer is reused)
+            return ckpt
+
+        ckpt = await trio.to_thread.run_sync(build)
+        done = time.monotonic()  # the checkpoint is built, checked and stored; θ is held, in memory
+        self.built, self.spare, self.last_ckpt = (rec.checkpoint_cid, ckpt), cached, rec.checkpoint_cid
+        return {"t": done}
 
     async def fetch(self, ckpt: str, providers: list[str], ordered: bool, theta: str, theta_from_ckpt: bool,
                     shepherd: str = "") -> dict[str, Any]:
@@ -192,6 +249,7 @@ class BenchNode:
 
         store = self.svc.store
         await self.svc.fetch(ckpt, providers=[self.peers[p] for p in providers], ordered=ordered, announce=False)
+        self.last_ckpt = ckpt
         if not theta_from_ckpt:
             await self.svc.fetch(theta, providers=[self.peers[shepherd]], announce=False)
             return {"t": time.monotonic()}
@@ -265,11 +323,19 @@ def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[
     subs = [(w.read()["cid"], w.peer) for w in workers]
     before = shepherd.ask(op="traffic")["bytes_out"]
     t0 = time.monotonic()  # the last Δ is stored: its submission leaves now
-    agg = shepherd.ask(op="aggregate", subs=subs)
+    agg = shepherd.ask(op="aggregate", subs=subs, update=arm == "update")
     ckpt, theta = agg["ckpt"], agg["theta"]
     members = [w.peer for w in workers]
     by_peer = {w.peer: w for w in workers}
-    if arm == "swarm":  # the commit goes to every worker at once; each fetches through the tree
+    if arm == "update":  # the commit goes to every worker at once; each fetches the update through the tree
+        record = {"run_id": "bench", "term": 0, "round": agg["round"], "attempt": 0,
+                  "prev_theta_cid": agg["prev_theta"], "theta_cid": theta, "checkpoint_cid": ckpt,
+                  "participants": members, "tokens": 0, "mean_loss": 0.0, "val_loss": None,
+                  "shepherd": shepherd.peer, "update_cid": agg["update"]}
+        for w in [by_peer[p] for p in tree_order(agg["update"], members)]:
+            w.send(op="rebuild", record=record, providers=[*upstream(agg["update"], members, w.peer), shepherd.peer])
+        done = [w.read()["t"] for w in workers]
+    elif arm == "swarm":  # the commit goes to every worker at once; each fetches through the tree
         for w in [by_peer[p] for p in tree_order(ckpt, members)]:
             w.send(op="fetch", ckpt=ckpt, providers=[*upstream(ckpt, members, w.peer), shepherd.peer],
                    ordered=True, theta=theta, theta_from_ckpt=True)
@@ -294,7 +360,8 @@ def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[
 
 def main() -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    results: dict[str, list[dict[str, Any]]] = {"swarm": [], "direct": []}
+    arms = ("update", "swarm", "direct")
+    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ("update_cold", *arms)}
     with tempfile.TemporaryDirectory(prefix="pcp-bench-round-") as tmp:
         root = Path(tmp)
         procs: list[Proc] = []
@@ -308,9 +375,15 @@ def main() -> None:
                 p.ask(op="peers_are", peers=everyone)
             shepherd.ask(op="init")
             one_round("direct", 0, shepherd, workers)  # warm-up: connections, buffers, page cache
+            seed = 1
             for r in range(ROUNDS):
-                for arm in ("swarm", "direct") if r % 2 == 0 else ("direct", "swarm"):
-                    results[arm].append(one_round(arm, 1 + 2 * r + (arm == "swarm"), shepherd, workers))
+                for arm in arms[r % 3:] + arms[:r % 3]:  # each arm first in turn
+                    if arm == "update":  # the first from a fetched checkpoint (read from the store), then
+                        # the steady state: from the checkpoint each worker built, in memory
+                        results["update_cold"].append(one_round(arm, seed, shepherd, workers))
+                        seed += 1
+                    results[arm].append(one_round(arm, seed, shepherd, workers))
+                    seed += 1
         finally:
             for p in procs:
                 p.close()
@@ -319,18 +392,19 @@ def main() -> None:
         return round(statistics.median(x[key] for x in results[arm]), 3)
 
     print(json.dumps({
-        "headline": med("swarm", "s"),
+        "headline": med("update", "s"),
         "target": TARGET_S,
         "better": "lower",
         "unit": "s from the last Δ stored to every worker holding the next θ (median)",
+        "baseline_swarm_s": med("swarm", "s"),
         "baseline_direct_s": med("direct", "s"),
-        "speedup_vs_direct": round(med("direct", "s") / med("swarm", "s"), 2),
+        "speedup_vs_swarm": round(med("swarm", "s") / med("update", "s"), 2),
         "reference_allreduce_fp32_s": 1.29,
-        "aggregate_s": med("swarm", "aggregate_s"),
-        "shepherd_out_per_theta_swarm": med("swarm", "shepherd_out_per_theta"),
-        "shepherd_out_per_theta_direct": med("direct", "shepherd_out_per_theta"),
-        "rounds_s_swarm": [round(x["s"], 3) for x in results["swarm"]],
-        "rounds_s_direct": [round(x["s"], 3) for x in results["direct"]],
+        "update_cold_s": med("update_cold", "s"),
+        "aggregate_s_update": med("update", "aggregate_s"),
+        "aggregate_s_swarm": med("swarm", "aggregate_s"),
+        **{f"shepherd_out_per_theta_{arm}": med(arm, "shepherd_out_per_theta") for arm in arms},
+        **{f"rounds_s_{arm}": [round(x["s"], 3) for x in results[arm]] for arm in results},
         "params": PARAMS,
         "workers": WORKERS,
         "rounds_per_arm": ROUNDS,

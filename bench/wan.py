@@ -122,6 +122,8 @@ def summary(runs: list[dict[str, Any]], commits: dict[int, float]) -> dict[str, 
         "contributed_rounds": [len(r.get("contributed_rounds") or []) for r in runs],
         "overlapped_rounds": [r.get("overlapped_rounds") for r in runs],
         "overlap_tau": [r.get("overlap_tau") for r in runs],
+        # per worker: commits' checkpoints built from the update, and fetched whole
+        "checkpoints": [[(r.get("checkpoints") or {}).get(k) for k in ("rebuilt", "fetched")] for r in runs],
     }
 
 
@@ -232,7 +234,8 @@ def main() -> None:
         root = Path(tmp)
         arms = os.environ.get("PCP_BENCH_WAN_ARMS", "wan,loopback").split(",")
         empty = {"utilisation": None, "utilisation_per_worker": [], "round_s": None, "participants": [],
-                 "contributed_rounds": [], "overlapped_rounds": [], "overlap_tau": [], "phase_s_per_round": {},
+                 "contributed_rounds": [], "overlapped_rounds": [], "overlap_tau": [], "checkpoints": [],
+                 "phase_s_per_round": {},
                  "relayed_bytes": None, "bytes_sent": None,
                  "relay_byte_share": None, "reachability": []}
         wan = wan_arm(root) if "wan" in arms else empty
@@ -264,6 +267,7 @@ def main() -> None:
         "overlapped_rounds_loopback": loop["overlapped_rounds"],
         "overlap_tau_wan": wan["overlap_tau"],
         "overlap_tau_loopback": loop["overlap_tau"],
+        "checkpoints_rebuilt_fetched_wan": wan["checkpoints"],
         "reachability_wan": wan["reachability"],
         "phase_s_per_round_wan": wan["phase_s_per_round"],
         "phase_s_per_round_loopback": loop["phase_s_per_round"],

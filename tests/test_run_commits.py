@@ -102,18 +102,18 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     stranger, shepherd = FlakyDht(fails=0), FlakyDht(fails=0)
     fetched: list[str] = []
 
-    async def fetch(cid: str, hint: str | None = None, swarm: object = None) -> None:
-        fetched.append(cid)
+    async def fetch(rec: CommitRecord, hint: str | None = None) -> None:
+        fetched.append(rec.checkpoint_cid)
 
     # no lease known yet: the election keeps it until one arrives (nothing fetched, no ack)
     rt, inbox = delivering_runtime(None, set())
-    rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
+    rt._hold_checkpoint = fetch  # type: ignore[method-assign]
     with pytest.raises(NotElected):
         await rt.deliver(stranger.identity.peer_id, commit(stranger))
     assert fetched == [] and isinstance(inbox.receive_nowait(), MessageIn)
     # following the shepherd's term: a stranger's commit for it can never hold, refused outright
     rt, inbox = delivering_runtime(following(shepherd), set())
-    rt._replicate_checkpoint = fetch  # type: ignore[method-assign]
+    rt._hold_checkpoint = fetch  # type: ignore[method-assign]
     with pytest.raises(BadSignature):
         await rt.deliver(stranger.identity.peer_id, commit(stranger))
     assert fetched == []
@@ -129,19 +129,19 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     held: set[str] = set()
     rt, inbox = delivering_runtime(following(shepherd), held)
 
-    async def shepherd_gone(cid: str, hint: str | None = None, swarm: object = None) -> None:  # the fetch failed
+    async def shepherd_gone(rec: CommitRecord, hint: str | None = None) -> None:  # the fetch failed
         return None
 
-    rt._replicate_checkpoint = shepherd_gone  # type: ignore[method-assign]
+    rt._hold_checkpoint = shepherd_gone  # type: ignore[method-assign]
     with pytest.raises(PeerError):  # the messenger then refuses it: no ack
         await rt.deliver(shepherd.identity.peer_id, rec)
     with pytest.raises(trio.WouldBlock):
         inbox.receive_nowait()  # and the run never sees it
 
-    async def fetched(cid: str, hint: str | None = None, swarm: object = None) -> None:
-        held.add(cid)
+    async def fetched(rec: CommitRecord, hint: str | None = None) -> None:
+        held.add(rec.checkpoint_cid)
 
-    rt._replicate_checkpoint = fetched  # type: ignore[method-assign]
+    rt._hold_checkpoint = fetched  # type: ignore[method-assign]
     await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
     assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)
 
@@ -161,13 +161,13 @@ async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
         held: set[str] = set()
         rt, inbox = delivering_runtime(following(shepherd), held)
 
-        async def slow(cid: str, hint: str | None = None, swarm: object = None,
+        async def slow(rec: CommitRecord, hint: str | None = None,
                        alive: bool = alive, held: set[str] = held) -> None:
             await trio.sleep(REPLICATE_TIMEOUT_S + 3)  # (a swarm ancestor that timed out first)
             if alive:
-                held.add(cid)
+                held.add(rec.checkpoint_cid)
 
-        rt._replicate_checkpoint = slow  # type: ignore[method-assign]
+        rt._hold_checkpoint = slow  # type: ignore[method-assign]
         async with trio.open_nursery() as nursery:
             rt._nursery = nursery
             with pytest.raises(PeerError, match="within 5 s; not acknowledged"):

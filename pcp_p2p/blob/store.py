@@ -345,7 +345,7 @@ class BlobStore:
 
     # --- writes -----------------------------------------------------------------
 
-    def put_bytes(self, data: bytes, *, cid: str | None = None, pin: bool = False) -> str:
+    def put_bytes(self, data: bytes | bytearray, *, cid: str | None = None, pin: bool = False) -> str:
         """Store ``data``; if ``cid`` is given the bytes must hash to it."""
         manifest = hash_bytes(data, self._chunking(cid))
         self._check_expected(manifest, cid)

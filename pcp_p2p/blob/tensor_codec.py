@@ -117,6 +117,16 @@ def encode_tensor_parts(
     return [MAGIC, struct.pack(">I", len(header)), header, *payloads]
 
 
+def fp32_head(shapes: dict[str, tuple[int, ...]]) -> bytes:
+    """What an fp32 bundle of float32 tensors with these names and shapes starts with; their
+    payloads follow in this order, 4·n bytes each, little-endian. Why: a caller can lay a
+    bundle out and have its tensors written in place (a checkpoint the outer step writes
+    straight into, :func:`pcp_p2p.diloco.algorithm.checkpoint.lay_out_checkpoint`)."""
+    header = encode(TensorHeader(tuple(
+        TensorEntry(name, "float32", tuple(int(d) for d in shape), "fp32", 0) for name, shape in shapes.items())))
+    return MAGIC + struct.pack(">I", len(header)) + header
+
+
 def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes | memoryview:
     if codec == "fp32":
         return np.ascontiguousarray(flat, dtype="<f4").data  # the array itself when it already is: no copy
@@ -149,10 +159,15 @@ def _slab(block: int) -> int:
     return block * max(1, (1 << 20) // block)
 
 
-def decode_tensors(data: bytes | bytearray | memoryview, *, max_bytes: int) -> dict[str, np.ndarray]:
+def decode_tensors(
+    data: bytes | bytearray | memoryview, *, max_bytes: int, copy: bool = True,
+) -> dict[str, np.ndarray]:
     """Parse :func:`encode_tensors` output, refusing anything beyond ``max_bytes``.
 
     ``max_bytes`` bounds both the input and the decoded arrays' total size.
+    ``copy=False``: an fp32 tensor stored as float32 is a read-only view into
+    ``data`` instead of a copy (a checkpoint read only to step from: 80 MB of a
+    10M model's, decoded inside a round).
     """
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
     if len(view) > max_bytes:
@@ -195,11 +210,11 @@ def decode_tensors(data: bytes | bytearray | memoryview, *, max_bytes: int) -> d
         raise MalformedMessage(f"{len(view) - pos} trailing bytes after the last tensor")
     out: dict[str, np.ndarray] = {}
     for e, start, n in plan:
-        out[e.name] = _decode_one(e, view, start, n)
+        out[e.name] = _decode_one(e, view, start, n, copy)
     return out
 
 
-def _decode_one(e: TensorEntry, view: memoryview, start: int, n: int) -> np.ndarray:
+def _decode_one(e: TensorEntry, view: memoryview, start: int, n: int, copy: bool = True) -> np.ndarray:
     dtype = _DTYPES[e.dtype]
     if e.codec == "fp32":
         vals = np.frombuffer(view, dtype="<f4", count=n, offset=start)
@@ -236,7 +251,7 @@ def _decode_one(e: TensorEntry, view: memoryview, start: int, n: int) -> np.ndar
             raise MalformedMessage(f"{e.name}: non-finite values (or beyond {e.dtype})")
         return out.reshape(e.shape)
     with np.errstate(over="ignore", invalid="ignore"):
-        out = vals.astype(dtype)
+        out = vals.astype(dtype, copy=copy)
     if not np.all(np.isfinite(out)):
         raise MalformedMessage(f"{e.name}: non-finite values (or beyond {e.dtype})")
     return out.reshape(e.shape)

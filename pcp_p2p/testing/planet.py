@@ -260,6 +260,8 @@ class PlanetResult:
     deliveries: int
     rejected: dict[str, int] = field(default_factory=dict)
     early_runs: int = 0  # early runs (round.overlap) that were adopted and shifted
+    checkpoints_rebuilt: int = 0  # commits' checkpoints built from the last one and the update
+    checkpoints_fetched: int = 0  # ... and fetched whole (no base held, or the build did not match)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -381,9 +383,9 @@ def verification_cache() -> Iterator[None]:
         m.sign = sign_once  # type: ignore[attr-defined]  # patching the name each module imported
     identity_mod.public_key_of = key_of  # type: ignore[assignment]  # a plain function for an lru_cache wrapper
     real_unpack = unpack_tensors  # what worker imported
-    unpacked: dict[int, tuple[bytes, dict[str, np.ndarray]]] = {}
+    unpacked: dict[int, tuple[bytes | memoryview, dict[str, np.ndarray]]] = {}
 
-    def unpack(data: bytes, *a: Any, **kw: Any) -> dict[str, np.ndarray]:
+    def unpack(data: bytes | memoryview, *a: Any, **kw: Any) -> dict[str, np.ndarray]:
         # θ: the same blob object reaches every worker; decoded once, shared read-only
         hit = unpacked.get(id(data))
         if hit is not None and hit[0] is data:
@@ -433,6 +435,7 @@ class PNode:
     __slots__ = (
         "alive",
         "blobs",
+        "checkpoints",
         "down",
         "early",
         "ended",
@@ -472,6 +475,7 @@ class PNode:
         self.started_at = 0.0
         self.lease: Lease | None = None  # on disk: the last lease accepted
         self.blobs: dict[str, bytes] = {cid_of(SIM_ARTIFACT): SIM_ARTIFACT}  # on disk
+        self.checkpoints: dict[str, str] = {}  # θ CID -> the held checkpoint of the commit that named it
         self.pins: deque[str] = deque()  # the round blobs held, oldest first
         self.up_free = 0.0  # when its uplink is free again
         self.wake: float | None = None  # the machine's timer in the heap
@@ -514,6 +518,7 @@ class Planet:
         self.events = 0
         self.deliveries = 0
         self.early_runs = 0  # early runs shifted (round.overlap)
+        self.rebuilt = self.ckpt_fetched = 0  # commits' checkpoints built from the update / fetched
         # nodes
         self.nodes: list[PNode] = []
         for i in range(cfg.nodes):
@@ -761,8 +766,7 @@ class Planet:
             elif isinstance(e, ReplicateCommit):
                 self.replicate(node, e)
             elif isinstance(e, ReplicateCheckpoint):
-                if e.cid not in node.blobs:
-                    self.fetch(node, e.cid, None, None, None)
+                self.hold_checkpoint(node, e.record, None, None)
             elif isinstance(e, SetUpShepherd):
                 node.setup_epoch += 1  # (one set-up at a time, as the runtime's)
                 node.setup_term = e.become.term
@@ -857,14 +861,46 @@ class Planet:
             if msg.checkpoint_cid not in dst.blobs:
                 # acknowledged only once the checkpoint is held here
                 epoch = dst.epoch
-                self.fetch(dst, msg.checkpoint_cid, sender,
-                           lambda data: self._vouched(dst, epoch, sender, msg, ack), None)
+                self.hold_checkpoint(dst, msg, sender, lambda data: self._vouched(dst, epoch, sender, msg, ack))
                 return
         # (``on_message`` is what ``handle(MessageIn(...))`` dispatches to: called directly,
         # a lease renewal's ten thousand deliveries build no event object each)
         self.carry_out(dst, m.on_message(sender, msg, self.now))
         if ack is not None:
             ack()
+
+    def hold_checkpoint(self, node: PNode, rec: CommitRecord, hint: str | None,
+                        done: Callable[[bytes], Any] | None) -> None:
+        """The runtime's ``_hold_checkpoint``: ``rec``'s checkpoint built from the one its step started
+        from and its update (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`, run for
+        real) when this node holds that one, else fetched whole; then ``done(bytes)``."""
+        def held(data: bytes) -> Any:
+            node.checkpoints[rec.theta_cid] = rec.checkpoint_cid
+            while len(node.checkpoints) > 2:
+                del node.checkpoints[next(iter(node.checkpoints))]
+            return done(data) if done is not None else None
+
+        data = node.blobs.get(rec.checkpoint_cid)
+        if data is not None:  # (the shepherd's own, stored by its StoreBlob)
+            held(data)
+            return
+        base = node.checkpoints.get(rec.prev_theta_cid)
+        if rec.update_cid and base is not None and base in node.blobs:
+            def build(update: bytes) -> Any:
+                try:
+                    built = bytes(commits.rebuild_checkpoint(rec, node.blobs[base], update, self.spec.outer))
+                except PcpError:
+                    self.ckpt_fetched += 1
+                    self.fetch(node, rec.checkpoint_cid, hint, held, None)
+                    return None
+                self.rebuilt += 1
+                self.store(node, rec.checkpoint_cid, built)
+                return held(built)
+
+            self.fetch(node, rec.update_cid, hint, build, None)
+            return
+        self.ckpt_fetched += 1
+        self.fetch(node, rec.checkpoint_cid, hint, held, None)
 
     def _vouched(self, dst: PNode, epoch: int, sender: str, msg: Message, ack: Callable[[], None] | None) -> None:
         if dst.epoch != epoch or not dst.alive:
@@ -1154,4 +1190,5 @@ def simulate(cfg: PlanetConfig) -> PlanetResult:
         val_loss_last=vals[-1] if vals else None, virtual_s=round(end, 1), wall_s=round(wall, 2),
         events=p.events, rss_per_node_kib=round((rss - rss0) / cfg.nodes, 1), deliveries=p.deliveries,
         rejected=dict(sorted(p.rejected.items())), early_runs=p.early_runs,
+        checkpoints_rebuilt=p.rebuilt, checkpoints_fetched=p.ckpt_fetched,
     )

@@ -20,16 +20,18 @@ bytes a commit costs the shepherd's uplink (issue #15's shepherd bytes).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from pcp_p2p.blob.tensor_codec import fp32_head
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import MalformedMessage
 from pcp_p2p.diloco.algorithm.outer import OuterState
-from pcp_p2p.diloco.algorithm.params import pack_tensor_parts, unpack_tensors
+from pcp_p2p.diloco.algorithm.params import Params, pack_tensor_parts, unpack_tensors
 
 MAGIC = "pcp-checkpoint"
 VERSION = 1
@@ -64,6 +66,72 @@ def encode_checkpoint(ckpt: Checkpoint, *, with_momentum: bool = True) -> tuple[
     theta_at = sum(map(len, head)) + len(theta_header)
     data = b"".join([*head, theta_header, *theta, _bin_header(_size(momentum)), *momentum])
     return data, cid_of(memoryview(data)[theta_at : theta_at + theta_size])
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """A checkpoint's bytes with its tensors still to be written, and those tensors as
+    writable views into the bytes (``momentum`` is ``None`` when the checkpoint stores none)."""
+
+    data: bytearray
+    theta: Params
+    momentum: Params | None
+    theta_span: tuple[int, int]  # (offset, length) of θ's bundle: the θ blob's bytes
+
+    def theta_cid(self) -> str:
+        at, size = self.theta_span
+        return cid_of(memoryview(self.data)[at : at + size])
+
+
+def lay_out_checkpoint(run_id: str, term: int, round_: int, metrics: dict[str, float],
+                       shapes: dict[str, tuple[int, ...]], *, with_momentum: bool = True,
+                       reuse: bytearray | None = None) -> CheckpointLayout:
+    """The checkpoint :func:`encode_checkpoint` would write, laid out before its tensors exist.
+
+    Why: a node that builds each commit's checkpoint from the last one and the
+    commit's update (:mod:`pcp_p2p.diloco.algorithm.update`) has the outer step
+    write θ and the momentum straight into it, instead of into new arrays that
+    a join then copies (80 MB for a 10M model, inside the round). Once they are
+    written, ``data`` is byte for byte :func:`encode_checkpoint`'s (tested).
+
+    ``reuse``: a buffer of the same size to lay it out in (every byte is
+    written), e.g. the checkpoint before the last; fresh memory costs these
+    machines up to 2.5 CPU-s per GB on first touch (docs/blob.md)."""
+    meta = {"run_id": run_id, "term": term, "round": round_, "metrics": {k: float(v) for k, v in metrics.items()}}
+    head = b"".join([b"\x95", *(msgpack.packb(x, use_bin_type=True) for x in (MAGIC, VERSION, meta))])
+    sizes = {k: 4 * math.prod(s) for k, s in shapes.items()}
+    theta_head, mom_head = fp32_head(shapes), fp32_head(shapes if with_momentum else {})
+    theta_size = len(theta_head) + sum(sizes.values())
+    mom_size = len(mom_head) + (sum(sizes.values()) if with_momentum else 0)
+    frame = [head, _bin_header(theta_size), theta_head]
+    theta_at = len(head) + len(_bin_header(theta_size))
+    size = theta_at + theta_size + len(_bin_header(mom_size)) + mom_size
+    data = reuse if reuse is not None and len(reuse) == size else bytearray(size)
+
+    def views(at: int, bundle_head: bytes, tensors: dict[str, tuple[int, ...]]) -> tuple[Params, int]:
+        data[at : at + len(bundle_head)] = bundle_head
+        at += len(bundle_head)
+        out: Params = {}
+        for k, s in tensors.items():
+            out[k] = np.frombuffer(data, dtype="<f4", count=sizes[k] // 4, offset=at).reshape(s)
+            at += sizes[k]
+        return out, at
+
+    data[: len(frame[0]) + len(frame[1])] = frame[0] + frame[1]
+    theta, at = views(theta_at, theta_head, shapes)
+    data[at : at + len(_bin_header(mom_size))] = _bin_header(mom_size)
+    momentum, _ = views(at + len(_bin_header(mom_size)), mom_head, shapes if with_momentum else {})
+    return CheckpointLayout(data, theta, momentum if with_momentum else None, (theta_at, theta_size))
+
+
+def round_metrics(tokens: int, mean_loss: float, val_loss: float | None) -> dict[str, float]:
+    """A commit's metrics as its checkpoint holds them. One function for the shepherd that
+    writes the checkpoint and the node that rebuilds it from the commit record and the
+    update (:mod:`pcp_p2p.diloco.algorithm.update`): the bytes must come out the same."""
+    metrics = {"tokens": float(tokens), "mean_loss": float(mean_loss)}
+    if val_loss is not None:
+        metrics["val_loss"] = float(val_loss)
+    return metrics
 
 
 def _size(parts: list[bytes | memoryview]) -> int:
@@ -122,24 +190,51 @@ def checkpoint_theta_span(head: bytes) -> tuple[int, int]:
     return at + 1 + width, length
 
 
-def _split(data: bytes) -> tuple[dict[Any, Any], bytes, bytes]:
-    """A checkpoint's metadata, θ bundle and momentum bundle, its framing checked."""
+def _split(data: bytes | bytearray) -> tuple[dict[Any, Any], memoryview, memoryview]:
+    """A checkpoint's metadata, θ bundle and momentum bundle, its framing checked.
+
+    The bundles are views into ``data``, not copies: a node that builds each
+    commit's checkpoint from the last (:mod:`pcp_p2p.diloco.algorithm.update`)
+    decodes 80 MB of a 10M model's checkpoint inside the round."""
+    view = memoryview(data)
+    head = bytes(view[:THETA_HEAD])
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_ext_len=0, max_buffer_size=len(head) + 1)
+    unpacker.feed(head)
     try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+        if unpacker.read_array_header() != 5 or unpacker.unpack() != MAGIC or unpacker.unpack() != VERSION:
+            raise MalformedMessage("not a pcp checkpoint")
+        meta = unpacker.unpack()
+        at = unpacker.tell()
+    except MalformedMessage:
+        raise
     except Exception as exc:
         raise MalformedMessage(f"checkpoint is not msgpack: {type(exc).__name__}") from exc
-    if not isinstance(obj, list) or len(obj) != 5 or obj[0] != MAGIC or obj[1] != VERSION:
+    if not isinstance(meta, dict):
         raise MalformedMessage("not a pcp checkpoint")
-    _, _, meta, theta, momentum = obj
-    if not isinstance(meta, dict) or not isinstance(theta, bytes) or not isinstance(momentum, bytes):
-        raise MalformedMessage("not a pcp checkpoint")
-    return meta, theta, momentum
+    theta_at, theta_len = _bin_span(view, at)
+    mom_at, mom_len = _bin_span(view, theta_at + theta_len)
+    if mom_at + mom_len != len(view):
+        raise MalformedMessage("checkpoint has bytes after its momentum")
+    return meta, view[theta_at : theta_at + theta_len], view[mom_at : mom_at + mom_len]
 
 
-def decode_checkpoint(data: bytes) -> Checkpoint:
+def _bin_span(view: memoryview, at: int) -> tuple[int, int]:
+    """``(offset, length)`` of the msgpack bin whose header starts at ``at``, inside ``view``."""
+    width = _BIN_HEADERS.get(view[at]) if at < len(view) else None
+    if width is None or at + 1 + width > len(view):
+        raise MalformedMessage("checkpoint bundle is not a msgpack bin")
+    length = int.from_bytes(view[at + 1 : at + 1 + width], "big")
+    if at + 1 + width + length > len(view):
+        raise MalformedMessage("checkpoint bundle runs past its end")
+    return at + 1 + width, length
+
+
+def decode_checkpoint(data: bytes | bytearray) -> Checkpoint:
     """A :class:`Checkpoint` from bytes; :class:`MalformedMessage` for anything else.
 
-    An empty momentum bundle (``encode_checkpoint(..., with_momentum=False)``) is zeros."""
+    An empty momentum bundle (``encode_checkpoint(..., with_momentum=False)``) is zeros.
+    θ's and the momentum's tensors are read-only views into ``data`` (bytes, not a buffer
+    that is reused): the outer step and everything else only read them."""
     meta, theta_b, mom_b = _split(data)
     run_id, term, round_, metrics = (meta.get(k) for k in ("run_id", "term", "round", "metrics"))
     if (
@@ -151,8 +246,9 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
         or not all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items())
     ):
         raise MalformedMessage("checkpoint metadata is malformed")
-    theta = unpack_tensors(theta_b)
-    momentum = unpack_tensors(mom_b) or {k: np.zeros_like(v) for k, v in theta.items()}
+    # read-only views into ``data``: every use steps into new arrays or reads (no copy of 80 MB)
+    theta = unpack_tensors(theta_b, copy=False)
+    momentum = unpack_tensors(mom_b, copy=False) or {k: np.zeros_like(v) for k, v in theta.items()}
     if list(theta) != list(momentum) or any(theta[k].shape != momentum[k].shape for k in theta):
         raise MalformedMessage("checkpoint θ and momentum do not have the same tensors")
     return Checkpoint(run_id, term, OuterState(theta, momentum, round_), dict(metrics))

@@ -46,9 +46,14 @@ class OuterState:
 
 
 def nesterov_step(
-    state: OuterState, delta_mean: Mapping[str, np.ndarray], *, lr: float, momentum: float
+    state: OuterState, delta_mean: Mapping[str, np.ndarray], *, lr: float, momentum: float,
+    into: tuple[Params, Params | None] | None = None,
 ) -> OuterState:
-    """The next outer state; ``state`` is left untouched (commit or discard, never half)."""
+    """The next outer state; ``state`` is left untouched (commit or discard, never half).
+
+    ``into``: float32 arrays of θ's shapes to write the new θ and momentum into (``None``
+    for the momentum: new arrays), instead of new arrays: a checkpoint laid out before the
+    step (:func:`~pcp_p2p.diloco.algorithm.checkpoint.lay_out_checkpoint`) is written once."""
     mu = np.float32(momentum)
     eta = np.float32(lr)
     theta: Params = {}
@@ -58,9 +63,11 @@ def nesterov_step(
         # v = μ·m + d;  θ' = θ − η·(μ·v + d): the same float32 operations in the same order as
         # those two lines, bit for bit (tested), in place into two new arrays instead of six
         # temporaries (a 10M model's step runs inside the shepherd's round).
-        v = np.multiply(mu, np.asarray(state.momentum[name], dtype=np.float32))
+        v_out = into[1][name] if into is not None and into[1] is not None else None
+        step_out = into[0][name] if into is not None else None
+        v = np.multiply(mu, np.asarray(state.momentum[name], dtype=np.float32), out=v_out)
         v += d
-        step = np.multiply(mu, v)
+        step = np.multiply(mu, v, out=step_out)
         step += d
         step *= eta
         theta[name] = np.subtract(np.asarray(th, dtype=np.float32), step, out=step)

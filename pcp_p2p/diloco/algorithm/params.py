@@ -71,9 +71,10 @@ def pack_tensor_parts(params: Mapping[str, np.ndarray], codec: str = "fp32") -> 
     return encode_tensor_parts(_as_f32(params), codec)
 
 
-def unpack_tensors(data: bytes, max_bytes: int = MAX_BUNDLE_BYTES) -> Params:
-    """Float32 tensors from :func:`pack_tensors` bytes; a ProtocolError for anything else."""
-    return {k: np.asarray(v, dtype=_F32) for k, v in decode_tensors(data, max_bytes=max_bytes).items()}
+def unpack_tensors(data: bytes | memoryview, max_bytes: int = MAX_BUNDLE_BYTES, *, copy: bool = True) -> Params:
+    """Float32 tensors from :func:`pack_tensors` bytes; a ProtocolError for anything else.
+    ``copy=False``: fp32 tensors are read-only views into ``data`` (see ``decode_tensors``)."""
+    return {k: np.asarray(v, dtype=_F32) for k, v in decode_tensors(data, max_bytes=max_bytes, copy=copy).items()}
 
 
 class Fp32Codec:

@@ -143,6 +143,7 @@ class CommitRecord(Message):
     mean_loss: float
     val_loss: float | None
     shepherd: str
+    update_cid: str = ""  # the applied mean (pcp_p2p.diloco.algorithm.update); "": fetch the checkpoint
     signature: bytes = b""
 
 

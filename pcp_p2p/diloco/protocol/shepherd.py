@@ -91,9 +91,11 @@ from pcp_p2p.diloco.algorithm.checkpoint import (
     checkpoint_theta_bytes,
     decode_checkpoint,
     encode_checkpoint,
+    round_metrics,
 )
 from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
 from pcp_p2p.diloco.algorithm.params import Params, pack_tensors, unpack_tensors
+from pcp_p2p.diloco.algorithm.update import encode_update
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.protocol.audit import AuditReport
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
@@ -672,10 +674,13 @@ class Shepherd:
             key=lambda w: (agg.accepted[w].score if agg.accepted[w].score is not None else -math.inf, norms[w]),
         )
 
-    def _candidate(self) -> tuple[tuple[RoundResult, OuterState, float | None] | None, list[Effect]]:
+    def _candidate(self) -> tuple[tuple[RoundResult, OuterState, float | None, bytes] | None, list[Effect]]:
         """The round's outcome: combine, step, evaluate; drop suspects while val loss jumps.
 
-        Returns ``((result, new state, val loss) or None, Rejected effects)``;
+        Returns ``((result, new state, val loss, update blob) or None, Rejected effects)``;
+        the step applies the mean as the update blob carries it (``outer.update_codec``,
+        :mod:`pcp_p2p.diloco.algorithm.update`), so a node holding the last checkpoint
+        rebuilds the next one from the blob bit for bit.
         None when fewer than ``min_quorum`` remain after the norm screen and the
         val-jump guard. Workers refused here are moved from ``accepted`` to
         ``refused``, so they are not participants and count as missing.
@@ -693,18 +698,18 @@ class Shepherd:
         }
         dropped.update(self._score_outliers(agg))
         screened: dict[str, RejectedUpdate] = {}
-        outcome: tuple[RoundResult, OuterState, float | None] | None = None
+        outcome: tuple[RoundResult, OuterState, float | None, bytes] | None = None
         guard_dropped = False  # only the guard's own drops loosen its limit for the next attempt
         while len(agg.accepted) - len(dropped) >= quorum:
             result = agg.combine(exclude=dropped)
             screened = result.screened
             if len(result.weights) < quorum:
                 break
-            new_state = nesterov_step(self.state, result.delta, lr=self.spec.outer.lr,
-                                      momentum=self.spec.outer.momentum)
+            update, applied = encode_update(result.delta, self.spec.outer.update_codec)
+            new_state = nesterov_step(self.state, applied, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
             val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
             if not guard or val_loss is None or self.val_loss is None or val_loss <= self._val_limit():
-                outcome = (result, new_state, val_loss)
+                outcome = (result, new_state, val_loss, update)
                 break
             suspect = self._suspect(agg, result.weights, result.norms)
             guard_dropped = True
@@ -726,15 +731,13 @@ class Shepherd:
         outcome, rejected = self._candidate()
         if outcome is None:
             return rejected + self._discard(now, " after the norm screen and the val-jump guard")
-        result, new_state, val_loss = outcome
+        result, new_state, val_loss, update = outcome
         tokens, mean_loss = result.tokens, result.mean_loss
         prev_cid = self.theta_cid
-        metrics = {"tokens": float(tokens), "mean_loss": mean_loss}
-        if val_loss is not None:
-            metrics["val_loss"] = val_loss
+        metrics = round_metrics(tokens, mean_loss, val_loss)
         ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics),
                                                   with_momentum=self.spec.outer.momentum != 0)
-        ckpt_cid = cid_of(ckpt_bytes)
+        ckpt_cid, update_cid = cid_of(ckpt_bytes), cid_of(update)
         participants = tuple(sorted(agg.accepted))
         record = sign(
             CommitRecord(
@@ -750,6 +753,7 @@ class Shepherd:
                 mean_loss=mean_loss,
                 val_loss=val_loss,
                 shepherd=self.peer_id,
+                update_cid=update_cid,
             ),
             self.identity,
         )
@@ -769,6 +773,7 @@ class Shepherd:
             *rejected,
             StoreBlob(theta_cid, self.theta_bytes),
             StoreBlob(ckpt_cid, ckpt_bytes),
+            StoreBlob(update_cid, update),
             Committed(record),
             *(Send(w, record) for w in recipients),
         ]

@@ -27,6 +27,7 @@ Example (every key optional; these are the defaults)::
     [outer]            # Nesterov SGD on the averaged pseudo-gradient
     lr = 0.7
     momentum = 0.9
+    update_codec = "int8"    # the applied mean on the wire, or "fp32" (exact)
 
     [round]
     time_budget_s = 60.0     # inner training time per round (fast nodes do more steps)
@@ -84,6 +85,7 @@ from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import ConfigError, MalformedMessage
 from pcp_p2p.core.identity import Identity, verify_signature
 from pcp_p2p.diloco.algorithm.robust import AGGREGATION_RULES, AggregationPolicy
+from pcp_p2p.diloco.algorithm.update import UPDATE_CODECS
 from pcp_p2p.wire import Message, encode, signing_bytes, wire_message, wire_struct
 
 MODEL_PRESETS = ("tiny", "small", "medium", "large")
@@ -115,6 +117,7 @@ class OuterOptimizer(Message):
 
     lr: float = 0.7
     momentum: float = 0.9
+    update_codec: str = "int8"  # how the applied mean travels (pcp_p2p.diloco.algorithm.update)
 
 
 @wire_struct
@@ -206,6 +209,7 @@ class RunSpec(Message):
         need(1 <= i.seq_len <= 65536, "inner.seq_len", "must be in [1, 65536]")
         need(finite(o.lr) and 0 < o.lr <= 10, "outer.lr", "must be in (0, 10]")
         need(finite(o.momentum) and 0 <= o.momentum < 1, "outer.momentum", "must be in [0, 1)")
+        need(o.update_codec in UPDATE_CODECS, "outer.update_codec", f"must be one of {UPDATE_CODECS}")
         need(finite(r.time_budget_s) and r.time_budget_s > 0, "round.time_budget_s", "must be > 0")
         need(1 <= r.max_inner_steps <= 1_000_000, "round.max_inner_steps", "must be in [1, 1e6]")
         need(

@@ -82,7 +82,7 @@ class RunBlobs:
         for stored in list(self.storing.values()):
             await stored.wait()
 
-    async def keep(self, data: bytes, *, for_run: bool = False) -> str:
+    async def keep(self, data: bytes | bytearray, *, for_run: bool = False) -> str:
         """Store and pin a blob now (for the run's life, or for its round); announce it in the
         background. Peers that need it get the hint of who holds it, so they need not wait for
         a provider record (a DHT announcement on a busy swarm can take tens of seconds)."""

@@ -192,9 +192,13 @@ class ReplicateCommit:
 
 @dataclass(frozen=True)
 class ReplicateCheckpoint:
-    """Hold the committed checkpoint ``cid`` (so any candidate can take the run over)."""
+    """Hold ``record``'s checkpoint (so any candidate can take the run over)."""
 
-    cid: str
+    record: CommitRecord
+
+    @property
+    def cid(self) -> str:
+        return self.record.checkpoint_cid
 
 
 @dataclass(frozen=True)

@@ -216,6 +216,8 @@ class RunStats:
     first_train_at: float | None = None  # the first inner run started
     last_commit_at: float | None = None  # the latest commit arrived
     superseded: int = 0  # commits this node had shown, replaced by fork choice (a higher term's chain)
+    # commits' checkpoints this node held: built from the update, or fetched (RunRuntime._hold_checkpoint)
+    checkpoints: dict[str, int] = field(default_factory=lambda: {"rebuilt": 0, "fetched": 0})
 
 
 class RunMachine:
@@ -686,7 +688,7 @@ class RunMachine:
             log.warning("run %s: fork choice: term %d's round %d supersedes %d round(s) this node had committed",
                         self.run_id[:16], rec.term, rec.round + 1, lost)
         if rec.checkpoint_cid:
-            self._out.append(ReplicateCheckpoint(rec.checkpoint_cid))
+            self._out.append(ReplicateCheckpoint(rec))
         self._out.append(CommitAccepted(rec, standby=self.peer_id in self.election.standbys(STANDBYS)))
         if self.peer_id in rec.participants:
             self.stats.contributed_rounds.append(rec.round + 1)  # 1-based, as people count

@@ -111,5 +111,7 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "admission": rt.spec.admission.mode,
         "banned": len(m.ledger.bans()),
         "history": list(stats.history),
-        "superseded": stats.superseded,  # rounds dropped from history by fork choice (docs/election.md)
+        "superseded": stats.superseded,
+        # commits' checkpoints held: built here from the update, or fetched whole (docs/diloco.md)
+        "checkpoints": dict(stats.checkpoints),  # rounds dropped from history by fork choice (docs/election.md)
     }

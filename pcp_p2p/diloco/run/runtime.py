@@ -64,6 +64,7 @@ from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, Peer
 from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 from pcp_p2p.diloco.algorithm.data import CharDataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
+from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
 from pcp_p2p.diloco.protocol.departures import make_leave
 from pcp_p2p.diloco.protocol.effects import EARLY, CancelInner, Rejected, RunInner, Send, ShiftInner, StoreBlob
 from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
@@ -126,6 +127,7 @@ log = logging.getLogger("pcp.run")
 FINISH_GRACE_S = 30.0
 STOP_GRACE_S = 5.0  # a stopped run's in-flight work (sends, an inner run told to cancel) gets this long
 KEEP_CHECKPOINTS = 2
+KEEP_IN_MEMORY_BYTES = 256 << 20  # up to this size, the last checkpoint built stays in memory (and one spare)
 MAX_LATE_COMMITS = 2  # refused commits whose checkpoint is still fetched, to accept once held
 LEASE_FILE = "lease.bin"  # the latest lease this node accepted: its anchor for catching up after a restart
 MAX_VOCAB = 1 << 16  # bounds a blob's size before this node holds the dataset
@@ -167,7 +169,14 @@ class RunRuntime:
         self._inner_jobs: dict[tuple[int, int], tuple[threading.Event, ShiftSlot]] = {}
         self.setup = TermSetUp(self)  # compiling, when this node wins a term
         self._prewarmed = False
-        self._replicas: list[str] = []  # checkpoints this node holds for a possible takeover
+        # checkpoints this node holds for a possible takeover (CID -> its θ's CID), oldest first
+        self._replicas: dict[str, str] = {}
+        self._holding: dict[str, trio.Event] = {}  # checkpoints being built or fetched: once each
+        # The last checkpoint this node built, in memory (the next is built from it), and the buffer of
+        # the one before, which the next is built in: no disk read, no fresh memory (_rebuild_checkpoint).
+        self._built: tuple[str, bytearray] | None = None
+        self._spare: bytearray | None = None
+        self._building = trio.Lock()
         self._late: set[str] = set()  # checkpoints of refused commits still being fetched (_accept_late)
         # The machine takes its inputs in a worker thread (see the module's essay); what
         # other tasks change of it waits for the input in progress (``_machine_lock``).
@@ -261,7 +270,7 @@ class RunRuntime:
                 self.post(MessageIn(sender, msg))
                 raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
             with trio.move_on_after(REPLICATE_TIMEOUT_S):  # by swarming: every participant fetches it now
-                await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender, swarm=msg.participants)
+                await self._hold_checkpoint(msg, hint=sender)
             if not self.io.store.has(msg.checkpoint_cid):
                 # A shepherd killed while we fetched took the only copy with it; a commit
                 # nobody else holds must not become the round the next term starts from.
@@ -280,7 +289,7 @@ class RunRuntime:
         shepherd stopped waiting). Before, the node never took it: a relay-only home that
         contributed to rounds 4 and 5 showed neither as committed (network lab, 2026-11-24)."""
         try:
-            await self._replicate_checkpoint(msg.checkpoint_cid, hint=sender, swarm=msg.participants)
+            await self._hold_checkpoint(msg, hint=sender)
             if self.io.store.has(msg.checkpoint_cid):
                 self.post(MessageIn(sender, msg))
         finally:
@@ -495,7 +504,7 @@ class RunRuntime:
             elif isinstance(e, ReplicateCommit):
                 self._spawn(self._replicate_commit, e)
             elif isinstance(e, ReplicateCheckpoint):
-                self._spawn(self._replicate_checkpoint, e.cid)
+                self._spawn(self._hold_checkpoint, e.record)
             elif isinstance(e, SetUpShepherd):
                 self._spawn(self.setup.run, e.become)
             elif isinstance(e, CancelSetUp):
@@ -654,22 +663,67 @@ class RunRuntime:
                 await first.wait()
             self.post(Replicated(commit, list(acked)))
 
-    async def _replicate_checkpoint(self, cid: str, hint: str | None = None,
-                                    swarm: tuple[str, ...] | None = None) -> None:
-        """Hold the latest committed checkpoints so any candidate can take over the run.
+    async def _hold_checkpoint(self, rec: CommitRecord, hint: str | None = None) -> None:
+        """Hold ``rec``'s checkpoint, so any candidate can take the run over.
 
-        ``swarm``: the commit's participants, who all fetch it at once (:mod:`pcp_p2p.blob.swarm`)."""
+        Built from the checkpoint its step started from and the commit's update
+        when this node holds that one (:meth:`_rebuild_checkpoint`: an eighth of
+        the bytes with the int8 update), else fetched. Either way from the relay
+        tree of the commit's participants, who all want it at once
+        (:mod:`pcp_p2p.blob.swarm`). Once per checkpoint: a second caller waits."""
+        cid = rec.checkpoint_cid
+        while (busy := self._holding.get(cid)) is not None:
+            await busy.wait()
         if cid in self._replicas:
             return
+        self._holding[cid] = trio.Event()
         try:
-            await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=swarm)
+            # (ours, or a store in flight: the shepherd's own commit is held by its StoreBlob)
+            ours = cid in self.io.storing or self.io.store.has(cid)
+            if ours or not await self._rebuild_checkpoint(rec, hint):
+                try:
+                    await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=rec.participants)
+                except PcpError as exc:
+                    self.node.log_once("self", exc, "replicating a checkpoint failed")
+                    return
+                if not ours:
+                    self.machine.stats.checkpoints["fetched"] += 1
+            self._replicas[cid] = rec.theta_cid  # (unpinned with its round, by the pins)
+            while len(self._replicas) > KEEP_CHECKPOINTS:
+                del self._replicas[next(iter(self._replicas))]
+        finally:
+            self._holding.pop(cid).set()
+
+    async def _rebuild_checkpoint(self, rec: CommitRecord, hint: str | None) -> bool:
+        """``rec``'s checkpoint from the one its step started from (held here) and its update
+        blob, checked against both of ``rec``'s CIDs (:func:`~pcp_p2p.diloco.protocol.commits.
+        rebuild_checkpoint`), then stored, pinned and announced like a fetched one. ``False``
+        (and nothing kept) when this node does not hold that base, or the update cannot be had
+        or does not give the named checkpoint: the caller fetches the checkpoint then."""
+        base = next((c for c, theta in self._replicas.items() if theta == rec.prev_theta_cid), None)
+        if not rec.update_cid or base is None or not self.io.store.has(base):
+            return False
+        outer, store = self.spec.outer, self.io.store
+        try:
+            update = await self.io.fetch_bytes(rec.update_cid, hint, max_size=self.state_bound(1),
+                                               swarm=rec.participants)
+            async with self._building:  # (one at a time: they share the spare buffer)
+                cached = self._built[1] if self._built is not None and self._built[0] == base else None
+                spare = self._spare
+
+                def build() -> bytearray:
+                    return rebuild_checkpoint(rec, cached if cached is not None else store.read(base), update,
+                                              outer, reuse=spare)
+
+                data = await trio.to_thread.run_sync(build)
+                await self.io.keep(data)
+                if len(data) <= KEEP_IN_MEMORY_BYTES:
+                    self._built, self._spare = (rec.checkpoint_cid, data), cached
         except PcpError as exc:
-            self.node.log_once("self", exc, "replicating a checkpoint failed")
-            return
-        if cid in self._replicas:  # replicated meanwhile by the commit's own delivery
-            return
-        self._replicas.append(cid)  # (unpinned with its round, by the pins)
-        del self._replicas[:-KEEP_CHECKPOINTS]
+            self.node.log_once("self", exc, "building a checkpoint from its commit's update failed (fetching it)")
+            return False
+        self.machine.stats.checkpoints["rebuilt"] += 1
+        return True
 
     async def _publish_lease(self, lease: Lease, store: bool) -> None:
         async with trio.open_nursery() as n:
@@ -739,17 +793,22 @@ class RunRuntime:
         rec = w.last_commit if w is not None else None
         if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid or self.io.store.has(cid):
             return None  # (held already: the shepherd's own worker, say)
-        await self._replicate_checkpoint(rec.checkpoint_cid, hint=rec.shepherd, swarm=rec.participants)
+        await self._hold_checkpoint(rec, hint=rec.shepherd)
         if not self.io.store.has(rec.checkpoint_cid):
             return None
         store, ckpt = self.io.store, rec.checkpoint_cid
+        built = self._built[1] if self._built is not None and self._built[0] == ckpt else None
 
         def extract() -> bytes:  # only θ's range: the momentum, half the checkpoint, is not read
+            if built is not None:  # built here: in memory (copied out: its buffer is reused)
+                off, length = checkpoint_theta_span(bytes(built[:THETA_HEAD]))
+                return bytes(memoryview(built)[off : off + length])
             off, length = checkpoint_theta_span(store.read(ckpt, 0, min(THETA_HEAD, store.size(ckpt))))
             return store.read(ckpt, off, length)
 
         try:
-            theta = await trio.to_thread.run_sync(extract)
+            async with self._building:  # (the built buffer is not reused while θ is copied out of it)
+                theta = await trio.to_thread.run_sync(extract)
         except PcpError as exc:
             self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
             return None
