@@ -103,7 +103,6 @@ def lay_out_checkpoint(run_id: str, term: int, round_: int, metrics: dict[str, f
     theta_head, mom_head = fp32_head(shapes), fp32_head(shapes if with_momentum else {})
     theta_size = len(theta_head) + sum(sizes.values())
     mom_size = len(mom_head) + (sum(sizes.values()) if with_momentum else 0)
-    frame = [head, _bin_header(theta_size), theta_head]
     theta_at = len(head) + len(_bin_header(theta_size))
     size = theta_at + theta_size + len(_bin_header(mom_size)) + mom_size
     data = reuse if reuse is not None and len(reuse) == size else bytearray(size)
@@ -117,7 +116,7 @@ def lay_out_checkpoint(run_id: str, term: int, round_: int, metrics: dict[str, f
             at += sizes[k]
         return out, at
 
-    data[: len(frame[0]) + len(frame[1])] = frame[0] + frame[1]
+    data[:theta_at] = head + _bin_header(theta_size)
     theta, at = views(theta_at, theta_head, shapes)
     data[at : at + len(_bin_header(mom_size))] = _bin_header(mom_size)
     momentum, _ = views(at + len(_bin_header(mom_size)), mom_head, shapes if with_momentum else {})
