@@ -16,7 +16,13 @@ import pytest
 from test_diloco_protocol import RUN_ID, SPEC, THETA0, Round
 
 from pcp_p2p.core.errors import ConfigError, HashMismatch, MalformedMessage
-from pcp_p2p.diloco.algorithm.checkpoint import Checkpoint, encode_checkpoint
+from pcp_p2p.diloco.algorithm.checkpoint import (
+    Checkpoint,
+    decode_checkpoint,
+    encode_checkpoint,
+    lay_out_checkpoint,
+    round_metrics,
+)
 from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.algorithm.params import pack_tensors
 from pcp_p2p.diloco.algorithm.update import encode_update
@@ -109,8 +115,6 @@ def test_a_base_that_is_not_the_steps_own_is_refused(committed) -> None:
 
 
 def _theta_of(ckpt: bytes):
-    from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint
-
     return decode_checkpoint(ckpt).state.theta
 
 
@@ -134,8 +138,6 @@ def test_an_unknown_update_codec_is_a_config_error() -> None:
 
 @pytest.mark.parametrize("with_momentum", [True, False])
 def test_a_laid_out_checkpoint_is_encode_checkpoints_bytes_once_written(with_momentum: bool) -> None:
-    from pcp_p2p.diloco.algorithm.checkpoint import lay_out_checkpoint, round_metrics
-
     rng = np.random.default_rng(2)
     def tensors() -> dict[str, np.ndarray]:
         return {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float32)}

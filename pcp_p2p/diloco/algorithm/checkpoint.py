@@ -50,22 +50,22 @@ def encode_checkpoint(ckpt: Checkpoint, *, with_momentum: bool = True) -> tuple[
 
     ``with_momentum=False`` (a run with outer momentum 0) stores an empty momentum
     bundle, which :func:`decode_checkpoint` reads back as zeros."""
-    meta = {
-        "run_id": ckpt.run_id,
-        "term": ckpt.term,
-        "round": ckpt.state.round,
-        "metrics": {k: float(v) for k, v in ckpt.metrics.items()},
-    }
     # The same bytes as msgpack.packb([MAGIC, VERSION, meta, θ bundle, momentum bundle]), framed
     # here so that the tensors' bytes are copied once (a 10M model's checkpoint is 80 MB, built
     # inside the shepherd's round): the bundles' pieces go straight into the one join.
-    head = [b"\x95", *(msgpack.packb(x, use_bin_type=True) for x in (MAGIC, VERSION, meta))]
+    head = _head_bytes(ckpt.run_id, ckpt.term, ckpt.state.round, ckpt.metrics)
     theta = pack_tensor_parts(ckpt.state.theta)
     momentum = pack_tensor_parts(ckpt.state.momentum if with_momentum else {})
     theta_size, theta_header = _size(theta), _bin_header(_size(theta))
-    theta_at = sum(map(len, head)) + len(theta_header)
-    data = b"".join([*head, theta_header, *theta, _bin_header(_size(momentum)), *momentum])
+    theta_at = len(head) + len(theta_header)
+    data = b"".join([head, theta_header, *theta, _bin_header(_size(momentum)), *momentum])
     return data, cid_of(memoryview(data)[theta_at : theta_at + theta_size])
+
+
+def _head_bytes(run_id: str, term: int, round_: int, metrics: dict[str, float]) -> bytes:
+    """A checkpoint's bytes before θ's bundle: the array header, magic, version and metadata."""
+    meta = {"run_id": run_id, "term": term, "round": round_, "metrics": {k: float(v) for k, v in metrics.items()}}
+    return b"".join([b"\x95", *(msgpack.packb(x, use_bin_type=True) for x in (MAGIC, VERSION, meta))])
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,7 @@ def lay_out_checkpoint(run_id: str, term: int, round_: int, metrics: dict[str, f
     ``reuse``: a buffer of the same size to lay it out in (every byte is
     written), e.g. the checkpoint before the last; fresh memory costs these
     machines up to 2.5 CPU-s per GB on first touch (docs/blob.md)."""
-    meta = {"run_id": run_id, "term": term, "round": round_, "metrics": {k: float(v) for k, v in metrics.items()}}
-    head = b"".join([b"\x95", *(msgpack.packb(x, use_bin_type=True) for x in (MAGIC, VERSION, meta))])
+    head = _head_bytes(run_id, term, round_, metrics)
     sizes = {k: 4 * math.prod(s) for k, s in shapes.items()}
     theta_head, mom_head = fp32_head(shapes), fp32_head(shapes if with_momentum else {})
     theta_size = len(theta_head) + sum(sizes.values())
@@ -171,22 +170,32 @@ def checkpoint_theta_span(head: bytes) -> tuple[int, int]:
     range is only a claim: the caller checks what it reads against θ's CID.
     :class:`MalformedMessage` if ``head`` does not start like a checkpoint.
     """
+    _, at = _parse_head(head)
+    return _bin_span(memoryview(head), at)
+
+
+def _parse_head(head: bytes) -> tuple[Any, int]:
+    """A checkpoint's metadata and the offset of θ's bin header, from its first bytes."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_ext_len=0, max_buffer_size=len(head) + 1)
     unpacker.feed(head)
     try:
         if unpacker.read_array_header() != 5 or unpacker.unpack() != MAGIC or unpacker.unpack() != VERSION:
             raise MalformedMessage("not a pcp checkpoint")
-        unpacker.skip()  # the metadata
-        at = unpacker.tell()
+        meta = unpacker.unpack()
+        return meta, unpacker.tell()
     except MalformedMessage:
         raise
     except Exception as exc:
         raise MalformedMessage(f"checkpoint head is not msgpack: {type(exc).__name__}") from exc
-    width = _BIN_HEADERS.get(head[at]) if at < len(head) else None
-    if width is None or at + 1 + width > len(head):
-        raise MalformedMessage("checkpoint θ is not a msgpack bin")
-    length = int.from_bytes(head[at + 1 : at + 1 + width], "big")
-    return at + 1 + width, length
+
+
+def _bin_span(view: memoryview, at: int) -> tuple[int, int]:
+    """``(offset, length)`` of the msgpack bin whose header starts at ``at`` (the length is the
+    header's claim: a caller holding the whole checkpoint checks it against its end)."""
+    width = _BIN_HEADERS.get(view[at]) if at < len(view) else None
+    if width is None or at + 1 + width > len(view):
+        raise MalformedMessage("checkpoint bundle is not a msgpack bin")
+    return at + 1 + width, int.from_bytes(view[at + 1 : at + 1 + width], "big")
 
 
 def _split(data: bytes | bytearray) -> tuple[dict[Any, Any], memoryview, memoryview]:
@@ -196,36 +205,14 @@ def _split(data: bytes | bytearray) -> tuple[dict[Any, Any], memoryview, memoryv
     commit's checkpoint from the last (:mod:`pcp_p2p.diloco.algorithm.update`)
     decodes 80 MB of a 10M model's checkpoint inside the round."""
     view = memoryview(data)
-    head = bytes(view[:THETA_HEAD])
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_ext_len=0, max_buffer_size=len(head) + 1)
-    unpacker.feed(head)
-    try:
-        if unpacker.read_array_header() != 5 or unpacker.unpack() != MAGIC or unpacker.unpack() != VERSION:
-            raise MalformedMessage("not a pcp checkpoint")
-        meta = unpacker.unpack()
-        at = unpacker.tell()
-    except MalformedMessage:
-        raise
-    except Exception as exc:
-        raise MalformedMessage(f"checkpoint is not msgpack: {type(exc).__name__}") from exc
+    meta, at = _parse_head(bytes(view[:THETA_HEAD]))
     if not isinstance(meta, dict):
         raise MalformedMessage("not a pcp checkpoint")
     theta_at, theta_len = _bin_span(view, at)
-    mom_at, mom_len = _bin_span(view, theta_at + theta_len)
+    mom_at, mom_len = _bin_span(view, theta_at + theta_len)  # (θ past the end: no bin there)
     if mom_at + mom_len != len(view):
-        raise MalformedMessage("checkpoint has bytes after its momentum")
+        raise MalformedMessage("checkpoint's momentum does not end where the checkpoint does")
     return meta, view[theta_at : theta_at + theta_len], view[mom_at : mom_at + mom_len]
-
-
-def _bin_span(view: memoryview, at: int) -> tuple[int, int]:
-    """``(offset, length)`` of the msgpack bin whose header starts at ``at``, inside ``view``."""
-    width = _BIN_HEADERS.get(view[at]) if at < len(view) else None
-    if width is None or at + 1 + width > len(view):
-        raise MalformedMessage("checkpoint bundle is not a msgpack bin")
-    length = int.from_bytes(view[at + 1 : at + 1 + width], "big")
-    if at + 1 + width + length > len(view):
-        raise MalformedMessage("checkpoint bundle runs past its end")
-    return at + 1 + width, length
 
 
 def decode_checkpoint(data: bytes | bytearray) -> Checkpoint:

@@ -111,7 +111,7 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "admission": rt.spec.admission.mode,
         "banned": len(m.ledger.bans()),
         "history": list(stats.history),
-        "superseded": stats.superseded,
+        "superseded": stats.superseded,  # rounds dropped from history by fork choice (docs/election.md)
         # commits' checkpoints held: built here from the update, or fetched whole (docs/diloco.md)
-        "checkpoints": dict(stats.checkpoints),  # rounds dropped from history by fork choice (docs/election.md)
+        "checkpoints": dict(stats.checkpoints),
     }
