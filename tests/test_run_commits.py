@@ -250,3 +250,30 @@ async def test_a_commit_goes_to_every_node_at_once_and_each_gets_one_copy(
         assert left >= acks[(peer, 7)]
     assert max(acks.values()) - t0 == pytest.approx(4.1)  # the slowest node's fetch, not two in a row
     assert rt._commits_out == {}
+
+
+async def test_each_nodes_next_announcement_follows_its_own_ack(autojump_clock: trio.testing.MockClock) -> None:
+    """``ReplicateCommit.then``: a node's next message leaves as soon as that node acked the
+    commit (it holds the checkpoint), not at the first ack of all; a node whose commit send
+    failed still gets it (as it would have on the release)."""
+    shepherd = FlakyDht(fails=0)
+    rec, nxt = commit(shepherd), dataclasses.replace(commit(shepherd), round=8)
+    ack_after = {"a": 1.0, "b": 3.0, "c": 4.0}
+    sent: list[tuple[str, int, float]] = []
+
+    async def send_to(peer: str, msg: CommitRecord) -> bool:
+        sent.append((peer, msg.round, trio.current_time()))
+        await trio.sleep(ack_after[peer] if msg.round == 7 else 0.1)
+        return peer != "c" or msg.round != 7  # c's commit send fails
+
+    rt, inbox = delivering_runtime(None, set())
+    rt.send_to = send_to  # type: ignore[method-assign,assignment]
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        rt._nursery = n
+        n.start_soon(rt._replicate_commit, ReplicateCommit(rec, ("a", "b", "c"), 5.0,
+                                                           then=(("a", nxt), ("b", nxt), ("c", nxt))))
+        answer = await inbox.receive()
+        assert isinstance(answer, Replicated) and answer.acked == ["a"]
+    left = {p: t - t0 for p, r, t in sent if r == 8}
+    assert left == pytest.approx(ack_after)  # each right after its own commit send ended

@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from typing import Any
 
 import numpy as np
 import pytest
+import trio
+from trio.testing import MockClock
 
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.election import PublishLease
+from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.diloco.run.reputation import ReputationLedger
-from pcp_p2p.diloco.run.run_effects import SetUpShepherd
+from pcp_p2p.diloco.run.run_effects import ReplicateCommit, SetUpShepherd
 from pcp_p2p.diloco.run.run_machine import Member, RunMachine
 from pcp_p2p.testing.memnet import KILL_PHASES, FaultPlan, Kill, Partition
 from pcp_p2p.testing.quadratic import settled_loss
-from pcp_p2p.testing.run_harness import SwarmConfig, SwarmResult, run_swarm_sync
+from pcp_p2p.testing.run_harness import MemNode, RunSwarm, SwarmConfig, SwarmResult, run_swarm_sync
+from pcp_p2p.wire import Message
 
 ROUNDS = 12
 SPEC = parse_spec(
@@ -84,6 +89,46 @@ def test_a_kill_that_never_restarts_leaves_four_nodes_that_finish() -> None:
     r = run_swarm_sync(dataclasses.replace(SwarmConfig(spec=SPEC), plan=plan))
     check(r)
     assert len(r.theta_cids) == 4 and r.restarts == 0
+
+
+def test_each_workers_announcement_follows_its_own_ack_of_the_commit_once() -> None:
+    """A commit's next announcement goes to each other worker on that worker's own path, after
+    its commit send (``ReplicateCommit.then``), not behind the first ack and the machine's next
+    step; it never reaches a worker before the commit it builds on, and never twice."""
+
+    class Recording(RunSwarm):
+        def __init__(self, cfg: SwarmConfig) -> None:
+            super().__init__(cfg)
+            self.replications: list[ReplicateCommit] = []
+            self.arrived: list[tuple[str, str, int]] = []  # (node, message kind, round)
+
+        def _carry_out_now(self, node: MemNode, effects: list[Any]) -> None:
+            self.replications += [e for e in effects if isinstance(e, ReplicateCommit)]
+            super()._carry_out_now(node, effects)
+
+        async def deliver(self, sender: str, dst: str, msg: Message) -> bool:
+            if isinstance(msg, (CommitRecord, RoundAnnouncement)):
+                self.arrived.append((dst, type(msg).__name__, msg.round))
+            return await super().deliver(sender, dst, msg)
+
+    async def go() -> tuple[Recording, SwarmResult]:
+        swarm = Recording(SwarmConfig(spec=SPEC, nodes=4))
+        return swarm, await swarm.run()
+
+    swarm, r = trio.run(go, clock=MockClock(autojump_threshold=0))
+    check(r)
+    assert swarm.replications and all(e.then for e in swarm.replications[:-1])  # (the last: none follows)
+    for e in swarm.replications:
+        assert {peer for peer, _ in e.then} <= set(e.targets)
+        assert all(isinstance(m, RoundAnnouncement) and m.round == e.commit.round + 1 for _, m in e.then)
+    shepherds = {e.commit.shepherd for e in swarm.replications}  # (its own messages: the batch's order)
+    for node in {d for d, _, _ in swarm.arrived} - shepherds:
+        seen = [(kind, rnd) for d, kind, rnd in swarm.arrived if d == node]
+        announced = [rnd for kind, rnd in seen if kind == "RoundAnnouncement"]
+        assert len(announced) == len(set(announced))  # once each
+        for rnd in announced:
+            if rnd:
+                assert ("CommitRecord", rnd - 1) in seen[: seen.index(("RoundAnnouncement", rnd))]
 
 
 @pytest.mark.slow

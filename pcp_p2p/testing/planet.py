@@ -981,6 +981,14 @@ class Planet:
         acked: list[str] = []
         done = [False]
         epoch = node.epoch
+        then = dict(e.then)
+
+        def follow(peer: str) -> None:  # (as the runtime: once the commit's send to it ended)
+            msg = then.pop(peer, None)
+            if msg is not None and node.alive and node.epoch == epoch:
+                if isinstance(msg, RoundAnnouncement):
+                    self.attempts.add((msg.term, msg.round, msg.attempt))
+                self.send(node, peer, msg)
 
         def finish() -> None:
             if not done[0]:
@@ -991,12 +999,18 @@ class Planet:
         def ack_from(peer: str) -> Callable[[], None]:
             def ack() -> None:
                 acked.append(peer)
+                follow(peer)
                 finish()
             return ack
 
+        def timeout() -> None:  # a send without an ack by now: taken as ended (this has no failures)
+            for peer in sorted(then):
+                follow(peer)
+            finish()
+
         for peer in e.targets:
             self.send(node, peer, e.commit, ack_from(peer))
-        self.at(self.now + e.timeout_s, finish)
+        self.at(self.now + e.timeout_s, timeout)
 
     def _inner_done(self, node: PNode, epoch: int, run: RunInner, steps: int) -> None:
         if node.epoch != epoch or not node.alive:

@@ -404,12 +404,16 @@ class RunSwarm:
         acked: list[str] = []
         done = trio.Event()
 
+        then = dict(e.then)
+
         async def ask(peer: str) -> None:
             for delay in self.net.copies(node.peer_id, peer)[:1]:
                 await trio.sleep(delay)
                 if await self.deliver(node.peer_id, peer, MemNetwork.wire(e.commit)):
                     acked.append(peer)
                     done.set()
+            if (msg := then.get(peer)) is not None:  # (as the runtime: after the commit's send)
+                self.send(node.peer_id, peer, msg)
 
         async with trio.open_nursery() as n:  # (as the runtime: the other sends go on)
             for peer in e.targets:
@@ -465,9 +469,10 @@ class RunSwarm:
             return any(isinstance(e, PublishLease) and not e.renewal for e in effects)
         if k.phase == "compiling":
             return any(isinstance(e, SetUpShepherd) for e in effects)
-        if k.phase == "announced":
-            return any(isinstance(e, Send) and isinstance(e.message, RoundAnnouncement) and e.message.round >= r
-                       for e in effects)
+        if k.phase == "announced":  # (after a commit, the announcement follows it: ReplicateCommit.then)
+            sent = [e.message for e in effects if isinstance(e, Send)]
+            sent += [msg for e in effects if isinstance(e, ReplicateCommit) for _, msg in e.then]
+            return any(isinstance(msg, RoundAnnouncement) and msg.round >= r for msg in sent)
         if k.phase == "collecting":
             sh = m.shepherd
             return (isinstance(ev, MessageIn) and isinstance(ev.message, Submission) and sh is not None

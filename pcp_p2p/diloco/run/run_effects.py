@@ -183,11 +183,17 @@ class PublishCommit:
 class ReplicateCommit:
     """Send ``commit`` to ``targets`` (each acknowledges once it holds the checkpoint); answer with
     ``on_replicated(commit, acked)`` after the first ack or ``timeout_s``. Until then the
-    shepherd's later effects are held: the commit is nowhere else."""
+    shepherd's later effects are held: the commit is nowhere else.
+
+    ``then``: (target, message) pairs, each sent to its target as soon as that target's commit
+    send ended, acked or not (the next round's announcement: a worker that holds the
+    checkpoint starts on it without waiting for the others' acks; one whose send failed gets
+    it too, as it would have on the release)."""
 
     commit: CommitRecord
     targets: tuple[str, ...]
     timeout_s: float
+    then: tuple[tuple[str, Message], ...] = ()
 
 
 @dataclass(frozen=True)

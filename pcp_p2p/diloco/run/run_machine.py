@@ -14,7 +14,9 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   in the shepherd's order. The commit itself goes to every node it is for at
   once, so they all fetch the checkpoint side by side (through its relay tree)
   while the first ack is awaited. A shepherd killed right after committing never
-  takes the only copy of θ with it.
+  takes the only copy of θ with it. The next round's announcement to each of
+  those nodes is the exception: it follows the commit to that node as soon as
+  that node's own send ended (``ReplicateCommit.then``), not the first ack.
 - **A commit counts only once the election vouched for it** (``CommitChecked``):
   nothing a commit names is fetched before its term's lease is accepted.
 - **Joins wait while the shepherd compiles.** ``Join``, ``Submission`` and
@@ -868,9 +870,17 @@ class RunMachine:
                 first = next((i for i, e in enumerate(effects[:first]) if isinstance(e, Committed)
                               and e.record is commit), first)
                 self._round_now(who, effects[:first], now)
-                self._held = [effects[first:]]
-                peers = [e.to for e in self._held[0] if isinstance(e, Send)
+                held = effects[first:]
+                peers = [e.to for e in held if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
+                # The next round's announcement to each of those nodes follows the commit on its own
+                # path, as soon as that node acked (it holds the checkpoint then, and has taken the
+                # commit, so the announcement never overtakes it): behind the first ack and this
+                # machine's next step it came 0.5-0.7 s after a worker had built the checkpoint,
+                # with its early run waiting at its share (network lab, docs/connectivity.md).
+                follow = [e for e in held if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)
+                          and e.message.round == commit.round + 1 and e.to in peers]
+                self._held = [[e for e in held if not any(e is f for f in follow)]]
                 # Every node the commit is for at once (one ack suffices): each accepts it only
                 # once it holds the checkpoint, so none is left on a commit nobody holds, and
                 # they all fetch it side by side through its relay tree (pcp_p2p.blob.swarm), so
@@ -881,7 +891,8 @@ class RunMachine:
                 tree = tree_order(commit.checkpoint_cid, [p for p in commit.participants if p != self.peer_id])
                 rank = {p: i for i, p in enumerate(tree)}
                 targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))
-                self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S))
+                self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S,
+                                                 then=tuple((f.to, f.message) for f in follow)))
                 return
         self._round_now(who, effects, now)
 

@@ -62,7 +62,7 @@ import trio
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
 from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
-from pcp_p2p.diloco.algorithm.data import CharDataset
+from pcp_p2p.diloco.algorithm.data import SHAKESPEARE, CharDataset, decode_dataset, encode_dataset
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
 from pcp_p2p.diloco.protocol.departures import make_leave
@@ -161,6 +161,10 @@ class RunRuntime:
         self.started = False  # the election started (deliveries before are held back)
         self.engine: InnerEngine | None = None
         self.dataset: CharDataset | None = None
+        # The bundled corpus encoded here (CID, blob, dataset), while the term's shepherd compiles
+        # (:meth:`_encode_bundled`); set once that is done or failed, None when not started.
+        self._bundled: tuple[str, bytes, CharDataset] | None = None
+        self._bundled_ready: trio.Event | None = None
         self.artifacts: list[dict[str, Any]] = []  # what this node compiled or loaded, for status
         self.finished = trio.Event()
         self._send, self._inbox = trio.open_memory_channel[Event](1000)
@@ -384,6 +388,10 @@ class RunRuntime:
         if group is not None:  # an MPI worker group claims its live ranks' speed together (pcp_p2p.cluster)
             self.machine.tokens_per_s = group.throughput(self.machine.tokens_per_s)
         self._restore_lease()
+        if self.spec.dataset == SHAKESPEARE:
+            self._bundled_ready = trio.Event()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._encode_bundled)
         self.started = True
         self._carry_out(self.machine.start(self.clock()))
         assert self._nursery is not None
@@ -646,15 +654,19 @@ class RunRuntime:
         acks it only once it holds the checkpoint, :meth:`deliver`), sent to every target at
         once; the first ack lets the machine go on, and with none in ``e.timeout_s`` the commit
         goes out anyway (a swarm of one must still make progress). The other sends go on: the
-        machine's batch that follows joins them (:meth:`send_to`) rather than sending again."""
+        machine's batch that follows joins them (:meth:`send_to`) rather than sending again.
+        Each target's ``e.then`` message follows its own commit send."""
         commit = e.commit
         acked: list[str] = []
         first = trio.Event()
+        then = dict(e.then)
 
         async def ask(peer: str) -> None:
             if await self.send_to(peer, commit):
                 acked.append(peer)
                 first.set()
+            if (msg := then.get(peer)) is not None:  # (after the ack: it never overtakes the commit)
+                await self.send_to(peer, msg)
 
         async with trio.open_nursery() as n:
             for peer in e.targets:
@@ -817,6 +829,43 @@ class RunRuntime:
         self.io.store_later(cid, theta)  # stored, pinned and announced behind the machine's back: it trains now
         return theta
 
+    async def _encode_bundled(self) -> None:
+        """Encode the bundled corpus here, as a shepherd does (half a second of CPU).
+
+        Every node ships it, so a worker whose encoding has the announced CID fetches
+        nothing: on the network lab the 5 MB blob, fetched by every worker through the
+        shepherd's 20 Mbit/s uplink first, put up to 10 s between the shepherd's first
+        inner run and the last worker's (docs/connectivity.md, "Round 0")."""
+        def build() -> tuple[str, bytes, CharDataset]:
+            ds = CharDataset.load(SHAKESPEARE)
+            data = encode_dataset(ds)
+            return cid_of(data), data, ds
+
+        assert self._bundled_ready is not None
+        try:
+            self._bundled = await trio.to_thread.run_sync(build)
+        except PcpError as exc:  # (a damaged install: the blob is fetched as for any other corpus)
+            self.node.log_once("self", exc, "encoding the bundled dataset failed (fetching it)")
+        finally:
+            self._bundled_ready.set()
+
+    async def _announced_dataset(self, ann: RoundAnnouncement | None) -> CharDataset:
+        """The dataset ``ann`` names: the bundled corpus encoded here when its CID is the
+        announced one (stored and served like a fetched blob), else fetched and decoded."""
+        if ann is None or not ann.dataset_cid:
+            raise VerificationError("the announcement names no dataset blob")
+        if self._bundled_ready is not None:
+            await self._bundled_ready.wait()
+        bundled, self._bundled = self._bundled, None  # (once: the dataset is kept from here on)
+        if bundled is not None and bundled[0] == ann.dataset_cid:
+            await self.io.keep(bundled[1], for_run=True)
+            self.io.pins.for_dataset(ann.dataset_cid)
+            return bundled[2]
+        data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True,
+                                         swarm=self._swarm_for(ann.dataset_cid))
+        self.io.pins.for_dataset(ann.dataset_cid)
+        return await trio.to_thread.run_sync(decode_dataset, data)
+
     def _is_artifact(self, cid: str) -> bool:
         w = self.machine.worker
         ann = w.current if w is not None else None
@@ -825,7 +874,6 @@ class RunRuntime:
     async def _prepare_artifact(self, manifest_bytes: bytes) -> None:
         """Verify a train manifest against the shepherd, fetch its vmfb, start the executor."""
         from pcp_p2p.compile.manifest import Manifest
-        from pcp_p2p.diloco.algorithm.data import decode_dataset
         from pcp_p2p.diloco.run import engine
 
         shepherd, w = self.machine.shepherd_peer, self.machine.worker
@@ -834,13 +882,7 @@ class RunRuntime:
         if self.engine is not None:
             return
         if self.dataset is None:
-            ann = w.current
-            if ann is None or not ann.dataset_cid:
-                raise VerificationError("the announcement names no dataset blob")
-            data = await self.io.fetch_bytes(ann.dataset_cid, ann.shepherd, for_run=True,
-                                             swarm=self._swarm_for(ann.dataset_cid))
-            self.io.pins.for_dataset(ann.dataset_cid)
-            self.dataset = await trio.to_thread.run_sync(decode_dataset, data)
+            self.dataset = await self._announced_dataset(w.current)
         ann = w.current
         await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size,
                                   swarm=tuple(a.worker for a in ann.assignments) if ann is not None else None)
