@@ -14,10 +14,10 @@ from pcp_p2p.core.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.effects import Send
 from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
-from pcp_p2p.diloco.protocol.messages import CommitRecord, sign
+from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, sign
 from pcp_p2p.diloco.run.run_dht import COMMIT_PUT_ATTEMPTS, RunRecords
 from pcp_p2p.diloco.run.run_effects import MessageIn, ReplicateCommit, Replicated
-from pcp_p2p.diloco.run.runtime import RunRuntime
+from pcp_p2p.diloco.run.runtime import COMMIT_BEHIND_S, RunRuntime
 
 RUN = "bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku"
 
@@ -92,7 +92,7 @@ def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRu
     rt.started = election is not None
     rt.machine = SimpleNamespace(vouch_commit=election.check_commit if election else None)  # type: ignore[assignment]
     rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
-    rt._nursery, rt._late = None, set()
+    rt._nursery, rt._late, rt._taking, rt._arriving = None, set(), {}, {}
     return rt, inbox
 
 
@@ -252,10 +252,11 @@ async def test_a_commit_goes_to_every_node_at_once_and_each_gets_one_copy(
     assert rt._commits_out == {}
 
 
-async def test_each_nodes_next_announcement_follows_its_own_ack(autojump_clock: trio.testing.MockClock) -> None:
-    """``ReplicateCommit.then``: a node's next message leaves as soon as that node acked the
-    commit (it holds the checkpoint), not at the first ack of all; a node whose commit send
-    failed still gets it (as it would have on the release)."""
+async def test_each_nodes_next_announcement_leaves_right_behind_its_commit(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """``ReplicateCommit.then``: a node's next announcement leaves right behind its commit, not
+    after the first ack (the receiver holds it until it took the commit), and a node whose commit
+    send fails gets it too; the machine still hears of the first ack only."""
     shepherd = FlakyDht(fails=0)
     rec, nxt = commit(shepherd), dataclasses.replace(commit(shepherd), round=8)
     ack_after = {"a": 1.0, "b": 3.0, "c": 4.0}
@@ -275,5 +276,51 @@ async def test_each_nodes_next_announcement_follows_its_own_ack(autojump_clock: 
                                                            then=(("a", nxt), ("b", nxt), ("c", nxt))))
         answer = await inbox.receive()
         assert isinstance(answer, Replicated) and answer.acked == ["a"]
-    left = {p: t - t0 for p, r, t in sent if r == 8}
-    assert left == pytest.approx(ack_after)  # each right after its own commit send ended
+    assert sorted((p, t - t0) for p, r, t in sent) == [(p, 0.0) for p in ("a", "a", "b", "b", "c", "c")]
+
+
+@pytest.mark.parametrize("commit_first", [True, False])
+async def test_an_announcement_reaches_the_machine_after_the_commit_it_starts_from(
+        autojump_clock: trio.testing.MockClock, commit_first: bool) -> None:
+    """The receiver's side: an announcement that starts from the θ of a commit this node is
+    taking (building or fetching its checkpoint) waits for it, so the machine sees the commit
+    first; one that came before its commit (they travel on streams of their own) waits for the
+    commit to arrive, up to ``COMMIT_BEHIND_S``; one from any other θ does not wait."""
+    shepherd = FlakyDht(fails=0)
+    prev, rec = dataclasses.replace(commit(shepherd), round=6, theta_cid="p"), commit(shepherd)
+    rt, inbox = delivering_runtime(None, set())
+    rt.machine.worker = SimpleNamespace(last_commit=prev)  # type: ignore[attr-defined]
+
+    async def take(sender: str, msg: CommitRecord) -> None:
+        await trio.sleep(2.0)  # the checkpoint being built
+        rt.post(MessageIn(sender, msg))
+
+    rt._take_commit = take  # type: ignore[method-assign]
+    ann = RoundAnnouncement(run_id=RUN, term=0, round=8, attempt=0, theta_cid=rec.theta_cid, artifacts={},
+                            time_budget_s=1.0, deadline=0.0, assignments=(), shepherd=shepherd.identity.peer_id)
+    other = dataclasses.replace(ann, theta_cid="another", round=9)
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        first, second = (rec, ann) if commit_first else (ann, rec)
+        n.start_soon(rt.deliver, shepherd.identity.peer_id, first)
+        await trio.sleep(0.3)
+        n.start_soon(rt.deliver, shepherd.identity.peer_id, second)
+        await rt.deliver(shepherd.identity.peer_id, other)
+        assert trio.current_time() - t0 == pytest.approx(0.3)  # not held: another θ and round
+    got = [inbox.receive_nowait().message for _ in range(3)]
+    assert got == [other, rec, ann]
+    assert rt._taking == {} and rt._arriving == {}
+
+
+async def test_an_announcement_whose_commit_never_comes_waits_no_longer_than_commit_behind_s(
+        autojump_clock: trio.testing.MockClock) -> None:
+    shepherd = FlakyDht(fails=0)
+    rt, inbox = delivering_runtime(None, set())
+    rt.machine.worker = SimpleNamespace(  # type: ignore[attr-defined]
+        last_commit=dataclasses.replace(commit(shepherd), round=6, theta_cid="p"))
+    ann = RoundAnnouncement(run_id=RUN, term=0, round=8, attempt=0, theta_cid="t", artifacts={},
+                            time_budget_s=1.0, deadline=0.0, assignments=(), shepherd=shepherd.identity.peer_id)
+    t0 = trio.current_time()
+    await rt.deliver(shepherd.identity.peer_id, ann)
+    assert trio.current_time() - t0 == pytest.approx(COMMIT_BEHIND_S)
+    assert inbox.receive_nowait().message == ann and rt._arriving == {}

@@ -73,7 +73,9 @@ def test_a_kill_at_every_phase_of_a_round_and_an_election() -> None:
     assert {k.phase for k in KILLS} == set(KILL_PHASES)
     r = run_swarm_sync(SwarmConfig(spec=SPEC, nodes=5, plan=FaultPlan(seed=1, kills=KILLS)))
     check(r)
-    assert [phase for _, phase in r.killed] == [k.phase for k in KILLS]  # each struck, in order
+    # each struck once (a worker fetching round r+1 may come before round r's commit is published:
+    # the announcement travels right behind the commit, ReplicateCommit.then)
+    assert sorted(phase for _, phase in r.killed) == sorted(k.phase for k in KILLS)
     assert r.restarts == len(KILLS)  # and each killed node came back and caught up
     terms = {c.term for c in r.chain}
     assert len(terms) >= 3  # the shepherd kills forced failovers
@@ -91,25 +93,27 @@ def test_a_kill_that_never_restarts_leaves_four_nodes_that_finish() -> None:
     assert len(r.theta_cids) == 4 and r.restarts == 0
 
 
-def test_each_workers_announcement_follows_its_own_ack_of_the_commit_once() -> None:
-    """A commit's next announcement goes to each other worker on that worker's own path, after
-    its commit send (``ReplicateCommit.then``), not behind the first ack and the machine's next
-    step; it never reaches a worker before the commit it builds on, and never twice."""
+def test_each_workers_announcement_rides_behind_its_commit_and_reaches_its_machine_after_it() -> None:
+    """A commit's next announcement goes to each other worker right behind the commit
+    (``ReplicateCommit.then``), not behind the first ack and the shepherd's next step; the
+    receiver holds it while it takes the commit, so it never reaches a worker's machine before
+    the commit it builds on, and it reaches it once."""
 
     class Recording(RunSwarm):
         def __init__(self, cfg: SwarmConfig) -> None:
             super().__init__(cfg)
             self.replications: list[ReplicateCommit] = []
-            self.arrived: list[tuple[str, str, int]] = []  # (node, message kind, round)
+            self.arrived: list[tuple[str, str, int]] = []  # (node, message kind, round), as posted
 
         def _carry_out_now(self, node: MemNode, effects: list[Any]) -> None:
             self.replications += [e for e in effects if isinstance(e, ReplicateCommit)]
             super()._carry_out_now(node, effects)
 
         async def deliver(self, sender: str, dst: str, msg: Message) -> bool:
-            if isinstance(msg, (CommitRecord, RoundAnnouncement)):
+            taken = await super().deliver(sender, dst, msg)  # (returns once posted to the machine)
+            if taken and isinstance(msg, (CommitRecord, RoundAnnouncement)):
                 self.arrived.append((dst, type(msg).__name__, msg.round))
-            return await super().deliver(sender, dst, msg)
+            return taken
 
     async def go() -> tuple[Recording, SwarmResult]:
         swarm = Recording(SwarmConfig(spec=SPEC, nodes=4))

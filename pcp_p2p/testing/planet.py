@@ -140,7 +140,7 @@ from pcp_p2p.diloco.run.run_effects import (
     SetUpShepherd,
     ShepherdBuilt,
 )
-from pcp_p2p.diloco.run.run_machine import Member, RunMachine
+from pcp_p2p.diloco.run.run_machine import REPLICATE_TIMEOUT_S, Member, RunMachine
 from pcp_p2p.testing.quadratic import SIM_ARTIFACT, Quadratic
 from pcp_p2p.wire import Message, decode, encode
 
@@ -454,6 +454,7 @@ class PNode:
         "setup_term",
         "speed",
         "started_at",
+        "taking",
         "term_seen",
         "up",
         "up_free",
@@ -488,6 +489,8 @@ class PNode:
         self.term_seen: int | None = None
         self.ended: str | None = None
         self.early: tuple[RunInner, int, float, float] | None = None  # (run, steps, started, compute done)
+        # θ CID -> the deliveries waiting while the commit naming it is taken (the runtime's ``deliver``)
+        self.taking: dict[str, list[Callable[[], None]]] = {}
 
 
 KEEP_BLOBS = 8  # round blobs (θ, checkpoints) a node keeps; older ones are released
@@ -673,6 +676,7 @@ class Planet:
         node.alive, node.machine, node.leading = False, None, False
         node.epoch += 1
         node.early = None
+        node.taking = {}
         node.up_free = self.now
         self._member_changed(node, False)
 
@@ -860,9 +864,25 @@ class Planet:
                 return
             if msg.checkpoint_cid not in dst.blobs:
                 # acknowledged only once the checkpoint is held here
-                epoch = dst.epoch
-                self.hold_checkpoint(dst, msg, sender, lambda data: self._vouched(dst, epoch, sender, msg, ack))
+                epoch, waiting = dst.epoch, dst.taking.setdefault(msg.theta_cid, [])
+
+                def taken() -> None:  # in the machine, or given up: the announcement behind it goes on
+                    if dst.epoch == epoch and dst.taking.get(msg.theta_cid) is waiting:
+                        del dst.taking[msg.theta_cid]
+                        for go in waiting:
+                            go()
+
+                def vouched(data: bytes) -> None:
+                    self._vouched(dst, epoch, sender, msg, ack)
+                    taken()
+
+                self.hold_checkpoint(dst, msg, sender, vouched)
+                self.at(self.now + REPLICATE_TIMEOUT_S, taken)
                 return
+        if isinstance(msg, RoundAnnouncement) and msg.theta_cid in dst.taking:
+            # (as the runtime: held while the commit it starts from is taken)
+            dst.taking[msg.theta_cid].append(lambda: self._deliver(sender, dst, msg, ack))
+            return
         # (``on_message`` is what ``handle(MessageIn(...))`` dispatches to: called directly,
         # a lease renewal's ten thousand deliveries build no event object each)
         self.carry_out(dst, m.on_message(sender, msg, self.now))
@@ -983,9 +1003,9 @@ class Planet:
         epoch = node.epoch
         then = dict(e.then)
 
-        def follow(peer: str) -> None:  # (as the runtime: once the commit's send to it ended)
+        def follow(peer: str) -> None:
             msg = then.pop(peer, None)
-            if msg is not None and node.alive and node.epoch == epoch:
+            if msg is not None:
                 if isinstance(msg, RoundAnnouncement):
                     self.attempts.add((msg.term, msg.round, msg.attempt))
                 self.send(node, peer, msg)
@@ -999,18 +1019,13 @@ class Planet:
         def ack_from(peer: str) -> Callable[[], None]:
             def ack() -> None:
                 acked.append(peer)
-                follow(peer)
                 finish()
             return ack
 
-        def timeout() -> None:  # a send without an ack by now: taken as ended (this has no failures)
-            for peer in sorted(then):
-                follow(peer)
-            finish()
-
         for peer in e.targets:
             self.send(node, peer, e.commit, ack_from(peer))
-        self.at(self.now + e.timeout_s, timeout)
+            follow(peer)  # right behind it (the receiver holds it until the commit is taken)
+        self.at(self.now + e.timeout_s, finish)
 
     def _inner_done(self, node: PNode, epoch: int, run: RunInner, steps: int) -> None:
         if node.epoch != epoch or not node.alive:

@@ -127,6 +127,8 @@ class MemNode:
     lease: Lease | None = None  # its "disk": the last lease it accepted
     ended: str | None = None
     hung_until: float | None = None  # hung (alive, deaf and mute) until then; then a zombie
+    # θ CID -> set once the commit naming it is taken (in the machine, or refused): what waits for it
+    taking: dict[str, trio.Event] = field(default_factory=dict)
     deferred: list[Any] | None = None  # the effects a hang interrupted: carried out when it wakes
 
     def __post_init__(self) -> None:
@@ -378,10 +380,20 @@ class RunSwarm:
                 return False
             except PcpError:
                 return False
-            await trio.sleep(self.cfg.plan.fetch_delay)
-            if not node.alive or self.blobs.fetch(dst, msg.checkpoint_cid) is None:
-                return False  # the checkpoint could not be fetched: neither acked nor accepted
-        node.post(MessageIn(sender, msg))
+            taking = node.taking.setdefault(msg.theta_cid, trio.Event())
+            try:
+                await trio.sleep(self.cfg.plan.fetch_delay)
+                if not node.alive or self.blobs.fetch(dst, msg.checkpoint_cid) is None:
+                    return False  # the checkpoint could not be fetched: neither acked nor accepted
+                node.post(MessageIn(sender, msg))
+                return True
+            finally:
+                if node.taking.get(msg.theta_cid) is taking:
+                    del node.taking[msg.theta_cid]
+                taking.set()
+        if isinstance(msg, RoundAnnouncement) and (before := node.taking.get(msg.theta_cid)) is not None:
+            await before.wait()  # (as the runtime: held while the commit it starts from is taken)
+        node.post(MessageIn(sender, msg))  # (dropped by a node killed meanwhile)
         return True
 
     async def _later(self, node: MemNode, delay: float, make: Any) -> None:
@@ -407,13 +419,17 @@ class RunSwarm:
         then = dict(e.then)
 
         async def ask(peer: str) -> None:
+            follow = then.get(peer)
             for delay in self.net.copies(node.peer_id, peer)[:1]:
                 await trio.sleep(delay)
                 if await self.deliver(node.peer_id, peer, MemNetwork.wire(e.commit)):
                     acked.append(peer)
                     done.set()
-            if (msg := then.get(peer)) is not None:  # (as the runtime: after the commit's send)
-                self.send(node.peer_id, peer, msg)
+                if follow is not None:  # right behind it: the runtime's receiver holds it until then
+                    await self.deliver(node.peer_id, peer, MemNetwork.wire(follow))
+                    follow = None
+            if follow is not None:  # (the commit was lost: it travels on its own)
+                self.send(node.peer_id, peer, follow)
 
         async with trio.open_nursery() as n:  # (as the runtime: the other sends go on)
             for peer in e.targets:
