@@ -18,7 +18,7 @@ from test_blob_service import CS, DropMidChunk, StallMidChunk, info, network
 
 from pcp_p2p.blob.service import BlobService
 from pcp_p2p.blob.sidechannel import KIND_CHUNK, send_record
-from pcp_p2p.blob.swarm import FallbackPlan, tree_order, upstream
+from pcp_p2p.blob.swarm import DIRECT_BYTES, FallbackPlan, tree_order, upstream, worth_a_tree
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.net.traffic import Traffic
 
@@ -215,3 +215,11 @@ async def test_a_member_that_never_fetches_costs_its_children_one_bounded_wait(t
         # members climbing past their own parents ask it too)
         # bounded by the 0.3 s wait, not by the request timeout (5 s here), which an unbounded wait would hit
         assert trio.current_time() - start < 4.5
+
+
+def test_a_small_blob_goes_direct_and_a_large_or_widely_wanted_one_through_the_tree() -> None:
+    """The tiny model's update (216 KB) for three workers: direct (three copies, 0.65 MB);
+    for sixteen, or a 10 MB update for three: the tree."""
+    assert not worth_a_tree(3, 216_000)
+    assert worth_a_tree(16, 216_000) and worth_a_tree(3, 10_000_000)
+    assert not worth_a_tree(1, DIRECT_BYTES) and worth_a_tree(1, DIRECT_BYTES + 1)

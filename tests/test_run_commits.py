@@ -312,13 +312,15 @@ async def test_an_announcement_reaches_the_machine_after_the_commit_it_starts_fr
     assert rt._taking == {} and rt._arriving == {}
 
 
+@pytest.mark.parametrize("first", [False, True])
 async def test_an_announcement_whose_commit_never_comes_waits_no_longer_than_commit_behind_s(
-        autojump_clock: trio.testing.MockClock) -> None:
+        autojump_clock: trio.testing.MockClock, first: bool) -> None:
+    """(``first``: round 1's announcement, before this node has any commit.)"""
     shepherd = FlakyDht(fails=0)
     rt, inbox = delivering_runtime(None, set())
     rt.machine.worker = SimpleNamespace(  # type: ignore[attr-defined]
-        last_commit=dataclasses.replace(commit(shepherd), round=6, theta_cid="p"))
-    ann = RoundAnnouncement(run_id=RUN, term=0, round=8, attempt=0, theta_cid="t", artifacts={},
+        last_commit=None if first else dataclasses.replace(commit(shepherd), round=6, theta_cid="p"))
+    ann = RoundAnnouncement(run_id=RUN, term=0, round=1 if first else 8, attempt=0, theta_cid="t", artifacts={},
                             time_budget_s=1.0, deadline=0.0, assignments=(), shepherd=shepherd.identity.peer_id)
     t0 = trio.current_time()
     await rt.deliver(shepherd.identity.peer_id, ann)

@@ -33,6 +33,13 @@ from pcp_p2p.diloco.algorithm.params import Params, codec_of, unpack_tensors
 UPDATE_CODECS = ("int8", "fp32")
 """``outer.update_codec``: how the applied mean travels (the dense codecs: the mean of sparse Δs
 is not sparse enough to gain, and an error-feedback codec would make the step depend on a residual)."""
+_BYTES_PER_VALUE = {"int8": 1, "fp32": 4}
+
+
+def update_size(params: int, codec: str) -> int:
+    """About how many bytes an update of ``params`` values weighs with ``codec`` (without its
+    small header and int8's per-block scales): what a fetcher plans its route by."""
+    return params * _BYTES_PER_VALUE[codec]
 
 
 def encode_update(delta_mean: Mapping[str, np.ndarray], codec: str) -> tuple[bytes, Params]:

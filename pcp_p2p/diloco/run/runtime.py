@@ -59,10 +59,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from pcp_p2p.blob.swarm import worth_a_tree
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
 from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 from pcp_p2p.diloco.algorithm.data import SHAKESPEARE, CharDataset, decode_dataset, encode_dataset
+from pcp_p2p.diloco.algorithm.update import update_size
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
 from pcp_p2p.diloco.protocol.departures import make_leave
@@ -290,11 +292,13 @@ class RunRuntime:
         seen first, a worker with a pending submission would hold the round and fetch θ on its own
         rather than out of the checkpoint it is building. The two travel on streams of their own, so
         the announcement may even come first: for the round after the next one this node expects
-        (its commit not seen yet), it waits up to ``COMMIT_BEHIND_S`` for that commit to arrive."""
+        (its commit not seen yet; round 1 before any commit), it waits up to ``COMMIT_BEHIND_S``
+        for that commit to arrive."""
         w = self.machine.worker
         last = w.last_commit if w is not None else None
-        if (ann.theta_cid not in self._taking and ann.theta_cid not in self._arriving and last is not None
-                and ann.term == last.term and ann.round == last.round + 2 and ann.theta_cid != last.theta_cid):
+        after_next = ann.round == 1 if last is None else (ann.term == last.term and ann.round == last.round + 2)
+        if (w is not None and after_next and ann.theta_cid not in self._taking
+                and ann.theta_cid not in self._arriving):
             arriving = self._arriving[ann.theta_cid] = trio.Event()
             try:
                 with trio.move_on_after(COMMIT_BEHIND_S):
@@ -767,8 +771,10 @@ class RunRuntime:
             return False
         outer, store = self.spec.outer, self.io.store
         try:
+            size = update_size(self.num_params(), outer.update_codec)
             update = await self.io.fetch_bytes(rec.update_cid, hint, max_size=self.state_bound(1),
-                                               swarm=rec.participants)
+                                               swarm=rec.participants if worth_a_tree(len(rec.participants), size)
+                                               else None)
             async with self._building:  # (one at a time: they share the spare buffer)
                 cached = self._built[1] if self._built is not None and self._built[0] == base else None
                 spare = self._spare
@@ -805,14 +811,18 @@ class RunRuntime:
         if isinstance(found, OWNER_RECORDS[kind]):
             self.post(MessageIn(self.run.owner, found))
 
+    def num_params(self) -> int:
+        """θ's values (with ``MAX_VOCAB`` for the embedding before this node holds the dataset)."""
+        from pcp_p2p.compile.model import num_params, preset
+
+        vocab = self.dataset.vocab_size if self.dataset is not None else MAX_VOCAB
+        return num_params(preset(self.spec.model, vocab_size=vocab))
+
     def state_bound(self, copies: int) -> int:
         """The most bytes ``copies`` fp32 copies of θ can weigh (θ or a Δ: 1; a checkpoint,
         θ and momentum: 2), plus framing: a blob named as one and declaring more is refused
         before any chunk moves."""
-        from pcp_p2p.compile.model import num_params, preset
-
-        vocab = self.dataset.vocab_size if self.dataset is not None else MAX_VOCAB
-        return copies * 4 * num_params(preset(self.spec.model, vocab_size=vocab)) + (1 << 20)
+        return copies * 4 * self.num_params() + (1 << 20)
 
     async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
         try:
@@ -934,8 +944,9 @@ class RunRuntime:
         if self.dataset is None:
             self.dataset = await self._announced_dataset(w.current)
         ann = w.current
+        workers = tuple(a.worker for a in ann.assignments) if ann is not None else ()
         await self.io.fetch_bytes(manifest.artifact_cid, for_run=True, max_size=manifest.artifact_size,
-                                  swarm=tuple(a.worker for a in ann.assignments) if ann is not None else None)
+                                  swarm=workers if worth_a_tree(len(workers), manifest.artifact_size) else None)
         vmfb_path = self.io.store.path(manifest.artifact_cid)
         executor = await trio.to_thread.run_sync(engine.start_executor, vmfb_path, manifest, shepherd)
         inner = engine.InnerEngine(executor, self.spec, self.dataset)
