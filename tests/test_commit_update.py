@@ -13,8 +13,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_diloco_protocol import RUN_ID, SPEC, THETA0, Round
+from test_diloco_protocol import SPEC, THETA0, Round
 
+from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import ConfigError, HashMismatch, MalformedMessage
 from pcp_p2p.diloco.algorithm.checkpoint import (
     Checkpoint,
@@ -26,7 +27,7 @@ from pcp_p2p.diloco.algorithm.checkpoint import (
 from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.algorithm.params import pack_tensors
 from pcp_p2p.diloco.algorithm.update import encode_update
-from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
+from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint, start_checkpoint
 from pcp_p2p.diloco.protocol.effects import Committed, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.protocol.spec import parse_spec
@@ -55,11 +56,18 @@ def two_commits(spec) -> tuple[list[CommitRecord], dict[str, bytes]]:
     return records, blobs
 
 
-def round0_checkpoint(spec) -> bytes:
-    """The state round 0's step started from, as a checkpoint (a run's first has none)."""
-    data, _ = encode_checkpoint(Checkpoint(RUN_ID, 0, OuterState.initial(THETA0)),
-                                with_momentum=spec.outer.momentum != 0)
+def round0_checkpoint(rec: CommitRecord) -> bytes:
+    """The state round 0's step started from (a run's first commit has no checkpoint before
+    it): what a worker builds out of the starting θ blob it trained round 0 from."""
+    data = start_checkpoint(rec, pack_tensors(THETA0))
+    assert data is not None
     return data
+
+
+def test_only_the_first_commit_is_built_from_the_starting_theta() -> None:
+    (rec0, rec1), _ = two_commits(SPEC)
+    assert rec0.prev_theta_cid == cid_of(pack_tensors(THETA0))
+    assert start_checkpoint(rec1, pack_tensors(THETA0)) is None  # later rounds have momentum
 
 
 @pytest.mark.parametrize(("codec", "momentum"), [("int8", 0.9), ("fp32", 0.9), ("int8", 0.0)])
@@ -67,7 +75,7 @@ def test_the_next_checkpoint_is_built_from_the_last_and_the_update(codec: str, m
     spec = spec_with(codec, momentum)
     (rec0, rec1), blobs = two_commits(spec)
     assert rec0.update_cid in blobs and rec1.update_cid in blobs
-    built0 = rebuild_checkpoint(rec0, round0_checkpoint(spec), blobs[rec0.update_cid], spec.outer)
+    built0 = rebuild_checkpoint(rec0, round0_checkpoint(rec0), blobs[rec0.update_cid], spec.outer)
     assert built0 == blobs[rec0.checkpoint_cid]
     # round 1 steps from a checkpoint with momentum in it: the second step is where v matters
     assert rebuild_checkpoint(rec1, built0, blobs[rec1.update_cid], spec.outer) == blobs[rec1.checkpoint_cid]
@@ -107,7 +115,7 @@ def test_a_tampered_update_is_refused_by_the_commits_cids(committed) -> None:
 def test_a_base_that_is_not_the_steps_own_is_refused(committed) -> None:
     spec, rec0, rec1, blobs, base1 = committed
     with pytest.raises(MalformedMessage, match="round"):  # round 0's base for round 1's commit
-        rebuild_checkpoint(rec1, round0_checkpoint(spec), blobs[rec1.update_cid], spec.outer)
+        rebuild_checkpoint(rec1, round0_checkpoint(rec0), blobs[rec1.update_cid], spec.outer)
     # the right round, other momentum: caught by the CIDs
     other, _ = encode_checkpoint(Checkpoint(rec0.run_id, 0, OuterState.initial(_theta_of(base1), round=1)))
     with pytest.raises(HashMismatch):

@@ -29,9 +29,9 @@ def test_a_small_planet_commits_every_round_through_churn_and_a_shepherd_kill() 
     assert 2 <= r.seated_mean <= 40
     assert r.val_loss_first is not None and r.val_loss_last is not None
     assert r.val_loss_last < 0.5 * r.val_loss_first  # the surrogate trained, and commits combined it
-    # most commits reached the workers as their update, built into the checkpoint by the real code
-    # (a run's first commit, a late joiner's and a new term's first are fetched whole)
-    assert r.checkpoints_rebuilt > r.checkpoints_fetched > 0
+    # the commits reach the workers as their update, built into the checkpoint by the real code
+    # (the run's first from its starting θ; a late joiner without the checkpoint before fetches whole)
+    assert r.checkpoints_rebuilt > 4 * r.checkpoints_fetched and r.checkpoints_rebuilt >= ROUNDS
 
 
 def test_a_small_planet_with_overlapped_rounds_commits_every_round_and_learns() -> None:

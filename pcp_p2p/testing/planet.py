@@ -905,10 +905,15 @@ class Planet:
             held(data)
             return
         base = node.checkpoints.get(rec.prev_theta_cid)
-        if rec.update_cid and base is not None and base in node.blobs:
+        start = None  # (the run's first commit: from the starting θ, as the runtime)
+        if base is None and rec.prev_theta_cid in node.blobs:
+            start = commits.start_checkpoint(rec, node.blobs[rec.prev_theta_cid])
+        if rec.update_cid and ((base is not None and base in node.blobs) or start is not None):
             def build(update: bytes) -> Any:
                 try:
-                    built = bytes(commits.rebuild_checkpoint(rec, node.blobs[base], update, self.spec.outer))
+                    src = node.blobs[base] if base is not None else start
+                    assert src is not None
+                    built = bytes(commits.rebuild_checkpoint(rec, src, update, self.spec.outer))
                 except PcpError:
                     self.ckpt_fetched += 1
                     self.fetch(node, rec.checkpoint_cid, hint, held, None)

@@ -11,7 +11,15 @@ from __future__ import annotations
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, MalformedMessage, VerificationError
 from pcp_p2p.dht.records import KindRule
-from pcp_p2p.diloco.algorithm.checkpoint import decode_checkpoint, lay_out_checkpoint, round_metrics
+from pcp_p2p.diloco.algorithm.checkpoint import (
+    Checkpoint,
+    decode_checkpoint,
+    encode_checkpoint,
+    lay_out_checkpoint,
+    round_metrics,
+)
+from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.params import unpack_tensors
 from pcp_p2p.diloco.algorithm.update import apply_update
 from pcp_p2p.diloco.protocol.messages import CommitRecord, verify
 from pcp_p2p.diloco.protocol.spec import OuterOptimizer
@@ -63,3 +71,18 @@ def rebuild_checkpoint(rec: CommitRecord, base: bytes | bytearray, update: bytes
         raise HashMismatch(f"commit of round {rec.round + 1}: its update applied to the last checkpoint "
                            "does not give the checkpoint it names")
     return data
+
+
+def start_checkpoint(rec: CommitRecord, theta: bytes) -> bytes | None:
+    """The checkpoint a run's first commit stepped from, out of its starting θ blob: θ with
+    zero outer momentum at round 0 (``OuterState.initial``, how every term at round 0 starts).
+
+    A worker holds that θ (it trained round 0 from it) but no checkpoint before the first
+    commit, so without this it fetched the first commit's checkpoint whole (two θ's worth,
+    through every hop of the tree) while its early run waited. ``None`` for a later commit;
+    the caller's :func:`rebuild_checkpoint` checks the result against the commit's CIDs.
+    """
+    if rec.round != 0:
+        return None
+    state = OuterState.initial(unpack_tensors(theta))
+    return encode_checkpoint(Checkpoint(rec.run_id, rec.term, state))[0]

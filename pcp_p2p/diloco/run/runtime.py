@@ -61,12 +61,20 @@ import trio
 
 from pcp_p2p.blob.swarm import worth_a_tree
 from pcp_p2p.core.cid import cid_of
-from pcp_p2p.core.errors import HeldBack, LocalError, NotElected, PcpError, PeerError, VerificationError
+from pcp_p2p.core.errors import (
+    HeldBack,
+    LocalError,
+    MalformedMessage,
+    NotElected,
+    PcpError,
+    PeerError,
+    VerificationError,
+)
 from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
 from pcp_p2p.diloco.algorithm.data import SHAKESPEARE, CharDataset, decode_dataset, encode_dataset
 from pcp_p2p.diloco.algorithm.update import update_size
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
-from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
+from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint, start_checkpoint
 from pcp_p2p.diloco.protocol.departures import make_leave
 from pcp_p2p.diloco.protocol.effects import EARLY, CancelInner, Rejected, RunInner, Send, ShiftInner, StoreBlob
 from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
@@ -766,10 +774,12 @@ class RunRuntime:
         rebuild_checkpoint`), then stored, pinned and announced like a fetched one. ``False``
         (and nothing kept) when this node does not hold that base, or the update cannot be had
         or does not give the named checkpoint: the caller fetches the checkpoint then."""
-        base = next((c for c, theta in self._replicas.items() if theta == rec.prev_theta_cid), None)
-        if not rec.update_cid or base is None or not self.io.store.has(base):
-            return False
         outer, store = self.spec.outer, self.io.store
+        base = next((c for c, theta in self._replicas.items() if theta == rec.prev_theta_cid), None)
+        # (the run's first commit: from its starting θ, which this node trained round 0 from)
+        first = base is None and rec.round == 0 and store.has(rec.prev_theta_cid)
+        if not rec.update_cid or not (first or (base is not None and store.has(base))):
+            return False
         try:
             size = update_size(self.num_params(), outer.update_codec)
             update = await self.io.fetch_bytes(rec.update_cid, hint, max_size=self.state_bound(1),
@@ -780,8 +790,16 @@ class RunRuntime:
                 spare = self._spare
 
                 def build() -> bytearray:
-                    return rebuild_checkpoint(rec, cached if cached is not None else store.read(base), update,
-                                              outer, reuse=spare)
+                    held: bytes | bytearray
+                    if cached is not None:
+                        held = cached
+                    elif base is not None:
+                        held = store.read(base)
+                    elif (start := start_checkpoint(rec, store.read(rec.prev_theta_cid))) is not None:
+                        held = start
+                    else:  # (not reached: ``first`` is round 0's)
+                        raise MalformedMessage("no checkpoint to build the commit from")
+                    return rebuild_checkpoint(rec, held, update, outer, reuse=spare)
 
                 data = await trio.to_thread.run_sync(build)
                 await self.io.keep(data)
