@@ -25,7 +25,8 @@ Figures:
 - ``relay_byte_share``: the bytes the relay spliced between the two ends of its
   circuits over all bytes the WAN processes sent (each node's libp2p and
   side-channel bytes out); goal < 0.01. Relays carry control traffic only: the
-  blob service refuses relayed streams both ways.
+  blob service refuses relayed streams both ways. ``relayed_from``: those
+  bytes by the node that sent them into the relay (which links are relayed).
 
 Knobs: ``PCP_BENCH_WAN_ROUNDS`` (5), ``PCP_BENCH_WAN_BUDGET`` (8 s),
 ``PCP_BENCH_WAN_MODEL`` (tiny), ``PCP_BENCH_WAN_OVERLAP`` (1: ``round.overlap``
@@ -173,6 +174,8 @@ def wan_arm(root: Path) -> dict[str, Any]:
         runs = [s.get("run") or {} for s in statuses]
         out = summary(runs, commits)
         out["relayed_bytes"] = relay.get("relayed_bytes", 0)
+        names = {n.peer_id: n.name for n in nodes}  # whose bytes the relay carried, by sender
+        out["relayed_from"] = {names.get(p, p[-8:]): b for p, b in sorted((relay.get("relayed_from") or {}).items())}
         out["bytes_sent"] = sent
         out["relay_byte_share"] = round(out["relayed_bytes"] / sent, 5) if sent else None
         out["phase_s_per_round"] = phases.per_round(WORKERS, ROUNDS - 1)
@@ -236,7 +239,7 @@ def main() -> None:
         empty = {"utilisation": None, "utilisation_per_worker": [], "round_s": None, "participants": [],
                  "contributed_rounds": [], "overlapped_rounds": [], "overlap_tau": [], "checkpoints": [],
                  "phase_s_per_round": {},
-                 "relayed_bytes": None, "bytes_sent": None,
+                 "relayed_bytes": None, "relayed_from": {}, "bytes_sent": None,
                  "relay_byte_share": None, "reachability": []}
         wan = wan_arm(root) if "wan" in arms else empty
         loop = loopback_arm(root) if "loopback" in arms else empty
@@ -258,6 +261,7 @@ def main() -> None:
         "relay_byte_share": wan["relay_byte_share"],
         "relay_byte_share_target": 0.01,
         "relayed_bytes": wan["relayed_bytes"],
+        "relayed_from": wan["relayed_from"],
         "bytes_sent_wan": wan["bytes_sent"],
         "utilisation_per_worker_wan": wan["utilisation_per_worker"],
         "utilisation_per_worker_loopback": loop["utilisation_per_worker"],
