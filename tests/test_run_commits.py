@@ -102,7 +102,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     stranger, shepherd = FlakyDht(fails=0), FlakyDht(fails=0)
     fetched: list[str] = []
 
-    async def fetch(rec: CommitRecord, hint: str | None = None) -> None:
+    async def fetch(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
         fetched.append(rec.checkpoint_cid)
 
     # no lease known yet: the election keeps it until one arrives (nothing fetched, no ack)
@@ -129,8 +129,8 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     held: set[str] = set()
     rt, inbox = delivering_runtime(following(shepherd), held)
 
-    async def shepherd_gone(rec: CommitRecord, hint: str | None = None) -> None:  # the fetch failed
-        return None
+    async def shepherd_gone(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+        return None  # the fetch failed
 
     rt._hold_checkpoint = shepherd_gone  # type: ignore[method-assign]
     with pytest.raises(PeerError):  # the messenger then refuses it: no ack
@@ -138,7 +138,7 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     with pytest.raises(trio.WouldBlock):
         inbox.receive_nowait()  # and the run never sees it
 
-    async def fetched(rec: CommitRecord, hint: str | None = None) -> None:
+    async def fetched(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
         held.add(rec.checkpoint_cid)
 
     rt._hold_checkpoint = fetched  # type: ignore[method-assign]
@@ -161,7 +161,7 @@ async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
         held: set[str] = set()
         rt, inbox = delivering_runtime(following(shepherd), held)
 
-        async def slow(rec: CommitRecord, hint: str | None = None,
+        async def slow(rec: CommitRecord, hint: str | None = None, update: bytes = b"",
                        alive: bool = alive, held: set[str] = held) -> None:
             await trio.sleep(REPLICATE_TIMEOUT_S + 3)  # (a swarm ancestor that timed out first)
             if alive:
@@ -291,7 +291,7 @@ async def test_an_announcement_reaches_the_machine_after_the_commit_it_starts_fr
     rt, inbox = delivering_runtime(None, set())
     rt.machine.worker = SimpleNamespace(last_commit=prev)  # type: ignore[attr-defined]
 
-    async def take(sender: str, msg: CommitRecord) -> None:
+    async def take(sender: str, msg: CommitRecord, update: bytes = b"") -> None:
         await trio.sleep(2.0)  # the checkpoint being built
         rt.post(MessageIn(sender, msg))
 
@@ -326,3 +326,34 @@ async def test_an_announcement_whose_commit_never_comes_waits_no_longer_than_com
     await rt.deliver(shepherd.identity.peer_id, ann)
     assert trio.current_time() - t0 == pytest.approx(COMMIT_BEHIND_S)
     assert inbox.receive_nowait().message == ann and rt._arriving == {}
+
+
+@pytest.mark.parametrize("intact", [True, False])
+async def test_an_update_sent_with_its_commit_is_used_only_as_the_vouched_commits(intact: bool) -> None:
+    """``CommitWithUpdate``: the update goes to the checkpoint's build only once the commit passed
+    the authority chain and only if its CID is the one the commit signed; otherwise it is
+    dropped (logged) and the update is fetched as usual. From a stranger, nothing is taken."""
+    from pcp_p2p.core.cid import cid_of
+    from pcp_p2p.diloco.protocol.messages import CommitWithUpdate
+
+    shepherd, stranger = FlakyDht(fails=0), FlakyDht(fails=0)
+    update = b"the applied mean"
+    rec = sign(dataclasses.replace(commit(shepherd), signature=b"", update_cid=cid_of(update)), shepherd.identity)
+    held: set[str] = set()
+    got: list[bytes] = []
+
+    async def hold(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+        got.append(update)
+        held.add(rec.checkpoint_cid)
+
+    rt, inbox = delivering_runtime(following(shepherd), held)
+    rt._hold_checkpoint = hold  # type: ignore[method-assign]
+    rt.node = shepherd  # type: ignore[assignment]  (log_once)
+    sent = update if intact else b"tampered"
+    await rt.deliver(shepherd.identity.peer_id, CommitWithUpdate(rec, sent))
+    assert got == ([update] if intact else [b""])
+    assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)
+    assert shepherd.logged == ([] if intact else ["taking a commit's update"])
+    with pytest.raises(BadSignature):  # a stranger's: refused before anything is held
+        await rt.deliver(stranger.identity.peer_id, CommitWithUpdate(commit(stranger), update))
+    assert len(got) == 1

@@ -19,6 +19,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
+from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.election import PublishLease
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
@@ -123,6 +124,7 @@ def test_each_workers_announcement_rides_behind_its_commit_and_reaches_its_machi
     check(r)
     assert swarm.replications and all(e.then for e in swarm.replications[:-1])  # (the last: none follows)
     for e in swarm.replications:
+        assert e.update and cid_of(e.update) == e.commit.update_cid  # (small: it rides with the commit)
         assert {peer for peer, _ in e.then} <= set(e.targets)
         assert all(isinstance(m, RoundAnnouncement) and m.round == e.commit.round + 1 for _, m in e.then)
     shepherds = {e.commit.shepherd for e in swarm.replications}  # (its own messages: the batch's order)

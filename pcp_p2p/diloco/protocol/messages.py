@@ -147,6 +147,30 @@ class CommitRecord(Message):
     signature: bytes = b""
 
 
+INLINE_UPDATE_BYTES = 1 << 20
+"""A commit's update up to this size rides with the commit to each participant (:class:`CommitWithUpdate`)."""
+
+
+@wire_message("diloco.commit+update", max_size=INLINE_UPDATE_BYTES + 256 * 1024 + 4096)
+class CommitWithUpdate(Message):
+    """A commit and its update blob in one message, from the shepherd to a participant.
+
+    Why: a participant builds the checkpoint from the update (:mod:`pcp_p2p.diloco.algorithm.update`),
+    and a fetch of it cost a stream, a manifest and the chunks' round trips after the commit had
+    arrived: 0.7-0.9 s for the tiny model's 216 KB on the network lab's home links, every round,
+    on the path to the next round's shift. Sent along, it costs the shepherd's uplink the same
+    bytes. Unsigned itself: the update counts only if its CID is the signed commit's
+    ``update_cid``, and only after the commit passed the run's authority chain.
+    """
+
+    commit: CommitRecord
+    update: bytes
+
+    @property
+    def run_id(self) -> str:
+        return self.commit.run_id
+
+
 @wire_message("diloco.leave", max_size=1024)
 class Leave(Message):
     """``peer`` leaves ``run_id`` now (a graceful stop): rounds need not wait for it.
@@ -184,4 +208,5 @@ def verify(msg: Message, signer: str) -> None:
     verify_signature(signer, signing_bytes(msg), signature)
 
 
-ROUND_MESSAGES: tuple[type[Message], ...] = (Join, RoundAnnouncement, Submission, CommitRecord, Leave)
+ROUND_MESSAGES: tuple[type[Message], ...] = (Join, RoundAnnouncement, Submission, CommitRecord, CommitWithUpdate,
+                                              Leave)

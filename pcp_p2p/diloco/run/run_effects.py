@@ -194,6 +194,7 @@ class ReplicateCommit:
     targets: tuple[str, ...]
     timeout_s: float
     then: tuple[tuple[str, Message], ...] = ()
+    update: bytes = b""  # the commit's update blob, sent along when it is small (CommitWithUpdate)
 
 
 @dataclass(frozen=True)

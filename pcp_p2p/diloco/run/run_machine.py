@@ -139,7 +139,14 @@ from pcp_p2p.diloco.protocol.election import (
     StepDown,
 )
 from pcp_p2p.diloco.protocol.lifecycle import STOP_KIND, STOP_LOOKUP_EVERY_S, STOPPED, StopLatch, StopOrder
-from pcp_p2p.diloco.protocol.messages import CommitRecord, Join, Leave, RoundAnnouncement, Submission
+from pcp_p2p.diloco.protocol.messages import (
+    INLINE_UPDATE_BYTES,
+    CommitRecord,
+    Join,
+    Leave,
+    RoundAnnouncement,
+    Submission,
+)
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
@@ -891,8 +898,12 @@ class RunMachine:
                 tree = tree_order(commit.checkpoint_cid, [p for p in commit.participants if p != self.peer_id])
                 rank = {p: i for i, p in enumerate(tree)}
                 targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))
+                # A small update rides with the commit: each participant builds the checkpoint
+                # without fetching it first (messages.CommitWithUpdate).
+                update = next((e.data for e in effects if isinstance(e, StoreBlob) and e.cid == commit.update_cid
+                               and len(e.data) <= INLINE_UPDATE_BYTES), b"")
                 self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S,
-                                                 then=tuple((f.to, f.message) for f in follow)))
+                                                 then=tuple((f.to, f.message) for f in follow), update=bytes(update)))
                 return
         self._round_now(who, effects, now)
 

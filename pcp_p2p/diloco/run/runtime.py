@@ -62,6 +62,7 @@ import trio
 from pcp_p2p.blob.swarm import worth_a_tree
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import (
+    HashMismatch,
     HeldBack,
     LocalError,
     MalformedMessage,
@@ -79,7 +80,7 @@ from pcp_p2p.diloco.protocol.departures import make_leave
 from pcp_p2p.diloco.protocol.effects import EARLY, CancelInner, Rejected, RunInner, Send, ShiftInner, StoreBlob
 from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
 from pcp_p2p.diloco.protocol.lifecycle import STOP_FILE, STOP_KIND, STOPPED, StopOrder
-from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, verify
+from pcp_p2p.diloco.protocol.messages import CommitRecord, CommitWithUpdate, RoundAnnouncement, verify
 from pcp_p2p.diloco.protocol.runs import KnownRun
 from pcp_p2p.diloco.run.engine import ShiftSlot
 from pcp_p2p.diloco.run.reputation import ReputationLedger
@@ -277,6 +278,9 @@ class RunRuntime:
         if isinstance(msg, StopOrder):
             self.stop(msg, self.clock())  # refused (the messenger says why) unless the owner signed it
             return
+        carried = b""
+        if isinstance(msg, CommitWithUpdate):  # (the update counts only as the vouched commit's: below)
+            carried, msg = msg.update, msg.commit
         if isinstance(msg, CommitRecord) and msg.checkpoint_cid and sender == msg.shepherd:
             verify(msg, sender)  # BadSignature: the messenger refuses it, nothing is fetched
             # (from here, before any wait: the announcement right behind it must find it)
@@ -284,7 +288,7 @@ class RunRuntime:
             if (early := self._arriving.get(msg.theta_cid)) is not None:
                 early.set()  # an announcement that came first waits for this commit now
             try:
-                await self._take_commit(sender, msg)
+                await self._take_commit(sender, msg, carried)
             finally:
                 if taking[1] is msg:
                     del self._taking[msg.theta_cid]
@@ -316,10 +320,11 @@ class RunRuntime:
         if (before := self._taking.get(ann.theta_cid)) is not None:
             await before[0].wait()  # (bounded: the commit's hold is, REPLICATE_TIMEOUT_S)
 
-    async def _take_commit(self, sender: str, msg: CommitRecord) -> None:
+    async def _take_commit(self, sender: str, msg: CommitRecord, update: bytes = b"") -> None:
         """Vouch for a commit its shepherd signed, hold its checkpoint, then hand the commit to
         the machine; raise (no ack) when it is not vouched for, or its checkpoint could not be
-        held within ``REPLICATE_TIMEOUT_S``."""
+        held within ``REPLICATE_TIMEOUT_S``. ``update``: the update blob that came with it
+        (used only if its CID is the commit's ``update_cid``)."""
         try:  # the authority chain first: nothing a commit names is fetched before it
             if not self.started:
                 raise HeldBack("this node's election has not started")
@@ -329,8 +334,12 @@ class RunRuntime:
             # Not checkable yet: the election keeps it, nothing it names is fetched, no ack.
             self.post(MessageIn(sender, msg))
             raise NotElected(f"commit of term {msg.term} round {msg.round + 1}: {exc}; not acknowledged") from exc
+        if update and (not msg.update_cid or await trio.to_thread.run_sync(cid_of, update) != msg.update_cid):
+            self.node.log_once(sender, HashMismatch(f"the update sent with commit {msg.round + 1} is not the one "
+                                                    "it names"), "taking a commit's update")
+            update = b""  # (fetched instead, from whoever holds the named one)
         with trio.move_on_after(REPLICATE_TIMEOUT_S):  # by swarming: every participant fetches it now
-            await self._hold_checkpoint(msg, hint=sender)
+            await self._hold_checkpoint(msg, hint=sender, update=update)
         if not self.io.store.has(msg.checkpoint_cid):
             # A shepherd killed while we fetched took the only copy with it; a commit
             # nobody else holds must not become the round the next term starts from.
@@ -665,9 +674,10 @@ class RunRuntime:
         follows names the commit again for each node, before its announcement, and joins the
         send still in flight (whose ack, given once the node holds the checkpoint, is what the
         announcement must wait for)."""
-        if not isinstance(msg, CommitRecord):
+        if not isinstance(msg, (CommitRecord, CommitWithUpdate)):
             return await self._send_once(peer, msg)
-        key = (peer, msg.term, msg.round, msg.attempt, msg.theta_cid)
+        rec = msg.commit if isinstance(msg, CommitWithUpdate) else msg
+        key = (peer, rec.term, rec.round, rec.attempt, rec.theta_cid)  # (with its update or without: one commit)
         flight = self._commits_out.get(key)
         if flight is not None:
             await flight.done.wait()
@@ -681,7 +691,7 @@ class RunRuntime:
             flight.done.set()
 
     async def _send_once(self, peer: str, msg: Message) -> bool:
-        if isinstance(msg, (RoundAnnouncement, CommitRecord)):
+        if isinstance(msg, (RoundAnnouncement, CommitRecord, CommitWithUpdate)):
             await self.io.stores_done()  # never name a blob before we hold it
         try:
             await self.node.messenger.send(peer, msg)
@@ -718,9 +728,10 @@ class RunRuntime:
         acked: list[str] = []
         first = trio.Event()
         then = dict(e.then)
+        request: CommitRecord | CommitWithUpdate = CommitWithUpdate(commit, e.update) if e.update else commit
 
         async def ask(peer: str) -> None:
-            if await self.send_to(peer, commit):
+            if await self.send_to(peer, request):
                 acked.append(peer)
                 first.set()
 
@@ -737,7 +748,7 @@ class RunRuntime:
                 await first.wait()
             self.post(Replicated(commit, list(acked)))
 
-    async def _hold_checkpoint(self, rec: CommitRecord, hint: str | None = None) -> None:
+    async def _hold_checkpoint(self, rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
         """Hold ``rec``'s checkpoint, so any candidate can take the run over.
 
         Built from the checkpoint its step started from and the commit's update
@@ -754,7 +765,7 @@ class RunRuntime:
         try:
             # (ours, or a store in flight: the shepherd's own commit is held by its StoreBlob)
             ours = cid in self.io.storing or self.io.store.has(cid)
-            if ours or not await self._rebuild_checkpoint(rec, hint):
+            if ours or not await self._rebuild_checkpoint(rec, hint, update):
                 try:
                     await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=rec.participants)
                 except PcpError as exc:
@@ -768,12 +779,13 @@ class RunRuntime:
         finally:
             self._holding.pop(cid).set()
 
-    async def _rebuild_checkpoint(self, rec: CommitRecord, hint: str | None) -> bool:
+    async def _rebuild_checkpoint(self, rec: CommitRecord, hint: str | None, update: bytes = b"") -> bool:
         """``rec``'s checkpoint from the one its step started from (held here) and its update
-        blob, checked against both of ``rec``'s CIDs (:func:`~pcp_p2p.diloco.protocol.commits.
-        rebuild_checkpoint`), then stored, pinned and announced like a fetched one. ``False``
-        (and nothing kept) when this node does not hold that base, or the update cannot be had
-        or does not give the named checkpoint: the caller fetches the checkpoint then."""
+        blob (``update``: come with the commit, its CID checked; else fetched), checked against
+        both of ``rec``'s CIDs (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`),
+        then stored, pinned and announced like a fetched one. ``False`` (and nothing kept) when
+        this node does not hold that base, or the update cannot be had or does not give the
+        named checkpoint: the caller fetches the checkpoint then."""
         outer, store = self.spec.outer, self.io.store
         base = next((c for c, theta in self._replicas.items() if theta == rec.prev_theta_cid), None)
         # (the run's first commit: from its starting θ, which this node trained round 0 from)
@@ -781,10 +793,11 @@ class RunRuntime:
         if not rec.update_cid or not (first or (base is not None and store.has(base))):
             return False
         try:
-            size = update_size(self.num_params(), outer.update_codec)
-            update = await self.io.fetch_bytes(rec.update_cid, hint, max_size=self.state_bound(1),
-                                               swarm=rec.participants if worth_a_tree(len(rec.participants), size)
-                                               else None)
+            if not update:
+                size = update_size(self.num_params(), outer.update_codec)
+                update = await self.io.fetch_bytes(rec.update_cid, hint, max_size=self.state_bound(1),
+                                                   swarm=rec.participants if worth_a_tree(len(rec.participants), size)
+                                                   else None)
             async with self._building:  # (one at a time: they share the spare buffer)
                 cached = self._built[1] if self._built is not None and self._built[0] == base else None
                 spare = self._spare
