@@ -357,3 +357,27 @@ async def test_an_update_sent_with_its_commit_is_used_only_as_the_vouched_commit
     with pytest.raises(BadSignature):  # a stranger's: refused before anything is held
         await rt.deliver(stranger.identity.peer_id, CommitWithUpdate(commit(stranger), update))
     assert len(got) == 1
+
+
+async def test_the_update_rides_with_the_commit_only_to_peers_reached_directly(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Relays carry control traffic only: a peer this node cannot dial (a relay-only home) gets
+    the bare commit and fetches the update over a connection it opens itself."""
+    from pcp_p2p.diloco.protocol.messages import CommitWithUpdate
+
+    shepherd = FlakyDht(fails=0)
+    rec = commit(shepherd)
+    sent: dict[str, type] = {}
+
+    async def send_to(peer: str, msg: CommitRecord) -> bool:
+        sent[peer] = type(msg)
+        return True
+
+    rt, inbox = delivering_runtime(None, set())
+    rt.send_to = send_to  # type: ignore[method-assign,assignment]
+    rt.io = SimpleNamespace(direct_to=lambda peer: peer != "behind-a-relay")  # type: ignore[assignment]
+    async with trio.open_nursery() as n:
+        rt._nursery = n
+        n.start_soon(rt._replicate_commit, ReplicateCommit(rec, ("home", "behind-a-relay"), 5.0, update=b"mean"))
+        await inbox.receive()
+    assert sent == {"home": CommitWithUpdate, "behind-a-relay": CommitRecord}

@@ -198,7 +198,7 @@ class RunBlobs:
             # (a relay-only member; a cone one, when this node is relay-only), as relays never carry
             # blobs. Asking it first cost its subtree a connect timeout per blob, and a checkpoint that
             # came too late for its commit (test_netlab_training, 2026-11-24: a public home missed round 4).
-            swarmed = [i for i in map(self.peer_info, filter(self._serves_blobs, chain)) if i is not None]
+            swarmed = [i for i in map(self.peer_info, filter(self.direct_to, chain)) if i is not None]
             swarmed.append(hinted)
         delay = 0.5
         for attempt in range(FETCH_ATTEMPTS):
@@ -221,11 +221,12 @@ class RunBlobs:
                 delay = min(delay * 2, 8.0)
         return None  # (not reached: the last attempt returns or raises)
 
-    def _serves_blobs(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` can serve this node a blob: a direct connection between the two is
-        possible by their verdicts (``reachability.dialable``; its own, from its record: a stranger
-        that lies about it only loses the chunks it would relay). A relay-only member serves
-        nobody, and a relay-only node is served by public members only: relays never carry blobs."""
+    def direct_to(self, peer_id: str) -> bool:
+        """Whether this node can open a direct connection to ``peer_id`` by their verdicts
+        (``reachability.dialable``; its own, from its record: a stranger that lies about it only
+        loses the chunks it would relay): whether it can serve this node a blob, and whether a
+        message to it can carry bulk (a commit's update). A relay-only member serves nobody, and
+        a relay-only node is served by public members only: relays never carry blobs."""
         if self.node is None:
             return True
         member = self.node.membership.get(peer_id)

@@ -96,7 +96,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pcp_p2p.blob.swarm import tree_order
+from pcp_p2p.blob.swarm import tree_order, worth_a_tree
 from pcp_p2p.core.errors import HeldBack, NotElected, PcpError, RemoteError, StaleMessage, VerificationError
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
@@ -899,9 +899,12 @@ class RunMachine:
                 rank = {p: i for i, p in enumerate(tree)}
                 targets = sorted(peers, key=lambda p: (p not in commit.participants, rank.get(p, len(rank))))
                 # A small update rides with the commit: each participant builds the checkpoint
-                # without fetching it first (messages.CommitWithUpdate).
+                # without fetching it first (messages.CommitWithUpdate). Small: one copy, and the
+                # copies to all the targets, as for a fetch straight from the origin (else the
+                # shepherd's uplink would carry N copies where the relay tree carries one).
                 update = next((e.data for e in effects if isinstance(e, StoreBlob) and e.cid == commit.update_cid
-                               and len(e.data) <= INLINE_UPDATE_BYTES), b"")
+                               and len(e.data) <= INLINE_UPDATE_BYTES
+                               and not worth_a_tree(len(targets), len(e.data))), b"")
                 self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S,
                                                  then=tuple((f.to, f.message) for f in follow), update=bytes(update)))
                 return

@@ -728,10 +728,12 @@ class RunRuntime:
         acked: list[str] = []
         first = trio.Event()
         then = dict(e.then)
-        request: CommitRecord | CommitWithUpdate = CommitWithUpdate(commit, e.update) if e.update else commit
+        with_update = CommitWithUpdate(commit, e.update) if e.update else None
 
         async def ask(peer: str) -> None:
-            if await self.send_to(peer, request):
+            # (the update only where the message goes direct: relays carry control traffic only,
+            # and a peer reached through one fetches the update itself, over a connection it opens)
+            if await self.send_to(peer, with_update if with_update and self.io.direct_to(peer) else commit):
                 acked.append(peer)
                 first.set()
 
