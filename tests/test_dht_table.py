@@ -40,10 +40,22 @@ async def test_a_private_address_from_outside_our_networks_does_not_enter_the_ta
     home = ID.from_base58(Identity.generate().peer_id)
     assert not await table.add_peer(PeerInfo(home, [ma("/ip4/10.1.0.2/tcp/4001")]))
     assert table.refused["no dialable address"] == 1
+
+
+
+async def test_a_home_reachable_only_through_a_relay_stays_out_and_a_direct_address_is_kept() -> None:
+    """Relays carry control traffic for their homes, not every lookup that would walk through
+    them: a node whose only dialable address is a circuit asks the DHT and is never asked."""
+    host = new_host(key_pair=Identity.generate().key_pair)
+    table = ServersOnlyRoutingTable(host.get_id(), host, networks=[ipaddress.ip_network("198.18.0.0/24")])
+    home = ID.from_base58(Identity.generate().peer_id)
     relayed = ma(f"/ip4/198.18.0.10/tcp/4001/p2p/{Identity.generate().peer_id}/p2p-circuit")
-    assert await table.add_peer(PeerInfo(home, [ma("/ip4/10.1.0.2/tcp/4001"), relayed]))
-    (info,) = [i for i in table.get_peer_infos() if i.peer_id == home]
-    assert info.addrs == [relayed]
+    assert not await table.add_peer(PeerInfo(home, [ma("/ip4/10.1.0.2/tcp/4001"), relayed]))
+    assert table.refused["reachable only through a relay"] == 1 and not table.peer_in_table(home)
+    public = ID.from_base58(Identity.generate().peer_id)
+    assert await table.add_peer(PeerInfo(public, [relayed, ma("/ip4/198.18.0.7/tcp/4001")]))
+    (info,) = [i for i in table.get_peer_infos() if i.peer_id == public]
+    assert [str(a) for a in info.addrs] == ["/ip4/198.18.0.7/tcp/4001"]  # the direct one only
 
 
 async def test_a_peer_advertising_only_the_wildcard_is_refused() -> None:

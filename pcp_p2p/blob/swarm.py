@@ -54,7 +54,7 @@ def worth_a_tree(members: int, size: int, direct_bytes: int = DIRECT_BYTES) -> b
     manifest and a chunk's round trips, on home links with tens of milliseconds each way and a
     loaded CPU at both ends. For a small blob the copies are cheaper than the hops: the tiny
     model's 216 KB commit update took 0.6-2.1 s down a tree of three on the network lab
-    (docs/connectivity.md, "Round 0 and the announcement"), where the origin sends all three in
+    (docs/connectivity.md, run 12), where the origin sends all three in
     0.3 s. So: a tree once the copies would weigh more than ``direct_bytes``.
     """
     return members * size > direct_bytes

@@ -14,8 +14,9 @@ their tables. py-libp2p 0.8.1 lets them in two ways:
   ``::``) is added like any other, and handed to others in ``closerPeers``.
 
 :class:`ServersOnlyRoutingTable` refuses both, in PCP code rather than in the
-installed library: an entry needs a dialable address and, once identify has
-told us the peer's protocols, the KAD protocol among them. A peer that opened a
+installed library: an entry needs a dialable address that is not a relay
+circuit (a NAT'd home asks the DHT, it is never asked through a relay) and,
+once identify has told us the peer's protocols, the KAD protocol among them. A peer that opened a
 KAD stream before identify finished is looked at again once it has (a short,
 bounded wait in the table's own nursery), so a server that dialled us still
 gets in. :class:`PcpKadDHT` is a ``KadDHT`` with that table, and with
@@ -130,7 +131,15 @@ class ServersOnlyRoutingTable(RoutingTable):
             return False
         if not good:
             return self._refuse(peer_id, "no dialable address")
-        return await super().add_peer(PeerInfo(peer_id, good))
+        direct = [a for a in good if addr_rules.CIRCUIT not in str(a)]
+        if not direct:
+            # A home behind a NAT advertises only circuits through its relay: every lookup
+            # that walked through it would cost the relay, which lends its bandwidth for
+            # control traffic only. Such a node asks the DHT (a client, in effect) and is
+            # never asked: on the network lab its KAD streams were most of the relay's bytes
+            # (docs/connectivity.md, run 12).
+            return self._refuse(peer_id, "reachable only through a relay")
+        return await super().add_peer(PeerInfo(peer_id, direct))
 
     def _refuse(self, peer_id: ID, why: str) -> bool:
         self.refused[why] += 1

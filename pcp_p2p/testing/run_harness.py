@@ -415,7 +415,6 @@ class RunSwarm:
     async def _replicate(self, node: MemNode, e: ReplicateCommit) -> None:
         acked: list[str] = []
         done = trio.Event()
-
         then = dict(e.then)
 
         async def ask(peer: str) -> None:

@@ -15,8 +15,9 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   once, so they all fetch the checkpoint side by side (through its relay tree)
   while the first ack is awaited. A shepherd killed right after committing never
   takes the only copy of θ with it. The next round's announcement to each of
-  those nodes is the exception: it follows the commit to that node as soon as
-  that node's own send ended (``ReplicateCommit.then``), not the first ack.
+  those nodes is the exception: it goes right behind the commit to that node
+  (``ReplicateCommit.then``; the receiver holds it until it took the commit),
+  not after the first ack.
 - **A commit counts only once the election vouched for it** (``CommitChecked``):
   nothing a commit names is fetched before its term's lease is accepted.
 - **Joins wait while the shepherd compiles.** ``Join``, ``Submission`` and
@@ -880,11 +881,10 @@ class RunMachine:
                 held = effects[first:]
                 peers = [e.to for e in held if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
-                # The next round's announcement to each of those nodes follows the commit on its own
-                # path, as soon as that node acked (it holds the checkpoint then, and has taken the
-                # commit, so the announcement never overtakes it): behind the first ack and this
-                # machine's next step it came 0.5-0.7 s after a worker had built the checkpoint,
-                # with its early run waiting at its share (network lab, docs/connectivity.md).
+                # The next round's announcement to each of those nodes goes right behind its commit
+                # (the receiver holds it until it took the commit, RunRuntime.deliver): behind the
+                # first ack and this machine's next step it came 0.5-0.7 s after a worker had built
+                # the checkpoint, with its early run waiting at its share (docs/connectivity.md, run 12).
                 follow = [e for e in held if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)
                           and e.message.round == commit.round + 1 and e.to in peers]
                 self._held = [[e for e in held if not any(e is f for f in follow)]]

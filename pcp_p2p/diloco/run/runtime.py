@@ -668,12 +668,11 @@ class RunRuntime:
     async def send_to(self, peer: str, msg: Message) -> bool:
         """Send and wait for the ack; False (logged once) if it did not arrive.
 
-        A commit already on its way to ``peer`` is not sent twice: this waits for that send
-        and answers as it does. The replication (:meth:`_replicate_commit`) sends a commit to
-        every node at once and lets the machine go on after the first ack; the batch that
-        follows names the commit again for each node, before its announcement, and joins the
-        send still in flight (whose ack, given once the node holds the checkpoint, is what the
-        announcement must wait for)."""
+        A commit already on its way to ``peer`` (with its update or without) is not sent
+        twice: this waits for that send and answers as it does. The replication
+        (:meth:`_replicate_commit`) sends a commit to every node at once and lets the machine
+        go on after the first ack; the batch that follows names the commit again for each
+        node that has not acked, and joins the send still in flight."""
         if not isinstance(msg, (CommitRecord, CommitWithUpdate)):
             return await self._send_once(peer, msg)
         rec = msg.commit if isinstance(msg, CommitWithUpdate) else msg
@@ -737,15 +736,12 @@ class RunRuntime:
                 acked.append(peer)
                 first.set()
 
-        async def follow(peer: str, msg: Message) -> None:
-            await self.send_to(peer, msg)
-
         async with trio.open_nursery() as n:
             for peer in e.targets:
                 n.start_soon(ask, peer)
             for peer in e.targets:  # behind each commit: the receiver holds it until the commit is in
                 if (msg := then.get(peer)) is not None:
-                    n.start_soon(follow, peer, msg)
+                    n.start_soon(self.send_to, peer, msg)
             with trio.move_on_after(e.timeout_s):
                 await first.wait()
             self.post(Replicated(commit, list(acked)))
@@ -928,7 +924,7 @@ class RunRuntime:
         Every node ships it, so a worker whose encoding has the announced CID fetches
         nothing: on the network lab the 5 MB blob, fetched by every worker through the
         shepherd's 20 Mbit/s uplink first, put up to 10 s between the shepherd's first
-        inner run and the last worker's (docs/connectivity.md, "Round 0")."""
+        inner run and the last worker's (docs/connectivity.md, run 12)."""
         def build() -> tuple[str, bytes, CharDataset]:
             ds = CharDataset.load(SHAKESPEARE)
             data = encode_dataset(ds)
