@@ -75,6 +75,11 @@ def dialable(peer_addrs: Iterable[multiaddr.Multiaddr],
     return [multiaddr.Multiaddr(a) for a in addr_rules.dialable_here(peer_addrs, networks)]
 
 
+def direct_addrs(addrs: Iterable[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """Those of ``addrs`` that are not relay circuits."""
+    return [a for a in addrs if addr_rules.CIRCUIT not in str(a)]
+
+
 class ServersOnlyRoutingTable(RoutingTable):
     """A routing table that holds only DHT servers with a dialable address (see the module docstring)."""
 
@@ -131,7 +136,7 @@ class ServersOnlyRoutingTable(RoutingTable):
             return False
         if not good:
             return self._refuse(peer_id, "no dialable address")
-        direct = [a for a in good if addr_rules.CIRCUIT not in str(a)]
+        direct = direct_addrs(good)
         if not direct:
             # A home behind a NAT advertises only circuits through its relay: every lookup
             # that walked through it would cost the relay, which lends its bandwidth for
@@ -140,6 +145,14 @@ class ServersOnlyRoutingTable(RoutingTable):
             # (docs/connectivity.md, run 12).
             return self._refuse(peer_id, "reachable only through a relay")
         return await super().add_peer(PeerInfo(peer_id, direct))
+
+    def could_hold(self, peer_id: ID) -> bool:
+        """Whether this table would take ``peer_id`` as it stands (a DHT server, as far as identify
+        told, with a dialable address that is not a relay circuit): who else a lookup may ask."""
+        protocols = self._protocols(peer_id)
+        if protocols is not None and str(PROTOCOL_ID) not in protocols:
+            return False
+        return bool(direct_addrs(dialable(self._addrs(peer_id)[1], self.networks)))
 
     def _refuse(self, peer_id: ID, why: str) -> bool:
         self.refused[why] += 1
@@ -263,9 +276,8 @@ class PcpKadDHT(KadDHT):
         """
         peers = self.routing_table.find_local_closest_peers(key_bytes, K)
         thin = len(peers) < MIN_START_PEERS
-        if thin:
-            known = [p for p in self.host.get_connected_peers()  # clients (identify says no KAD) left out
-                     if (protocols := self.routing_table._protocols(p)) is None or str(PROTOCOL_ID) in protocols]
+        if thin:  # (clients, and homes reachable only through a relay, left out: as the table does)
+            known = [p for p in self.host.get_connected_peers() if self.routing_table.could_hold(p)]
             peers = list(dict.fromkeys([*peers, *known]))
         return [p for p in peers if p != self.local_peer_id], thin
 
@@ -387,14 +399,14 @@ class PcpKadDHT(KadDHT):
         table already holds the closest peers (a 16-node swarm's table holds them all), so that
         walk asked every node for nothing new: a shepherd paid it for each round's checkpoint,
         and every worker that announced the checkpoint it fetched asked the shepherd too
-        (issue #15: most of the shepherd's DHT bytes that were not lease puts). A thin table
-        (the node is bootstrapping) still goes py-libp2p's way.
+        (issue #15: most of the shepherd's DHT bytes that were not lease puts). A thin table is
+        topped up with the connected peers it could hold (:meth:`_start_peers`), not walked
+        py-libp2p's way: that walk asks every peer in the peerstore, homes behind NATs through
+        their relays included, and a swarm whose only public nodes are a few (three on the
+        network lab) keeps a thin table for good (docs/connectivity.md, run 12).
         """
         key_bytes = _encode_key(key)
         start, thin = self._start_peers(key_bytes)
-        if thin:
-            ok: bool = await super().provide(key)
-            return ok
         self.provider_store.providing_keys.add(key_bytes)  # (py-libp2p's republishing reads this)
         self.provider_store.add_provider(key_bytes, PeerInfo(self.local_peer_id, list(self.host.get_addrs())))
 
