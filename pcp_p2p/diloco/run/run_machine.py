@@ -15,7 +15,8 @@ swarm survives a kill at the wrong moment. They live here, and only here:
   once, so they all fetch the checkpoint side by side (through its relay tree)
   while the first ack is awaited. A shepherd killed right after committing never
   takes the only copy of θ with it. The next round's announcement to each of
-  those nodes is the exception: it goes right behind the commit to that node
+  those nodes is the exception when the commit carries its update (a small
+  swarm): it goes right behind the commit to that node
   (``ReplicateCommit.then``; the receiver holds it until it took the commit),
   not after the first ack.
 - **A commit counts only once the election vouched for it** (``CommitChecked``):
@@ -881,13 +882,6 @@ class RunMachine:
                 held = effects[first:]
                 peers = [e.to for e in held if isinstance(e, Send)
                          and e.message is commit and e.to != self.peer_id]
-                # The next round's announcement to each of those nodes goes right behind its commit
-                # (the receiver holds it until it took the commit, RunRuntime.deliver): behind the
-                # first ack and this machine's next step it came 0.5-0.7 s after a worker had built
-                # the checkpoint, with its early run waiting at its share (docs/connectivity.md, run 12).
-                follow = [e for e in held if isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)
-                          and e.message.round == commit.round + 1 and e.to in peers]
-                self._held = [[e for e in held if not any(e is f for f in follow)]]
                 # Every node the commit is for at once (one ack suffices): each accepts it only
                 # once it holds the checkpoint, so none is left on a commit nobody holds, and
                 # they all fetch it side by side through its relay tree (pcp_p2p.blob.swarm), so
@@ -905,6 +899,15 @@ class RunMachine:
                 update = next((e.data for e in effects if isinstance(e, StoreBlob) and e.cid == commit.update_cid
                                and len(e.data) <= INLINE_UPDATE_BYTES
                                and not worth_a_tree(len(targets), len(e.data))), b"")
+                # With it, the next round's announcement to each of those nodes goes right behind its
+                # commit (the receiver holds it until it took the commit, RunRuntime.deliver): behind
+                # the first ack and this machine's next step it came 0.5-0.7 s after a worker had built
+                # the checkpoint, its early run waiting (docs/connectivity.md, run 12). Only then: with
+                # 16 workers on one machine, announcements held at every receiver while the checkpoint
+                # came down the tree went with a shepherd change and rounds twice as long (not traced).
+                follow = [e for e in held if update and isinstance(e, Send) and isinstance(e.message, RoundAnnouncement)
+                          and e.message.round == commit.round + 1 and e.to in peers]
+                self._held = [[e for e in held if not any(e is f for f in follow)]]
                 self._out.append(ReplicateCommit(commit, tuple(targets), REPLICATE_TIMEOUT_S,
                                                  then=tuple((f.to, f.message) for f in follow), update=bytes(update)))
                 return
