@@ -34,7 +34,15 @@ from pcp_p2p.diloco.algorithm.params import codec_of, unpack_tensors
 from pcp_p2p.diloco.protocol.audit import AUDIT_MESSAGES
 from pcp_p2p.diloco.protocol.commits import commit_seq
 from pcp_p2p.diloco.protocol.election import LEASE_KIND, Lease
-from pcp_p2p.diloco.protocol.messages import FRESH_STATE, CommitRecord, Join, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.messages import (
+    FRESH_STATE,
+    CommitRecord,
+    CommitWithUpdate,
+    Join,
+    RoundAnnouncement,
+    Submission,
+    sign,
+)
 from pcp_p2p.executor.cpu import best_cpu_target
 from pcp_p2p.node.local_swarm import local_swarm
 from pcp_p2p.node.node import NodeConfig, open_node, transport_addrs
@@ -236,7 +244,8 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
                          op_timeout=5.0, bootstrap=(boot.addr,))
         async with open_node(cfg) as node, trio.open_nursery() as nursery:
             poisoner = Poisoner(node, run_id, best_cpu_target().name)
-            node.messenger.register((RoundAnnouncement, CommitRecord, Lease, *AUDIT_MESSAGES), poisoner.on_message)
+            node.messenger.register((RoundAnnouncement, CommitRecord, CommitWithUpdate, Lease, *AUDIT_MESSAGES),
+                                    poisoner.on_message)  # (it acks what a member acks, and ignores it)
             await node.wait_until(lambda: shepherd in {m.record.peer_id for m in node.membership.live()}, timeout=30)
             nursery.start_soon(poisoner.serve)
             await poisoner.join(shepherd)
