@@ -12,16 +12,26 @@ channels, AES-GCM, BLAKE3 per chunk, manifests checked against CIDs, the
 store). The driver (this process) plays the messages of the round flow
 (``docs/diloco.md``) over pipes, which cost well under a millisecond each:
 
-1. every worker encodes its Δ (int8, the default codec) and stores it; the
-   clock starts when the last one has (its Submission would leave now);
-2. the shepherd fetches the Δs into memory (``fetch_into``, as
-   ``run_blobs`` does), decodes and averages them, takes the outer Nesterov
-   step, encodes the checkpoint (θ and momentum, 80 MB) and stores it;
-3. every worker fetches the checkpoint before it accepts the commit, then
+1. every worker encodes its Δ (int8, the default codec) and stores it. The
+   shepherd takes each Δ as it arrives: fetched into memory (``fetch_into``,
+   as ``run_blobs`` does) and decoded (``RoundAggregator.check_delta``). The
+   others' came first, as from workers of different speeds: the clock starts
+   when the last one is stored (its Submission would leave now), and the
+   shepherd takes that one. ``update_together_s``: every Δ leaves at once, the
+   clock starts before the shepherd has taken any;
+2. the shepherd combines them by the default spec's rule (norm screen, capped
+   weights, the trimmed mean: ``robust.aggregate``; equal weights here),
+   takes the outer Nesterov step, encodes the checkpoint (θ and momentum,
+   80 MB) and stores it;
+3. every worker holds the checkpoint before it accepts the commit, then
    holds θ (see the arms for who fetches when);
 4. the clock stops when the last worker holds θ: checked against its CID,
    in memory, where the runtime hands it to the worker machine (it is
    stored in the background); in the ``direct`` arm, fetched into the store.
+
+Also reported: the shepherd's phases (``shepherd_combine_s``, ``_step_s``,
+``_store_s``) and the slowest worker's (``worker_fetch_s``: the update through
+the tree; ``worker_build_s``: the checkpoint built and checked, θ copied out).
 
 Arms, in the same run, alternating round by round so all see the same load:
 
@@ -31,7 +41,9 @@ Arms, in the same run, alternating round by round so all see the same load:
   each, holding the last checkpoint, fetches the update (an eighth of a
   checkpoint) from its tree ancestors, the shepherd last, builds the
   checkpoint itself (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`:
-  both CIDs checked) and stores it, then holds θ (its range, copied out).
+  both CIDs checked) and holds θ (its range, copied out); the checkpoint is
+  written to its store after that, as ``RunRuntime._take_commit`` hands the
+  commit to the worker machine before the write and acks after it.
   As ``RunRuntime`` does, a worker keeps the checkpoint it built in memory
   and builds the next from it, in the buffer of the one before. This arm
   runs two rounds in a row: the first builds from a checkpoint fetched the
@@ -117,6 +129,7 @@ class BenchNode:
         self.peers: dict[str, Any] = {}
         self.state: OuterState | None = None
         self.bufs: list[bytearray] = []
+        self.held: list[dict[str, Any]] = []  # the shepherd's: the round's Δs taken so far, decoded
         self.size = PARAMS // TENSORS
         self.last_ckpt = ""  # a worker's: the checkpoint it holds from the round before
         self.built: tuple[str, bytearray] | None = None  # the last checkpoint it built, in memory
@@ -160,12 +173,32 @@ class BenchNode:
 
         return {"cid": await trio.to_thread.run_sync(make), "t": time.monotonic()}
 
-    async def aggregate(self, subs: list[tuple[str, str]], update: bool) -> dict[str, Any]:
-        """The shepherd: fetch the Δs into memory, average, outer Nesterov step, checkpoint and θ
-        stored (with ``update``: the step applies the int8 update, stored beside them)."""
+    async def accept(self, subs: list[tuple[str, str]]) -> dict[str, Any]:
+        """The shepherd takes submissions' Δs as they arrive (``RoundAggregator.check_delta``
+        decodes each then): fetched into memory, decoded, held for the combine."""
         import trio
 
         from pcp_p2p.blob.tensor_codec import decode_tensors
+
+        while len(self.bufs) < len(self.held) + len(subs):
+            self.bufs.append(bytearray(PARAMS + (1 << 20)))
+
+        async def one(buf: bytearray, cid: str, peer: str) -> None:
+            view = await self.svc.fetch_into(cid, buf, providers=[self.peers[peer]])
+            self.held.append(await trio.to_thread.run_sync(
+                lambda: decode_tensors(bytes(view), max_bytes=8 * PARAMS)))
+
+        async with trio.open_nursery() as n:
+            for k, (cid, peer) in enumerate(subs):
+                n.start_soon(one, self.bufs[len(self.held) + k], cid, peer)
+        return {"t": time.monotonic()}
+
+    async def aggregate(self, update: bool) -> dict[str, Any]:
+        """The shepherd, once the round's Δs are held: the default spec's combine (norm screen,
+        capped weights, trimmed mean: ``robust.aggregate``), the outer Nesterov step, checkpoint
+        and θ stored (with ``update``: the step applies the int8 update, stored beside them)."""
+        import trio
+
         from pcp_p2p.diloco.algorithm.checkpoint import (
             Checkpoint,
             checkpoint_theta_bytes,
@@ -173,28 +206,25 @@ class BenchNode:
             round_metrics,
         )
         from pcp_p2p.diloco.algorithm.outer import nesterov_step
+        from pcp_p2p.diloco.algorithm.robust import AggregationPolicy, aggregate
         from pcp_p2p.diloco.algorithm.update import encode_update
 
         state = self.state
         assert state is not None
-        while len(self.bufs) < len(subs):
-            self.bufs.append(bytearray(PARAMS + (1 << 20)))
-        views: list[memoryview] = []
-
-        async def one(k: int, cid: str, peer: str) -> None:
-            views.append(await self.svc.fetch_into(cid, self.bufs[k], providers=[self.peers[peer]]))
-
-        async with trio.open_nursery() as n:
-            for k, (cid, peer) in enumerate(subs):
-                n.start_soon(one, k, cid, peer)
+        held, self.held = self.held, []
+        phases: dict[str, float] = {}
 
         def outer() -> tuple[str, str, str, int]:
-            decoded = [decode_tensors(bytes(v), max_bytes=8 * PARAMS) for v in views]
-            mean = {name: sum(d[name] for d in decoded) / len(decoded) for name in state.theta}
+            t = time.monotonic()
+            # equal steps, so equal weights: the workers are alike here
+            mean = aggregate({f"w{k}": d for k, d in enumerate(held)}, {f"w{k}": 1.0 for k in range(len(held))},
+                             AggregationPolicy()).delta
+            phases["combine"], t = time.monotonic() - t, time.monotonic()
             blob, applied = encode_update(mean, "int8") if update else (b"", mean)
             self.state = new = nesterov_step(state, applied, lr=LR, momentum=MOMENTUM)  # the shepherd's step
             ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new, round_metrics(0, 0.0, None)))
             theta = checkpoint_theta_bytes(ckpt)  # as the shepherd takes θ's bytes
+            phases["step"], t = time.monotonic() - t, time.monotonic()
             # the shepherd's StoreBlobs (θ, the checkpoint, the update): side by side, as the
             # runtime's store_later runs them; the commit leaves once all are done
             with ThreadPoolExecutor(2) as pool:
@@ -202,17 +232,19 @@ class BenchNode:
                 ckpt_cid = self.svc.store.put_bytes(ckpt)
                 update_cid = stored[-1].result() if update else ""
                 stored[0].result()
+            phases["store"] = time.monotonic() - t
             return ckpt_cid, theta_cid, update_cid, len(theta)
 
         prev_theta = state.theta_cid
         ckpt_cid, theta_cid, update_cid, theta_bytes = await trio.to_thread.run_sync(outer)
         return {"ckpt": ckpt_cid, "theta": theta_cid, "update": update_cid, "prev_theta": prev_theta,
-                "round": state.round, "theta_bytes": theta_bytes, "t": time.monotonic()}
+                "round": state.round, "theta_bytes": theta_bytes, "t": time.monotonic(), "phases": phases}
 
     async def rebuild(self, record: dict[str, Any], providers: list[str]) -> dict[str, Any]:
         """A worker, as ``RunRuntime._rebuild_checkpoint``: the update through the tree, the checkpoint
-        built from the last one (in memory if this worker built it, in the buffer of the one before),
-        checked and stored; then θ is held (its range of the checkpoint, in memory)."""
+        built from the last one (in memory if this worker built it, in the buffer of the one before)
+        and checked; then θ is held (its range of the checkpoint, in memory), and the checkpoint is
+        stored (the ack waits for that, the worker machine does not)."""
         import trio
 
         from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
@@ -221,23 +253,29 @@ class BenchNode:
         from pcp_p2p.diloco.protocol.spec import OuterOptimizer
 
         store, rec = self.svc.store, CommitRecord(**record)
+        t0 = time.monotonic()
         await self.svc.fetch(rec.update_cid, providers=[self.peers[p] for p in providers], ordered=True,
                              announce=False)
+        fetched = time.monotonic()
         outer = OuterOptimizer(lr=LR, momentum=MOMENTUM, update_codec="int8")
         cached = self.built[1] if self.built is not None and self.built[0] == self.last_ckpt else None
 
         def build() -> bytearray:
             base = cached if cached is not None else store.read(self.last_ckpt)
             ckpt = rebuild_checkpoint(rec, base, store.read(rec.update_cid), outer, reuse=self.spare)
-            store.put_bytes(ckpt)
             off, length = checkpoint_theta_span(bytes(ckpt[:THETA_HEAD]))
             bytes(memoryview(ckpt)[off : off + length])  # θ for the worker machine: a copy (the buffer is reused)
             return ckpt
 
         ckpt = await trio.to_thread.run_sync(build)
-        done = time.monotonic()  # the checkpoint is built, checked and stored; θ is held, in memory
-        self.built, self.spare, self.last_ckpt = (rec.checkpoint_cid, ckpt), cached, rec.checkpoint_cid
-        return {"t": done}
+        done = time.monotonic()  # the checkpoint is built and checked; θ is held, in memory
+        # then stored, before the ack (RunRuntime._take_commit): the next command waits for it
+        await trio.to_thread.run_sync(store.put_bytes, ckpt)
+        # (the one before is the next one's buffer; built from the store, the last one built is)
+        self.built, self.spare, self.last_ckpt = (
+            (rec.checkpoint_cid, ckpt), cached if cached is not None else self.built and self.built[1],
+            rec.checkpoint_cid)
+        return {"t": done, "fetch_s": fetched - t0, "build_s": done - fetched}
 
     async def fetch(self, ckpt: str, providers: list[str], ordered: bool, theta: str, theta_from_ckpt: bool,
                     shepherd: str = "") -> dict[str, Any]:
@@ -315,15 +353,23 @@ class Proc:
         self.log.close()
 
 
-def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[str, Any]:
+def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc], together: bool = False) -> dict[str, Any]:
     from pcp_p2p.blob.swarm import tree_order, upstream
 
+    phases: dict[str, float] = {}
     for k, w in enumerate(workers):
         w.send(op="delta", seed=seed * 1000 + k)
     subs = [(w.read()["cid"], w.peer) for w in workers]
     before = shepherd.ask(op="traffic")["bytes_out"]
+    # "together": every Δ leaves at once (the clock starts before the shepherd takes any);
+    # otherwise the others' came first, as they do from workers of different speeds, and the
+    # shepherd took them as they came (the clock starts when the last one leaves)
+    early = [] if together else subs[:-1]
+    if early:
+        shepherd.ask(op="accept", subs=early)
     t0 = time.monotonic()  # the last Δ is stored: its submission leaves now
-    agg = shepherd.ask(op="aggregate", subs=subs, update=arm == "update")
+    shepherd.ask(op="accept", subs=subs[len(early):])
+    agg = shepherd.ask(op="aggregate", update=arm == "update")
     ckpt, theta = agg["ckpt"], agg["theta"]
     members = [w.peer for w in workers]
     by_peer = {w.peer: w for w in workers}
@@ -334,7 +380,10 @@ def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[
                   "shepherd": shepherd.peer, "update_cid": agg["update"]}
         for w in [by_peer[p] for p in tree_order(agg["update"], members)]:
             w.send(op="rebuild", record=record, providers=[*upstream(agg["update"], members, w.peer), shepherd.peer])
-        done = [w.read()["t"] for w in workers]
+        answers = [w.read() for w in workers]
+        done = [a["t"] for a in answers]
+        phases = {"worker_fetch_s": max(a["fetch_s"] for a in answers),
+                  "worker_build_s": max(a["build_s"] for a in answers)}
     elif arm == "swarm":  # the commit goes to every worker at once; each fetches through the tree
         for w in [by_peer[p] for p in tree_order(ckpt, members)]:
             w.send(op="fetch", ckpt=ckpt, providers=[*upstream(ckpt, members, w.peer), shepherd.peer],
@@ -354,14 +403,15 @@ def one_round(arm: str, seed: int, shepherd: Proc, workers: list[Proc]) -> dict[
             fetch(w)
         done += [w.read()["t"] for w in [*replicas[1:], *rest]]
     after = shepherd.ask(op="traffic")["bytes_out"]
-    return {"s": max(done) - t0, "aggregate_s": agg["t"] - t0,
+    return {"s": max(done) - t0, "aggregate_s": agg["t"] - t0, **{f"{k}_s": v for k, v in agg["phases"].items()},
+            **phases,
             "shepherd_out_per_theta": (after - before) / agg["theta_bytes"]}
 
 
 def main() -> None:
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
     arms = ("update", "swarm", "direct")
-    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ("update_cold", *arms)}
+    results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ("update_cold", "update_together", *arms)}
     with tempfile.TemporaryDirectory(prefix="pcp-bench-round-") as tmp:
         root = Path(tmp)
         procs: list[Proc] = []
@@ -384,6 +434,9 @@ def main() -> None:
                         seed += 1
                     results[arm].append(one_round(arm, seed, shepherd, workers))
                     seed += 1
+                    if arm == "update":  # and with every Δ leaving at once
+                        results["update_together"].append(one_round(arm, seed, shepherd, workers, together=True))
+                        seed += 1
         finally:
             for p in procs:
                 p.close()
@@ -401,8 +454,12 @@ def main() -> None:
         "speedup_vs_swarm": round(med("swarm", "s") / med("update", "s"), 2),
         "reference_allreduce_fp32_s": 1.29,
         "update_cold_s": med("update_cold", "s"),
+        "update_together_s": med("update_together", "s"),
         "aggregate_s_update": med("update", "aggregate_s"),
         "aggregate_s_swarm": med("swarm", "aggregate_s"),
+        **{f"shepherd_{phase}_s": med("update", f"{phase}_s") for phase in ("combine", "step", "store")},
+        "worker_fetch_s": med("update", "worker_fetch_s"),  # the slowest worker's, per round
+        "worker_build_s": med("update", "worker_build_s"),
         **{f"shepherd_out_per_theta_{arm}": med(arm, "shepherd_out_per_theta") for arm in arms},
         **{f"rounds_s_{arm}": [round(x["s"], 3) for x in results[arm]] for arm in results},
         "params": PARAMS,

@@ -181,10 +181,44 @@ def test_combine_is_bit_identical_whatever_the_order_of_arrival(rule):
 def test_chunked_columns_give_the_same_bits(monkeypatch):
     rng = np.random.default_rng(5)
     deltas = [{"x": rng.normal(size=(33, 9)).astype(np.float32)} for _ in range(4)]
-    w = np.full(4, 0.25)
-    whole = trimmed_mean(deltas, w, 0.25)["x"]
-    monkeypatch.setattr(robust, "CHUNK_ELEMENTS", 16)
-    assert trimmed_mean(deltas, w, 0.25)["x"].tobytes() == whole.tobytes()
+    for w in (np.full(4, 0.25), np.array([0.1, 0.2, 0.3, 0.4])):
+        whole = trimmed_mean(deltas, w, 0.25)["x"]
+        with monkeypatch.context() as m:
+            m.setattr(robust, "FLAT_CHUNK", 7)
+            assert trimmed_mean(deltas, w, 0.25)["x"].tobytes() == whole.tobytes()
+        with monkeypatch.context() as m:  # rows sorted, 4 coordinates at a time
+            m.setattr(robust, "COLUMNS_MAX_WORKERS", 0)
+            sorted_rows = trimmed_mean(deltas, w, 0.25)["x"]
+            m.setattr(robust, "CHUNK_ELEMENTS", 16)
+            assert trimmed_mean(deltas, w, 0.25)["x"].tobytes() == sorted_rows.tobytes()
+        np.testing.assert_allclose(whole, sorted_rows, rtol=2**-22, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("equal", [True, False])
+def test_the_column_kernel_gives_the_sorting_kernels_values(k, equal):
+    """The trimmed mean without a sort (a network of minima and maxima for equal weights,
+    ranks for unequal ones) against the kernel that sorts each coordinate's K values, ties
+    included (broken in worker order, as the stable sort breaks them): with equal weights the
+    same bits; with unequal ones within a float32 rounding, as the ranked sums go in worker
+    order, not in the order of the values (only the shepherd combines, so only determinism
+    on its own code matters, which the order-of-arrival test checks)."""
+    rng = np.random.default_rng(k)
+    deltas = [{"x": rng.standard_normal(5_003).astype(np.float32), "y": rng.standard_normal((3, 2)).astype(np.float32)}
+              for _ in range(k)]
+    for d in deltas[1:]:
+        d["x"][:800] = deltas[0]["x"][:800]  # ties between every worker
+        d["x"][800:900] = np.float32(0.5) * (d["x"][800:900] > 0)
+    w = np.full(k, 1 / k) if equal else capped_weights(list(rng.uniform(0.2, 2.0, k)), 1.0)
+    for trim in (0.0, 0.1, 0.25, 0.4):
+        fast = trimmed_mean(deltas, w, trim)
+        for name in ("x", "y"):
+            rows = np.stack([d[name].reshape(-1) for d in deltas], axis=1)
+            slow = robust.trimmed_mean_block(rows, w, trim).reshape(deltas[0][name].shape)
+            if equal:
+                assert fast[name].tobytes() == slow.tobytes(), (trim, name)
+            else:
+                np.testing.assert_allclose(fast[name], slow, rtol=2**-22, atol=1e-30)
 
 
 def test_unknown_rule_is_a_config_error():

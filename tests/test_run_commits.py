@@ -70,6 +70,22 @@ class _Store:
         return cid in self.held
 
 
+class _Io:
+    """A run's blob side as the commit path sees it (``RunBlobs.holds``/``stored``): blobs in the
+    store, and stores in flight (``storing``: CID -> the event set when its write has ended)."""
+
+    def __init__(self, held: set[str]) -> None:
+        self.store, self.storing = _Store(held), dict[str, trio.Event]()
+
+    def holds(self, cid: str) -> bool:
+        return cid in self.storing or self.store.has(cid)
+
+    async def stored(self, cid: str) -> bool:
+        if (busy := self.storing.get(cid)) is not None:
+            await busy.wait()
+        return self.store.has(cid)
+
+
 def following(shepherd: FlakyDht) -> Election:
     """A worker's election that accepted ``shepherd``'s lease of term 0."""
     e = Election(RUN, Identity.generate(), ElectionConfig(lease_s=10.0, renew_every_s=3.0, min_uptime_s=5.0))
@@ -88,7 +104,7 @@ def of_type(effects: list, kind: type) -> list:
 def delivering_runtime(election: Election | None, held: set[str]) -> tuple[RunRuntime, trio.MemoryReceiveChannel]:
     rt = RunRuntime.__new__(RunRuntime)
     send, inbox = trio.open_memory_channel[tuple](10)
-    rt.run_id, rt.io, rt._send = RUN, SimpleNamespace(store=_Store(held)), send  # type: ignore[assignment]
+    rt.run_id, rt.io, rt._send = RUN, _Io(held), send  # type: ignore[assignment]
     rt.started = election is not None
     rt.machine = SimpleNamespace(vouch_commit=election.check_commit if election else None)  # type: ignore[assignment]
     rt._machine_lock, rt._machine_thread, rt._beats_in = threading.Lock(), trio.CapacityLimiter(1), []
@@ -144,6 +160,54 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     rt._hold_checkpoint = fetched  # type: ignore[method-assign]
     await rt.deliver(shepherd.identity.peer_id, rec)  # sent again once it can be held: accepted
     assert inbox.receive_nowait() == MessageIn(shepherd.identity.peer_id, rec)
+
+
+@pytest.mark.parametrize("written", [True, False])
+async def test_a_built_checkpoint_reaches_the_machine_before_it_is_written_and_the_ack_after(
+        autojump_clock: trio.testing.MockClock, written: bool) -> None:
+    """A checkpoint built here is held in memory while it is written: the machine gets the commit,
+    and the announcement behind it goes on, at once; the ack (``deliver`` returning) waits for the
+    write, and a write that failed is not acknowledged (the machine keeps the commit: its θ was
+    checked against the commit's CIDs, and the shepherd and the others hold the checkpoint)."""
+    from pcp_p2p.core.errors import BlobError
+
+    shepherd = FlakyDht(fails=0)
+    prev, rec = dataclasses.replace(commit(shepherd), round=6, theta_cid="p"), commit(shepherd)
+    held: set[str] = set()
+    rt, inbox = delivering_runtime(following(shepherd), held)
+    rt.machine.worker = SimpleNamespace(last_commit=prev)  # type: ignore[attr-defined]
+    writing, building = trio.Event(), trio.Event()
+
+    async def built(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+        rt.io.storing[rec.checkpoint_cid] = writing  # type: ignore[attr-defined]
+        building.set()
+
+    rt._hold_checkpoint = built  # type: ignore[method-assign]
+    ann = RoundAnnouncement(run_id=RUN, term=0, round=8, attempt=0, theta_cid=rec.theta_cid, artifacts={},
+                            time_budget_s=1.0, deadline=0.0, assignments=(), shepherd=shepherd.identity.peer_id)
+    acked: list[bool] = []
+
+    async def take_commit() -> None:
+        try:
+            await rt.deliver(shepherd.identity.peer_id, rec)
+            acked.append(True)
+        except BlobError:
+            acked.append(False)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(take_commit)
+        await building.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert inbox.receive_nowait().message == rec  # in the machine while the write goes on
+        await rt.deliver(shepherd.identity.peer_id, ann)  # not held behind the write
+        assert inbox.receive_nowait().message == ann
+        await trio.sleep(3.0)
+        assert acked == []  # no ack before the write ends
+        if written:
+            held.add(rec.checkpoint_cid)
+        del rt.io.storing[rec.checkpoint_cid]  # type: ignore[attr-defined]
+        writing.set()
+    assert acked == [written]
 
 
 async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
@@ -291,7 +355,7 @@ async def test_an_announcement_reaches_the_machine_after_the_commit_it_starts_fr
     rt, inbox = delivering_runtime(None, set())
     rt.machine.worker = SimpleNamespace(last_commit=prev)  # type: ignore[attr-defined]
 
-    async def take(sender: str, msg: CommitRecord, update: bytes = b"") -> None:
+    async def take(sender: str, msg: CommitRecord, update: bytes = b"", taken: object = None) -> None:
         await trio.sleep(2.0)  # the checkpoint being built
         rt.post(MessageIn(sender, msg))
 

@@ -135,28 +135,34 @@ def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes | 
             raise InvalidInput(f"{name}: values beyond the fp16 range (|x| > {_FP16_MAX})")
         return flat.astype("<f2").tobytes()
     n = flat.size
-    nblocks = -(-n // block)
-    scales = np.empty(nblocks, dtype="<f4")
+    scales = np.empty(-(-n // block), dtype="<f4")
     q = np.empty(n, dtype=np.int8)
+    # Whole blocks a slab at a time, in buffers made once: |x| and the block maxima in float32
+    # (exact), the scale as float32(max/127) (a float32 division is correctly rounded, as the
+    # float64 one rounded to float32 is), x/s in float64 as the definition says; the same bytes
+    # as padding every slab out in float64 (tested), in half the time for a 10M model's update.
+    whole = (n // block) * block
     step = _slab(block)
-    for start in range(0, n, step):  # slabs bound the float64 temporaries
-        seg = flat[start : start + step].astype(np.float64)
-        m = seg.size
-        nb = -(-m // block)
-        padded = np.zeros(nb * block, dtype=np.float64)
-        padded[:m] = seg
-        blocks = padded.reshape(nb, block)
-        sc = (np.max(np.abs(blocks), axis=1) / 127.0).astype(np.float32)
-        safe = np.where(sc > 0, sc.astype(np.float64), 1.0)
-        qs = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
-        scales[start // block : start // block + nb] = sc
-        q[start : start + m] = qs.reshape(-1)[:m]
+    quot, mag = np.empty(min(step, whole)), np.empty(min(step, whole), dtype=np.float32)
+    for start in range(0, whole, step):
+        m = min(step, whole - start)
+        nb, seg = m // block, flat[start : start + m]
+        sc = scales[start // block : start // block + nb]
+        np.divide(np.max(np.abs(seg, out=mag[:m]).reshape(nb, block), axis=1), np.float32(127), out=sc)
+        blocks = np.divide(seg.reshape(nb, block), np.where(sc > 0, sc, 1).astype(np.float64)[:, None],
+                           out=quot[:m].reshape(nb, block))
+        q[start : start + m] = np.clip(np.rint(blocks, out=blocks), -127, 127, out=blocks).reshape(-1)
+    if whole < n:  # the last, short block
+        tail = flat[whole:].astype(np.float64)
+        sc = scales[-1:]
+        sc[0] = np.float32(np.max(np.abs(tail)) / 127.0)
+        q[whole:] = np.clip(np.rint(tail / (float(sc[0]) if sc[0] > 0 else 1.0)), -127, 127)
     return scales.tobytes() + q.tobytes()
 
 
 def _slab(block: int) -> int:
-    """Values per slab: a multiple of ``block`` near 1M, so temporaries stay ~8 MB."""
-    return block * max(1, (1 << 20) // block)
+    """Values per slab: a multiple of ``block`` near 64K, so a slab's buffers stay in cache."""
+    return block * max(1, (1 << 16) // block)
 
 
 def decode_tensors(

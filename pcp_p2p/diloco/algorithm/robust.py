@@ -56,7 +56,8 @@ Work is done in chunks of coordinates so that peak memory stays
 
 Cost (docs/diloco.md, "Robust combining"): on a clean run of the tiny GPT the
 trimmed mean ended +0.2 % and centered clipping −0.2 % in val loss against
-the plain mean; a combine costs about 40 ns per parameter per worker.
+the plain mean; a trimmed mean of 1 M parameters from 4 workers costs 8 ms
+with equal weights and 22 ms without (sorting rows of K values, 150–190 ms).
 """
 
 from __future__ import annotations
@@ -104,6 +105,11 @@ P = ParamSpec("P")
 CHUNK_ELEMENTS = 1 << 18
 """Upper bound on K × coordinates processed at once by the coordinate-wise rules
 (a few MiB of temporaries: the sort's indices and the cumulative weights)."""
+FLAT_CHUNK = 1 << 16
+"""Coordinates per pass of a column kernel (:func:`_flatwise`): a few hundred KiB per column."""
+COLUMNS_MAX_WORKERS = 32
+"""Up to this many workers the trimmed mean ranks columns (K² elementwise passes); beyond,
+it sorts rows (measured crossover near 45 on the development machine)."""
 
 
 # --- weights ----------------------------------------------------------------------
@@ -210,6 +216,66 @@ def _sorted_with_weights(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.n
     return xs, hi - ws, hi
 
 
+class _Columns:
+    """The trimmed mean of K flat columns, :func:`trimmed_mean_block`'s definition (float64
+    masses and sums) without a sort, in buffers made once per combine: a fresh array of this
+    size is a fresh mapping of memory, and its page faults cost more than the arithmetic.
+
+    - Equal weights (every worker claimed as many tokens, or the cap evened them): the mass
+      kept at each rank is one constant per rank, so the columns, sorted coordinate by
+      coordinate by a bubble network of K(K−1)/2 elementwise ``minimum``/``maximum`` pairs,
+      are summed with those constants.
+    - Otherwise each worker's value is ranked against the others' (ties in worker order, as
+      the stable sort breaks them), which gives the weight below it, hence its kept mass. The
+      sums then go in worker order, not in the order of the values: within a float32 rounding
+      of the sorting kernel, and as deterministic (workers come in sorted id order).
+    """
+
+    def __init__(self, k: int, w: np.ndarray, trim: float) -> None:
+        self.w, self.trim = w, trim
+        self.equal = bool(np.all(w == w[0]))
+        hi = np.cumsum(w)
+        self.kept_at = np.clip(np.minimum(hi, 1.0 - trim) - np.maximum(hi - w, trim), 0.0, None)
+        self.sorted = [np.empty(FLAT_CHUNK, dtype=np.float32) for _ in range(k + 1 if self.equal else 0)]
+        self.acc, self.mass, self.lo, self.kept, self.tmp = (np.empty(FLAT_CHUNK) for _ in range(5))
+        self.below = np.empty(FLAT_CHUNK, dtype=bool)
+
+    def __call__(self, cols: Sequence[np.ndarray]) -> np.ndarray:
+        n = cols[0].size
+        acc, mass, tmp = self.acc[:n], self.mass[:n], self.tmp[:n]
+        acc.fill(0.0)
+        if self.equal:
+            *out, spare = (b[:n] for b in self.sorted)
+            for o, c in zip(out, cols):
+                o[...] = c
+            for i in range(len(out)):
+                for j in range(len(out) - 1 - i):
+                    np.minimum(out[j], out[j + 1], out=spare)
+                    np.maximum(out[j], out[j + 1], out=out[j + 1])
+                    out[j], spare = spare, out[j]
+            mass.fill(0.0)
+            for r, col in enumerate(out):
+                if self.kept_at[r] > 0:
+                    acc += np.multiply(col, self.kept_at[r], out=tmp)
+                    mass += self.kept_at[r]
+        else:
+            w, trim, lo, kept, below = self.w, self.trim, self.lo[:n], self.kept[:n], self.below[:n]
+            mass.fill(0.0)
+            for i in range(len(cols)):
+                lo.fill(0.0)
+                for j in range(len(cols)):
+                    if j != i:  # j's value is below i's: smaller, or equal and j comes first
+                        (np.less_equal if j < i else np.less)(cols[j], cols[i], out=below)
+                        lo += np.multiply(below, w[j], out=tmp)
+                np.minimum(np.add(lo, w[i], out=kept), 1.0 - trim, out=kept)
+                kept -= np.maximum(lo, trim, out=tmp)
+                np.maximum(kept, 0.0, out=kept)
+                mass += kept
+                acc += np.multiply(kept, cols[i], out=tmp)
+        acc /= mass
+        return acc
+
+
 def trimmed_mean_block(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
     """Weighted trimmed mean of each row of ``x`` (K columns), ``w`` summing to 1.
 
@@ -256,6 +322,19 @@ def _columnwise(
 # --- the rules ------------------------------------------------------------------------
 
 
+def _flatwise(deltas: Sequence[Params], fn: Callable[[Sequence[np.ndarray]], np.ndarray]) -> Params:
+    """Apply a (K columns of n) → (n,) kernel to every tensor, ``FLAT_CHUNK`` coordinates at
+    a time: the columns of a chunk stay in cache across the kernel's many elementwise passes."""
+    out: Params = {}
+    for name, ref in deltas[0].items():
+        flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
+        res = np.empty(ref.size, dtype=np.float32)
+        for s in range(0, ref.size, FLAT_CHUNK):
+            res[s : s + FLAT_CHUNK] = fn([f[s : s + FLAT_CHUNK] for f in flat])
+        out[name] = res.reshape(ref.shape)
+    return out
+
+
 def weighted_mean(deltas: Sequence[Params], w: np.ndarray) -> Params:
     """Σ_k w_k Δ_k in float32, accumulated in the given order (fixed order: same bits)."""
     out: Params = {k: np.zeros(v.shape, dtype=np.float32) for k, v in deltas[0].items()}
@@ -267,9 +346,16 @@ def weighted_mean(deltas: Sequence[Params], w: np.ndarray) -> Params:
 
 
 def trimmed_mean(deltas: Sequence[Params], w: np.ndarray, trim: float) -> Params:
-    """Coordinate-wise weighted trimmed mean (see :func:`trimmed_mean_block`)."""
+    """Coordinate-wise weighted trimmed mean (see :func:`trimmed_mean_block`).
+
+    Up to ``COLUMNS_MAX_WORKERS`` workers by :class:`_Columns` (a 10M model's
+    combine of 4 Δs: 0.05 s with equal weights, 0.22 s without, against 1.0 s by sorting
+    rows; it is on the critical path of every round, docs/diloco.md), beyond that by
+    sorting rows, whose cost grows as K log K instead of K²."""
     if not 0 <= trim < 0.5:
         raise ConfigError(f"trim_fraction {trim} must be in [0, 0.5)")
+    if len(deltas) <= COLUMNS_MAX_WORKERS:
+        return _flatwise(deltas, _Columns(len(deltas), w, trim))
     return _columnwise(deltas, trimmed_mean_block, w, trim)
 
 

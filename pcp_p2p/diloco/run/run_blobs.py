@@ -60,22 +60,35 @@ class RunBlobs:
 
     # -- storing --------------------------------------------------------------------------
 
-    def store_later(self, cid: str, data: bytes) -> None:
+    def store_later(self, cid: str, data: bytes | bytearray) -> None:
         """Store ``data`` (expected to hash to ``cid``) in the background. Registered now, not
-        when the task starts: our own worker may ask for this blob before the task has run."""
+        when the task starts: our own worker may ask for this blob before the task has run.
+        ``data`` must not change until :meth:`stored` says the store has ended."""
         self.storing.setdefault(cid, trio.Event())
         assert self.nursery is not None
         self.nursery.start_soon(self._store, cid, data)
 
-    async def _store(self, cid: str, data: bytes) -> None:
+    async def _store(self, cid: str, data: bytes | bytearray) -> None:
         try:
             got = await self.keep(data)
             if got != cid:
                 log.error("stored blob hashes to %s, expected %s", got, cid)
+        except (PcpError, OSError) as exc:  # (a full disk, say): nothing kept; stored() tells the waiters
+            self._log_once(exc if isinstance(exc, PcpError) else LocalError(str(exc)), "storing a blob failed")
         finally:
             done = self.storing.pop(cid, None)
             if done is not None:
                 done.set()
+
+    def holds(self, cid: str) -> bool:
+        """In the store, or on its way there (:meth:`store_later`)."""
+        return cid in self.storing or self.blobs.store.has(cid)
+
+    async def stored(self, cid: str) -> bool:
+        """Whether ``cid`` is in the store, once a store of it in flight has ended."""
+        if (busy := self.storing.get(cid)) is not None:
+            await busy.wait()
+        return self.blobs.store.has(cid)
 
     async def stores_done(self) -> None:
         """Wait for the stores in flight (never name a blob before we hold it)."""
