@@ -1,0 +1,218 @@
+"""Partial aggregates: a round's combine split over a few aggregators, each provable (issue #15, item 3).
+
+Why. Every worker sends its Δ to the shepherd, so the shepherd's downlink carries N
+Δs a round and grows with the swarm: at planetary scale one home link is the wall.
+With aggregators, a few well-connected members each combine the Δs of one group of
+workers and send the shepherd one partial aggregate: the shepherd takes g partials
+instead of N Δs.
+
+What this module holds (the protocol's rules; no I/O, no clock). It is not wired into
+the round yet: the announcement does not name aggregators, workers still submit to the
+shepherd (docs/diloco.md, "Aggregators").
+
+- **Who aggregates** (:func:`choose_aggregators`): a deterministic draw from the roster,
+  members that can be dialled directly first (a relay-only home must not carry N Δs
+  through a relay), ordered by a hash of the round's beacon and the peer id, so every
+  member computes the same set and nobody can place itself.
+- **Who sends to whom** (:func:`group_of`): rendezvous hashing of (beacon, aggregator,
+  worker): groups of about N/g, and an aggregator that leaves moves only its own
+  workers.
+- **The partial** (:class:`PartialAggregate`): the aggregator's signed statement of what
+  it combined: the workers' signed submissions themselves (by CID: their Δs stay where
+  they are), the CID of the group's combined Δ in fp32, and the group's tokens and loss.
+- **The group's combine** (:func:`combine_group`) is the shepherd's own rule
+  (:class:`~pcp_p2p.diloco.protocol.aggregate.RoundAggregator`: every check of a
+  submission, the norm screen, capped weights, the spec's robust rule) run on the
+  group: a pure function of signed inputs, byte for byte.
+- **Checking a partial** (:func:`check_partial`): the authority chain before anything
+  it names is fetched: the signer is this round's aggregator for every worker it
+  lists, each listed submission is signed by its worker, for this round, from the
+  announced θ, by CID, and no worker is listed twice.
+- **Proving a lie** (:func:`replay_partial`): anyone holding the listed Δs recomputes
+  the group's combine and compares CIDs; the partial, signed by the aggregator, and the
+  workers' signed submissions are the whole evidence. A worker's round needs its
+  auditor to re-train it; an aggregator's needs only the arithmetic, so it can be
+  checked as often as the Δs' bytes allow (a sampled share of partials a round).
+
+Robust aggregation and partial sums (the tension, and the choice). The robust rules
+need every Δ: a trimmed mean of sums is not a trimmed mean. The choice here is two
+levels (bucketing: Karimireddy, He, Jaggi, ICLR 2022, "Byzantine-robust learning on
+heterogeneous datasets via bucketing"): each group is combined by the full rule, so a
+hostile worker is bounded inside its group exactly as today; the shepherd combines the
+g group results by the same rule, weighted by tokens (:func:`combine_partials`), so a
+hostile aggregator is bounded like a hostile worker, and a lying one is provable
+besides. What is lost: a worker's Δ is screened against its group's median norm, not
+the round's, and with groups of two or fewer the norm screen cannot fire; so groups
+are kept at ``MIN_GROUP`` or more workers (fewer aggregators when the roster is small).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
+from pcp_p2p.diloco.algorithm import robust
+from pcp_p2p.diloco.algorithm.params import Params, pack_tensors
+from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult
+from pcp_p2p.diloco.protocol.messages import RoundAnnouncement, Submission, verify
+from pcp_p2p.diloco.protocol.spec import RunSpec
+from pcp_p2p.wire import HARD_MAX_SIZE, Message, decode, wire_message
+
+MIN_GROUP = 3
+"""The fewest workers an aggregator is given: the norm screen needs three to fire."""
+MAX_PARTIAL_SUBMISSIONS = 512
+"""The most submissions one partial may list (a signed header of ~300 bytes each)."""
+
+
+def _rank(beacon: str, *names: str) -> bytes:
+    return hashlib.sha256("\x00".join(("pcp-aggregators/1", beacon, *names)).encode()).digest()
+
+
+def choose_aggregators(roster: Sequence[str], direct: Collection[str], count: int, beacon: str) -> tuple[str, ...]:
+    """This round's aggregators: at most ``count``, and at most one per ``MIN_GROUP`` members.
+
+    Members in ``direct`` (dialable without a relay) come first, each class ordered by
+    a hash of ``beacon`` (a value nobody chose for this round, such as the θ it starts
+    from) and the peer id. Every member computes the same tuple from the same roster.
+    ``()`` when the roster is too small for two groups: the shepherd then combines alone.
+    """
+    members = sorted(set(roster))
+    k = min(count, len(members) // MIN_GROUP)
+    if k < 2:
+        return ()
+    order = sorted(members, key=lambda p: (p not in direct, _rank(beacon, p)))
+    return tuple(order[:k])
+
+
+def group_of(worker: str, aggregators: Sequence[str], beacon: str) -> str:
+    """The aggregator ``worker`` submits to: the highest hash of (beacon, aggregator, worker)."""
+    if not aggregators:
+        raise ValueError("no aggregators this round")
+    return max(aggregators, key=lambda a: _rank(beacon, a, worker))
+
+
+@wire_message("diloco.partial", max_size=HARD_MAX_SIZE)
+class PartialAggregate(Message):
+    """An aggregator's signed statement: these signed submissions, combined, give this Δ."""
+
+    run_id: str
+    term: int
+    round: int
+    attempt: int
+    theta_cid: str  # the θ the round trained from (the announcement's)
+    aggregator: str
+    submissions: tuple[bytes, ...]  # the encoded, signed Submissions combined, in worker order
+    delta_cid: str  # the group's combined Δ, fp32 (``pack_tensors``)
+    tokens: int  # the combined workers' tokens
+    mean_loss: float
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What :func:`combine_group` made of one group's submissions."""
+
+    result: RoundResult
+    delta_blob: bytes  # the combined Δ, fp32: what the partial names by CID
+    combined: tuple[Submission, ...]  # the submissions it combined, in worker order
+    refused: dict[str, PcpError]  # refused by a check or by the screen, with why
+
+
+def combine_group(spec: RunSpec, ann: RoundAnnouncement, theta: Params,
+                  offered: Sequence[tuple[Submission, bytes]]) -> GroupResult:
+    """The group's combine: every submission checked (header and payload) and the spec's rule
+    applied, as the shepherd does for a whole round. Pure: the same offers give the same
+    bytes whoever runs it (the aggregator, or anyone replaying it). ``offered`` holds each
+    submission with its payload (its Δ's bytes, already checked against its CID)."""
+    agg = RoundAggregator(spec, ann, theta)
+    for sub, payload in sorted(offered, key=lambda x: x[0].worker):
+        try:
+            if agg.check_header(sub):
+                agg.admit(sub, agg.check_delta(sub, payload))
+        except PcpError as exc:
+            agg.refuse(sub.worker, exc)
+    if not agg.accepted:
+        raise RejectedUpdate("no submission of the group could be combined")
+    result = agg.combine()
+    refused = {**agg.refused, **result.screened}
+    combined = tuple(agg.submissions[w] for w in sorted(result.weights))
+    return GroupResult(result, pack_tensors(result.delta, "fp32"), combined, refused)
+
+
+def listed(partial: PartialAggregate) -> tuple[Submission, ...]:
+    """The submissions a partial lists, decoded (:class:`MalformedMessage` for bytes that are not one)."""
+    return tuple(decode(raw, Submission) for raw in partial.submissions)
+
+
+def check_partial(partial: PartialAggregate, ann: RoundAnnouncement, aggregators: Sequence[str],
+                  beacon: str) -> tuple[Submission, ...]:
+    """The authority chain of a partial, before anything it names is fetched; its submissions.
+
+    Raises (nothing is fetched, nothing counts): :class:`BadSignature` unless the named
+    aggregator signed it, or for a listed submission its worker did not sign;
+    :class:`StaleMessage` for another round, attempt or θ; :class:`RejectedUpdate` for a
+    signer that is not one of this round's aggregators, a worker that is not assigned or
+    not in the signer's group, a worker listed twice, a submission carried inline (a
+    partial lists Δs by CID), or tokens that are not the listed ones' sum.
+    """
+    verify(partial, partial.aggregator)
+    if (partial.run_id, partial.term) != (ann.run_id, ann.term):
+        raise StaleMessage(f"partial for run/term {partial.run_id:.16}/{partial.term}, not this one")
+    if (partial.round, partial.attempt, partial.theta_cid) != (ann.round, ann.attempt, ann.theta_cid):
+        raise StaleMessage(f"partial for round {partial.round} attempt {partial.attempt}, "
+                           f"current {ann.round}/{ann.attempt} (or another θ)")
+    if partial.aggregator not in aggregators:
+        raise RejectedUpdate(f"{partial.aggregator:.16}… is not an aggregator of round {ann.round}")
+    if not 0 < len(partial.submissions) <= MAX_PARTIAL_SUBMISSIONS:
+        raise RejectedUpdate(f"a partial lists 1..{MAX_PARTIAL_SUBMISSIONS} submissions, "
+                             f"not {len(partial.submissions)}")
+    subs = listed(partial)
+    workers = [s.worker for s in subs]
+    if workers != sorted(set(workers)):
+        raise RejectedUpdate("a partial lists each worker once, in order")
+    assigned = {a.worker for a in ann.assignments}
+    for sub in subs:
+        if sub.worker not in assigned:
+            raise RejectedUpdate(f"{sub.worker:.16}… is not assigned in round {ann.round}")
+        if group_of(sub.worker, aggregators, beacon) != partial.aggregator:
+            raise RejectedUpdate(f"{sub.worker:.16}… submits to another aggregator")
+        if (sub.run_id, sub.term, sub.round, sub.attempt, sub.base_theta_cid) != (
+                ann.run_id, ann.term, ann.round, ann.attempt, ann.theta_cid):
+            raise StaleMessage(f"{sub.worker:.16}…'s submission is not for this round attempt")
+        if sub.delta_cid is None or sub.delta_inline is not None:
+            raise RejectedUpdate("a partial lists Δs by CID (an inline Δ goes to the shepherd)")
+        verify(sub, sub.worker)
+    if partial.tokens != sum(s.tokens for s in subs):
+        raise RejectedUpdate(f"a partial's tokens {partial.tokens} are not its submissions' "
+                             f"{sum(s.tokens for s in subs)}")
+    return subs
+
+
+def replay_partial(partial: PartialAggregate, payloads: Mapping[str, bytes], spec: RunSpec,
+                   ann: RoundAnnouncement, theta: Params) -> None:
+    """Recompute a (checked) partial from its submissions' Δs (``payloads``: worker -> bytes,
+    each already checked against its CID) and raise :class:`HashMismatch` unless it gives the
+    Δ the partial names, from exactly the submissions it lists: the aggregator lied, and
+    the partial with the listed submissions is the proof anyone can check the same way."""
+    subs = listed(partial)
+    missing = [s.worker for s in subs if s.worker not in payloads]
+    if missing:
+        raise ValueError(f"no payload for {len(missing)} listed submissions")
+    group = combine_group(spec, ann, theta, [(s, payloads[s.worker]) for s in subs])
+    if tuple(s.worker for s in group.combined) != tuple(s.worker for s in subs):
+        raise HashMismatch(f"aggregator {partial.aggregator:.16}… lists submissions its own rule refuses: "
+                           f"{sorted(group.refused)}")
+    if cid_of(group.delta_blob) != partial.delta_cid:
+        raise HashMismatch(f"aggregator {partial.aggregator:.16}…'s Δ is not the combine of what it lists")
+
+
+def combine_partials(deltas: Mapping[str, Params], tokens: Mapping[str, int],
+                     policy: robust.AggregationPolicy) -> robust.Aggregate:
+    """The shepherd's combine across groups (keyed by aggregator): the spec's rule again, a
+    group weighing its tokens (capped at ``max_share``), with the norm screen against the
+    groups' median. A group result is itself robust, so a hostile worker is bounded in its
+    group; a hostile aggregator is bounded here as a hostile worker is in a group."""
+    return robust.aggregate(dict(deltas), {a: float(t) for a, t in tokens.items()}, policy)

@@ -1,0 +1,208 @@
+"""Partial aggregates (issue #15, item 3): who aggregates, the authority chain of a partial,
+a lying aggregator proven by replay, and the two-level robust combine.
+
+The rules alone (:mod:`pcp_p2p.diloco.protocol.partials`); the round does not use them yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pcp_p2p.core.cid import cid_of
+from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage
+from pcp_p2p.core.identity import Identity
+from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.protocol.messages import DataAssignment, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.partials import (
+    MIN_GROUP,
+    PartialAggregate,
+    check_partial,
+    choose_aggregators,
+    combine_group,
+    combine_partials,
+    group_of,
+    replay_partial,
+)
+from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.wire import decode, encode
+
+SPEC = parse_spec(
+    """
+[inner]
+lr = 0.01
+batch_size = 2
+seq_len = 4
+[round]
+time_budget_s = 10.0
+deadline_s = 20.0
+max_inner_steps = 20
+rounds = 5
+min_quorum = 2
+delta_codec = "fp32"
+max_delta_norm = 100.0
+"""
+)
+RUN = run_id_of(sign_spec(SPEC, Identity(bytes([1]) * 32)))
+THETA = {"w": np.zeros((3, 4), np.float32)}
+SHEPHERD = Identity(bytes([2]) * 32)
+PEERS = [Identity(bytes([10 + i]) * 32) for i in range(12)]
+BY_ID = {p.peer_id: p for p in PEERS}
+BEACON = "bafk-theta-beacon"
+
+
+def announcement(workers: list[str]) -> RoundAnnouncement:
+    tid = cid_of(pack_tensors(THETA))
+    return sign(RoundAnnouncement(
+        run_id=RUN, term=0, round=3, attempt=0, theta_cid=tid, artifacts={}, time_budget_s=10.0, deadline=100.0,
+        assignments=tuple(DataAssignment(w, k, len(workers), 7, 20) for k, w in enumerate(sorted(workers))),
+        shepherd=SHEPHERD.peer_id), SHEPHERD)
+
+
+ANN = announcement([p.peer_id for p in PEERS])
+AGGREGATORS = choose_aggregators(list(BY_ID), set(BY_ID), 3, BEACON)
+
+
+def delta_for(worker: str, scale: float = 1.0) -> np.ndarray:
+    rng = np.random.default_rng(int.from_bytes(worker.encode()[-4:], "big"))
+    return (0.01 * scale * (1.0 + 0.1 * rng.standard_normal((3, 4)))).astype(np.float32)
+
+
+def submit(worker: Identity, delta: np.ndarray, steps: int = 5) -> tuple[Submission, bytes]:
+    payload = pack_tensors({"w": delta}, "fp32")
+    sub = sign(Submission(
+        run_id=RUN, term=0, round=3, attempt=0, worker=worker.peer_id, base_theta_cid=ANN.theta_cid, codec="fp32",
+        delta_cid=cid_of(payload), delta_inline=None, steps=steps, tokens=steps * SPEC.tokens_per_step,
+        losses=(2.0, 1.5)), worker)
+    return sub, payload
+
+
+def group(aggregator: str) -> list[str]:
+    return sorted(w for w in BY_ID if group_of(w, AGGREGATORS, BEACON) == aggregator)
+
+
+def offers(aggregator: str, scale: dict[str, float] | None = None) -> list[tuple[Submission, bytes]]:
+    return [submit(BY_ID[w], delta_for(w, (scale or {}).get(w, 1.0))) for w in group(aggregator)]
+
+
+def partial_of(aggregator: str, offered: list[tuple[Submission, bytes]], **change: object) -> PartialAggregate:
+    g = combine_group(SPEC, ANN, THETA, offered)
+    p = PartialAggregate(run_id=RUN, term=0, round=3, attempt=0, theta_cid=ANN.theta_cid, aggregator=aggregator,
+                         submissions=tuple(encode(s) for s in g.combined), delta_cid=cid_of(g.delta_blob),
+                         tokens=sum(s.tokens for s in g.combined), mean_loss=g.result.mean_loss)
+    return sign(dataclasses.replace(p, **change), BY_ID[aggregator])  # type: ignore[arg-type]
+
+
+# --- who aggregates, and for whom ---------------------------------------------------------------
+
+
+def test_aggregators_are_drawn_the_same_by_everyone_and_direct_members_come_first() -> None:
+    ids = list(BY_ID)
+    relayed = set(ids[:9])  # only three members can be dialled directly
+    direct = set(ids) - relayed
+    picked = choose_aggregators(ids, direct, 4, BEACON)
+    assert len(picked) == 4 and set(picked[:3]) == direct
+    assert choose_aggregators(list(reversed(ids)), direct, 4, BEACON) == picked  # whatever the order
+    # a draw per beacon: nobody holds a place for good
+    assert len({choose_aggregators(ids, direct, 4, f"beacon {i}") for i in range(20)}) > 1
+    assert choose_aggregators(ids, direct, 100, BEACON).__len__() == len(ids) // MIN_GROUP
+    assert choose_aggregators(ids[: 2 * MIN_GROUP - 1], direct, 4, BEACON) == ()  # too few for two groups
+
+
+def test_every_worker_has_one_aggregator_and_one_leaving_moves_only_its_own() -> None:
+    before = {w: group_of(w, AGGREGATORS, BEACON) for w in BY_ID}
+    assert set(before.values()) <= set(AGGREGATORS)
+    gone = AGGREGATORS[0]
+    after = {w: group_of(w, AGGREGATORS[1:], BEACON) for w in BY_ID}
+    assert all(after[w] == before[w] for w in BY_ID if before[w] != gone)
+
+
+# --- the authority chain of a partial -----------------------------------------------------------
+
+
+def test_an_honest_partial_checks_and_replays() -> None:
+    for a in AGGREGATORS:
+        offered = offers(a)
+        p = decode(encode(partial_of(a, offered)), PartialAggregate)
+        subs = check_partial(p, ANN, AGGREGATORS, BEACON)
+        assert [s.worker for s in subs] == group(a)
+        replay_partial(p, {s.worker: pay for s, pay in offered}, SPEC, ANN, THETA)
+
+
+def test_a_partial_is_refused_before_anything_it_names_is_fetched() -> None:
+    a, other = AGGREGATORS[0], AGGREGATORS[1]
+    offered = offers(a)
+    good = partial_of(a, offered)
+    stranger = Identity.generate()
+    cases: list[tuple[PartialAggregate, type[Exception], str | None]] = [
+        (dataclasses.replace(good, tokens=good.tokens + 1), BadSignature, None),  # changed after signing
+        (sign(dataclasses.replace(good, aggregator=stranger.peer_id), stranger), RejectedUpdate, "not an aggregator"),
+        (partial_of(other, offered), RejectedUpdate, "another aggregator"),  # not its group
+        (partial_of(a, offered, round=4), StaleMessage, None),
+        (partial_of(a, offered, theta_cid="bafk-other"), StaleMessage, None),
+        (partial_of(a, offered, tokens=good.tokens * 2), RejectedUpdate, "tokens"),
+        (partial_of(a, offered, submissions=good.submissions[:1] * 2), RejectedUpdate, "once"),
+        (partial_of(a, offered, submissions=()), RejectedUpdate, "1.."),
+    ]
+    forged = dataclasses.replace(decode(good.submissions[0], Submission), steps=20, tokens=20 * SPEC.tokens_per_step)
+    cases.append((partial_of(a, offered, submissions=(encode(forged), *good.submissions[1:]),
+                             tokens=good.tokens + 15 * SPEC.tokens_per_step), BadSignature, None))
+    w0 = BY_ID[group(a)[0]]
+    inline = sign(dataclasses.replace(decode(good.submissions[0], Submission), delta_cid=None,
+                                      delta_inline=pack_tensors({"w": delta_for(w0.peer_id)})), w0)
+    cases.append((partial_of(a, offered, submissions=(encode(inline), *good.submissions[1:])), RejectedUpdate,
+                  "by CID"))
+    for bad, error, match in cases:
+        with pytest.raises(error, match=match):
+            check_partial(bad, ANN, AGGREGATORS, BEACON)
+
+
+# --- a lying aggregator, proven by replay -------------------------------------------------------
+
+
+def test_an_aggregator_that_lies_about_the_sum_is_proven_wrong_by_anyone_holding_the_deltas() -> None:
+    a = AGGREGATORS[0]
+    offered = offers(a)
+    payloads = {s.worker: pay for s, pay in offered}
+    other = pack_tensors({"w": np.ones((3, 4), np.float32)}, "fp32")
+    lie = partial_of(a, offered, delta_cid=cid_of(other))
+    check_partial(lie, ANN, AGGREGATORS, BEACON)  # its authority is fine: only the arithmetic is wrong
+    with pytest.raises(HashMismatch, match="not the combine"):
+        replay_partial(lie, payloads, SPEC, ANN, THETA)
+
+
+def test_an_aggregator_that_lists_a_delta_its_rule_refuses_is_proven_wrong() -> None:
+    a = AGGREGATORS[0]
+    workers = group(a)
+    assert len(workers) >= MIN_GROUP
+    offered = offers(a, {workers[0]: 50.0})  # 50x the others' norm: the screen refuses it
+    honest = combine_group(SPEC, ANN, THETA, offered)
+    assert workers[0] in honest.refused and workers[0] not in [s.worker for s in honest.combined]
+    # the aggregator combines it anyway (a plain mean of all) and lists every submission
+    mean = np.mean([np.frombuffer(pay[-48:], np.float32) for _, pay in offered], axis=0).reshape(3, 4)
+    lie = partial_of(a, offered, submissions=tuple(encode(s) for s, _ in offered),
+                     tokens=sum(s.tokens for s, _ in offered), delta_cid=cid_of(pack_tensors({"w": mean})))
+    check_partial(lie, ANN, AGGREGATORS, BEACON)
+    with pytest.raises(HashMismatch, match="refuses"):
+        replay_partial(lie, {s.worker: pay for s, pay in offered}, SPEC, ANN, THETA)
+
+
+# --- the two levels of the robust combine -------------------------------------------------------
+
+
+def test_a_hostile_worker_is_bounded_in_its_group_and_a_hostile_aggregator_across_groups() -> None:
+    honest = {w: delta_for(w) for w in BY_ID}
+    target = np.mean(list(honest.values()), axis=0)
+    results, tokens = {}, {}
+    for a in AGGREGATORS:  # one worker of the first group sends 40x its Δ
+        g = combine_group(SPEC, ANN, THETA, offers(a, {group(a)[0]: 40.0} if a == AGGREGATORS[0] else None))
+        results[a], tokens[a] = g.result.delta, g.result.tokens
+    clean = combine_partials(results, tokens, SPEC.aggregation).delta["w"]
+    assert np.max(np.abs(clean - target)) < 0.2 * np.max(np.abs(target))
+    # an aggregator that sends a Δ of its choosing (its own sum, 1000x) is screened across the groups
+    results[AGGREGATORS[1]] = {"w": 1000.0 * target}
+    hostile = combine_partials(results, tokens, SPEC.aggregation)
+    assert AGGREGATORS[1] in hostile.screened
+    assert np.max(np.abs(hostile.delta["w"] - target)) < 0.2 * np.max(np.abs(target))
