@@ -184,3 +184,19 @@ def test_int8_decodes_to_the_exact_product_rounded_once(n: int, block: int, dtyp
         return
     got = decode_tensors(data, max_bytes=LIMIT)["w"]
     assert got.dtype == np.dtype(dtype) and got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("n,block", [(2_500_003, 256), (1_000_001, 1000), (300, 1), (77, 7), (5, 256),
+                                     (65536 * 3 + 5, 65536 * 2)])
+def test_int8_of_float32_is_the_definitions_bytes(n: int, block: int) -> None:
+    """The float32 encoder (cached slabs, float32 maxima) against the definition in float64:
+    the same bytes, zero blocks, subnormals and a short last block included."""
+    from pcp_p2p.blob.tensor_codec import _encode_int8, _encode_int8_exact
+
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-30, 30, n))).astype(np.float32)
+    x[:block] = 0
+    x[block : block + 9] = np.float32(1e-41)
+    assert _encode_int8(x, block) == _encode_int8_exact(x, block)
+    y = x.astype(np.float64)  # other dtypes take the definition itself
+    assert _encode_int8(y, block) == _encode_int8_exact(y, block)

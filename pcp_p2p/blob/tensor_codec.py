@@ -134,13 +134,19 @@ def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes | 
         if flat.size and float(np.max(np.abs(flat))) > _FP16_MAX:
             raise InvalidInput(f"{name}: values beyond the fp16 range (|x| > {_FP16_MAX})")
         return flat.astype("<f2").tobytes()
+    return _encode_int8(flat, block)
+
+
+def _encode_int8(flat: np.ndarray, block: int) -> bytes:
+    """int8 blocks of float32 values: :func:`_encode_int8_exact`'s bytes (tested), in half its time
+    for a 10M model's update. Whole blocks go a slab at a time, in buffers made once: |x| and
+    the block maxima in float32 (exact), the scale as float32(max/127) (a float32 division is
+    correctly rounded, as the float64 one rounded to float32 is), x/s in float64."""
+    if flat.dtype != np.float32:
+        return _encode_int8_exact(flat, block)
     n = flat.size
     scales = np.empty(-(-n // block), dtype="<f4")
     q = np.empty(n, dtype=np.int8)
-    # Whole blocks a slab at a time, in buffers made once: |x| and the block maxima in float32
-    # (exact), the scale as float32(max/127) (a float32 division is correctly rounded, as the
-    # float64 one rounded to float32 is), x/s in float64 as the definition says; the same bytes
-    # as padding every slab out in float64 (tested), in half the time for a 10M model's update.
     whole = (n // block) * block
     step = _slab(block)
     quot, mag = np.empty(min(step, whole)), np.empty(min(step, whole), dtype=np.float32)
@@ -154,9 +160,30 @@ def _encode_one(name: str, flat: np.ndarray, codec: str, block: int) -> bytes | 
         q[start : start + m] = np.clip(np.rint(blocks, out=blocks), -127, 127, out=blocks).reshape(-1)
     if whole < n:  # the last, short block
         tail = flat[whole:].astype(np.float64)
-        sc = scales[-1:]
-        sc[0] = np.float32(np.max(np.abs(tail)) / 127.0)
-        q[whole:] = np.clip(np.rint(tail / (float(sc[0]) if sc[0] > 0 else 1.0)), -127, 127)
+        scales[-1] = np.float32(np.max(np.abs(tail)) / 127.0)
+        q[whole:] = np.clip(np.rint(tail / (float(scales[-1]) if scales[-1] > 0 else 1.0)), -127, 127)
+    return scales.tobytes() + q.tobytes()
+
+
+def _encode_int8_exact(flat: np.ndarray, block: int) -> bytes:
+    """The definition, for any float dtype: per block, ``s = float32(max|x| / 127)`` and
+    ``q = clip(rint(x / s), ±127)``, in float64, a slab at a time (padded with zeros)."""
+    n = flat.size
+    scales = np.empty(-(-n // block), dtype="<f4")
+    q = np.empty(n, dtype=np.int8)
+    step = _slab(block)
+    for start in range(0, n, step):
+        seg = flat[start : start + step].astype(np.float64)
+        m = seg.size
+        nb = -(-m // block)
+        padded = np.zeros(nb * block, dtype=np.float64)
+        padded[:m] = seg
+        blocks = padded.reshape(nb, block)
+        sc = (np.max(np.abs(blocks), axis=1) / 127.0).astype(np.float32)
+        safe = np.where(sc > 0, sc.astype(np.float64), 1.0)
+        qs = np.clip(np.rint(blocks / safe[:, None]), -127, 127).astype(np.int8)
+        scales[start // block : start // block + nb] = sc
+        q[start : start + m] = qs.reshape(-1)[:m]
     return scales.tobytes() + q.tobytes()
 
 
