@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_diloco_byzantine import SPEC  # (the absolute norm cap out of the way: the screen is what is tested)
 
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage
@@ -26,25 +27,9 @@ from pcp_p2p.diloco.protocol.partials import (
     group_of,
     replay_partial,
 )
-from pcp_p2p.diloco.protocol.spec import parse_spec, run_id_of, sign_spec
+from pcp_p2p.diloco.protocol.spec import run_id_of, sign_spec
 from pcp_p2p.wire import decode, encode
 
-SPEC = parse_spec(
-    """
-[inner]
-lr = 0.01
-batch_size = 2
-seq_len = 4
-[round]
-time_budget_s = 10.0
-deadline_s = 20.0
-max_inner_steps = 20
-rounds = 5
-min_quorum = 2
-delta_codec = "fp32"
-max_delta_norm = 100.0
-"""
-)
 RUN = run_id_of(sign_spec(SPEC, Identity(bytes([1]) * 32)))
 THETA = {"w": np.zeros((3, 4), np.float32)}
 SHEPHERD = Identity(bytes([2]) * 32)
