@@ -120,3 +120,25 @@ async def test_a_swarm_fetch_asks_no_ancestor_it_could_reach_through_a_relay_onl
     await io._fetch(cid, origin, keep=True, max_size=None, swarm=[me, *members])
     # the relay-only parent is never asked; the cone grandparent only by a node that can punch to it
     assert asked == [[*chain[1:], origin] if me_is == PUBLIC else [chain[2], origin]]
+
+
+async def test_a_store_in_the_background_that_fails_is_told_to_its_waiters_and_the_run_goes_on(
+        tmp_path: Path) -> None:
+    """``store_later`` (a checkpoint built here, written while the machine goes on): ``holds`` while
+    the write is in flight; ``stored`` says whether it landed. A full disk is logged and said so,
+    where it used to raise out of the run's nursery."""
+    from types import SimpleNamespace
+
+    from pcp_p2p.core.cid import cid_of
+
+    small, big = os.urandom(CS // 2), os.urandom(CS // 2 + 20 * CS)  # (small: one chunk, named alike by every store)
+    store = BlobStore(tmp_path / "blobs", 20 * CS, chunk_size=CS)  # room for the small one only
+    async with trio.open_nursery() as nursery:
+        rt = RunBlobs(None, SimpleNamespace(store=store), tmp_path, nursery)  # type: ignore[arg-type]
+        rt.announce_later = lambda cid: None  # type: ignore[method-assign]
+        for data, fits in ((big, False), (small, True)):
+            cid = cid_of(data)
+            rt.store_later(cid, data)
+            assert rt.holds(cid)  # at once: nobody is told it is missing while it is written
+            assert await rt.stored(cid) is fits
+            assert rt.holds(cid) is fits and store.has(cid) is fits
