@@ -88,6 +88,7 @@ REPLICAS = 2
 LR, MOMENTUM = 0.7, 0.9  # the outer step's (DiLoCo's)
 TARGET_S = 0.3
 TENSORS = 4  # θ as this many equal tensors
+STEPS = 50  # the inner steps each Δ claims (what its norm bound allows)
 
 
 # --- a process: one libp2p host and blob service, driven over stdin/stdout ---------------------
@@ -174,19 +175,27 @@ class BenchNode:
         return {"cid": await trio.to_thread.run_sync(make), "t": time.monotonic()}
 
     async def accept(self, subs: list[tuple[str, str]]) -> dict[str, Any]:
-        """The shepherd takes submissions' Δs as they arrive (``RoundAggregator.check_delta``
-        decodes each then): fetched into memory, decoded, held for the combine."""
+        """The shepherd takes submissions' Δs as they arrive: fetched into memory and checked
+        as the shepherd checks them (``RoundAggregator.check_delta``: decoded, names, shapes,
+        finite, the norm bound), held for the combine."""
         import trio
 
-        from pcp_p2p.blob.tensor_codec import decode_tensors
+        from pcp_p2p.diloco.protocol.aggregate import RoundAggregator
+        from pcp_p2p.diloco.protocol.messages import Submission
+        from pcp_p2p.diloco.protocol.spec import parse_spec
 
+        assert self.state is not None
+        spec = parse_spec("")  # the defaults: int8 Δs, the trimmed mean
+        checker = RoundAggregator(spec, None, self.state.theta)  # type: ignore[arg-type]  # (no header checks)
         while len(self.bufs) < len(self.held) + len(subs):
             self.bufs.append(bytearray(PARAMS + (1 << 20)))
 
         async def one(buf: bytearray, cid: str, peer: str) -> None:
             view = await self.svc.fetch_into(cid, buf, providers=[self.peers[peer]])
-            self.held.append(await trio.to_thread.run_sync(
-                lambda: decode_tensors(bytes(view), max_bytes=8 * PARAMS)))
+            sub = Submission(run_id="bench", term=0, round=0, attempt=0, worker=peer, base_theta_cid="",
+                             codec="int8", delta_cid=cid, delta_inline=None, steps=STEPS,
+                             tokens=STEPS * spec.tokens_per_step, losses=())
+            self.held.append(await trio.to_thread.run_sync(lambda: checker.check_delta(sub, bytes(view))))
 
         async with trio.open_nursery() as n:
             for k, (cid, peer) in enumerate(subs):
