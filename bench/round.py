@@ -280,10 +280,9 @@ class BenchNode:
         done = time.monotonic()  # the checkpoint is built and checked; θ is held, in memory
         # then stored, before the ack (RunRuntime._take_commit): the next command waits for it
         await trio.to_thread.run_sync(store.put_bytes, ckpt)
-        # (the one before is the next one's buffer; built from the store, the last one built is)
-        self.built, self.spare, self.last_ckpt = (
-            (rec.checkpoint_cid, ckpt), cached if cached is not None else self.built and self.built[1],
-            rec.checkpoint_cid)
+        # the last one built (the base, or one older when built from the store) is the next one's buffer
+        self.spare = self.built[1] if self.built is not None else None
+        self.built, self.last_ckpt = (rec.checkpoint_cid, ckpt), rec.checkpoint_cid
         return {"t": done, "fetch_s": fetched - t0, "build_s": done - fetched}
 
     async def fetch(self, ckpt: str, providers: list[str], ordered: bool, theta: str, theta_from_ckpt: bool,

@@ -15,7 +15,7 @@ from test_diloco_byzantine import SPEC  # (the absolute norm cap out of the way:
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage
 from pcp_p2p.core.identity import Identity
-from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
 from pcp_p2p.diloco.protocol.messages import DataAssignment, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.protocol.partials import (
     MIN_GROUP,
@@ -92,7 +92,7 @@ def test_aggregators_are_drawn_the_same_by_everyone_and_direct_members_come_firs
     assert choose_aggregators(list(reversed(ids)), direct, 4, BEACON) == picked  # whatever the order
     # a draw per beacon: nobody holds a place for good
     assert len({choose_aggregators(ids, direct, 4, f"beacon {i}") for i in range(20)}) > 1
-    assert choose_aggregators(ids, direct, 100, BEACON).__len__() == len(ids) // MIN_GROUP
+    assert len(choose_aggregators(ids, direct, 100, BEACON)) == len(ids) // MIN_GROUP
     assert choose_aggregators(ids[: 2 * MIN_GROUP - 1], direct, 4, BEACON) == ()  # too few for two groups
 
 
@@ -166,7 +166,7 @@ def test_an_aggregator_that_lists_a_delta_its_rule_refuses_is_proven_wrong() -> 
     honest = combine_group(SPEC, ANN, THETA, offered)
     assert workers[0] in honest.refused and workers[0] not in [s.worker for s in honest.combined]
     # the aggregator combines it anyway (a plain mean of all) and lists every submission
-    mean = np.mean([np.frombuffer(pay[-48:], np.float32) for _, pay in offered], axis=0).reshape(3, 4)
+    mean = np.mean([unpack_tensors(pay)["w"] for _, pay in offered], axis=0)
     lie = partial_of(a, offered, submissions=tuple(encode(s) for s, _ in offered),
                      tokens=sum(s.tokens for s, _ in offered), delta_cid=cid_of(pack_tensors({"w": mean})))
     check_partial(lie, ANN, AGGREGATORS, BEACON)

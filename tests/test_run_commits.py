@@ -201,7 +201,7 @@ async def test_a_built_checkpoint_reaches_the_machine_before_it_is_written_and_t
         assert inbox.receive_nowait().message == rec  # in the machine while the write goes on
         await rt.deliver(shepherd.identity.peer_id, ann)  # not held behind the write
         assert inbox.receive_nowait().message == ann
-        await trio.sleep(3.0)
+        await trio.testing.wait_all_tasks_blocked()
         assert acked == []  # no ack before the write ends
         if written:
             held.add(rec.checkpoint_cid)

@@ -158,10 +158,10 @@ def _encode_int8(flat: np.ndarray, block: int) -> bytes:
         blocks = np.divide(seg.reshape(nb, block), np.where(sc > 0, sc, 1).astype(np.float64)[:, None],
                            out=quot[:m].reshape(nb, block))
         q[start : start + m] = np.clip(np.rint(blocks, out=blocks), -127, 127, out=blocks).reshape(-1)
-    if whole < n:  # the last, short block
-        tail = flat[whole:].astype(np.float64)
-        scales[-1] = np.float32(np.max(np.abs(tail)) / 127.0)
-        q[whole:] = np.clip(np.rint(tail / (float(scales[-1]) if scales[-1] > 0 else 1.0)), -127, 127)
+    if whole < n:  # the last, short block: by the definition itself (its scale, then its values)
+        tail = _encode_int8_exact(flat[whole:], block)
+        scales[-1:] = np.frombuffer(tail, dtype="<f4", count=1)
+        q[whole:] = np.frombuffer(tail, dtype=np.int8, offset=4)
     return scales.tobytes() + q.tobytes()
 
 

@@ -236,13 +236,16 @@ class _Columns:
         self.equal = bool(np.all(w == w[0]))
         hi = np.cumsum(w)
         self.kept_at = np.clip(np.minimum(hi, 1.0 - trim) - np.maximum(hi - w, trim), 0.0, None)
+        self.kept_total = 0.0  # (equal weights: the mass kept is the same at every coordinate)
+        for kept in self.kept_at:
+            self.kept_total += float(kept)
         self.sorted = [np.empty(FLAT_CHUNK, dtype=np.float32) for _ in range(k + 1 if self.equal else 0)]
         self.acc, self.mass, self.lo, self.kept, self.tmp = (np.empty(FLAT_CHUNK) for _ in range(5))
         self.below = np.empty(FLAT_CHUNK, dtype=bool)
 
     def __call__(self, cols: Sequence[np.ndarray]) -> np.ndarray:
         n = cols[0].size
-        acc, mass, tmp = self.acc[:n], self.mass[:n], self.tmp[:n]
+        acc, tmp = self.acc[:n], self.tmp[:n]
         acc.fill(0.0)
         if self.equal:
             *out, spare = (b[:n] for b in self.sorted)
@@ -253,13 +256,13 @@ class _Columns:
                     np.minimum(out[j], out[j + 1], out=spare)
                     np.maximum(out[j], out[j + 1], out=out[j + 1])
                     out[j], spare = spare, out[j]
-            mass.fill(0.0)
             for r, col in enumerate(out):
                 if self.kept_at[r] > 0:
                     acc += np.multiply(col, self.kept_at[r], out=tmp)
-                    mass += self.kept_at[r]
+            acc /= self.kept_total
         else:
             w, trim, lo, kept, below = self.w, self.trim, self.lo[:n], self.kept[:n], self.below[:n]
+            mass = self.mass[:n]
             mass.fill(0.0)
             for i in range(len(cols)):
                 lo.fill(0.0)
@@ -272,7 +275,7 @@ class _Columns:
                 np.maximum(kept, 0.0, out=kept)
                 mass += kept
                 acc += np.multiply(kept, cols[i], out=tmp)
-        acc /= mass
+            acc /= mass
         return acc
 
 
@@ -307,32 +310,26 @@ def _columnwise(
     deltas: Sequence[Params], fn: Callable[Concatenate[np.ndarray, P], np.ndarray], *args: P.args, **kwargs: P.kwargs,
 ) -> Params:
     """Apply an (n, K) → (n,) kernel to every tensor, ``CHUNK_ELEMENTS // K`` coordinates at a time."""
+    return _flatwise(deltas, lambda cols: fn(np.stack(cols, axis=1), *args, **kwargs),
+                     max(1, CHUNK_ELEMENTS // len(deltas)))
+
+
+def _flatwise(deltas: Sequence[Params], fn: Callable[[Sequence[np.ndarray]], np.ndarray],
+              chunk: int | None = None) -> Params:
+    """Apply a (K columns of n) → (n,) kernel to every tensor, ``chunk`` (``FLAT_CHUNK``) coordinates
+    at a time: the columns of a chunk stay in cache across the kernel's many elementwise passes."""
+    step = FLAT_CHUNK if chunk is None else chunk
     out: Params = {}
-    k = len(deltas)
-    step = max(1, CHUNK_ELEMENTS // k)
     for name, ref in deltas[0].items():
         flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
         res = np.empty(ref.size, dtype=np.float32)
         for s in range(0, ref.size, step):
-            res[s : s + step] = fn(np.stack([f[s : s + step] for f in flat], axis=1), *args, **kwargs)
+            res[s : s + step] = fn([f[s : s + step] for f in flat])
         out[name] = res.reshape(ref.shape)
     return out
 
 
 # --- the rules ------------------------------------------------------------------------
-
-
-def _flatwise(deltas: Sequence[Params], fn: Callable[[Sequence[np.ndarray]], np.ndarray]) -> Params:
-    """Apply a (K columns of n) → (n,) kernel to every tensor, ``FLAT_CHUNK`` coordinates at
-    a time: the columns of a chunk stay in cache across the kernel's many elementwise passes."""
-    out: Params = {}
-    for name, ref in deltas[0].items():
-        flat = [np.asarray(d[name], dtype=np.float32).reshape(-1) for d in deltas]
-        res = np.empty(ref.size, dtype=np.float32)
-        for s in range(0, ref.size, FLAT_CHUNK):
-            res[s : s + FLAT_CHUNK] = fn([f[s : s + FLAT_CHUNK] for f in flat])
-        out[name] = res.reshape(ref.shape)
-    return out
 
 
 def weighted_mean(deltas: Sequence[Params], w: np.ndarray) -> Params:

@@ -777,7 +777,7 @@ class RunRuntime:
         self._holding[cid] = trio.Event()
         try:
             # (ours, or a store in flight: the shepherd's own commit is held by its StoreBlob)
-            ours = cid in self.io.storing or self.io.store.has(cid)
+            ours = self.io.holds(cid)
             if ours or not await self._rebuild_checkpoint(rec, hint, update):
                 try:
                     await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=rec.participants)
@@ -835,8 +835,9 @@ class RunRuntime:
                 data = await trio.to_thread.run_sync(build)
                 if len(data) <= KEEP_IN_MEMORY_BYTES:
                     self.io.store_later(rec.checkpoint_cid, data)
-                    # the one before is the next one's buffer (built from the store: the last one built)
-                    self._built, self._spare = (rec.checkpoint_cid, data), cached or self._built
+                    # the last one built (the base, or one older when built from the store) is the
+                    # next one's buffer
+                    self._built, self._spare = (rec.checkpoint_cid, data), self._built
                 else:  # (not kept in memory: in the store before anyone is told it is held)
                     await self.io.keep(data)
         except PcpError as exc:
