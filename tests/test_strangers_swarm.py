@@ -262,7 +262,9 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
     assert poisoner.assigned, "the poisoner was never assigned a round: the test proved nothing"
     # two replays contradicted its lazy round; the evidence reached every member, which
     # checked it and recorded the ban (the next term's shepherd would refuse it too)
-    assert all(st.get("banned", 0) >= 1 for st in statuses.values()), [st.get("banned") for st in statuses.values()]
+    assert all(st.get("banned", 0) >= 1 for st in statuses.values()), (  # (what to look at when it does not)
+        [st.get("banned") for st in statuses.values()], poisoner.assigned,
+        [st.get("audits") for st in statuses.values()])
     # banned: refused from then on, so the last rounds went on without it (a shepherd sends
     # announcements to its roster only, so the poisoner sees none after its ban)
     assert max(poisoner.assigned) < POISON_ROUNDS - 2, poisoner.assigned
