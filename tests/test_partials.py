@@ -1,7 +1,7 @@
 """Partial aggregates (issue #15, item 3): who aggregates, the authority chain of a partial,
 a lying aggregator proven by replay, and the two-level robust combine.
 
-The rules alone (:mod:`pcp_p2p.diloco.protocol.partials`); the round does not use them yet.
+The rules alone (:mod:`pcp_p2p.diloco.protocol.partials`); the round that uses them: tests/test_aggregators.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pcp_p2p.diloco.protocol.partials import (
     choose_aggregators,
     combine_group,
     combine_partials,
-    group_of,
+    group_map,
     replay_partial,
 )
 from pcp_p2p.diloco.protocol.spec import run_id_of, sign_spec
@@ -48,6 +48,7 @@ def announcement(workers: list[str]) -> RoundAnnouncement:
 
 ANN = announcement([p.peer_id for p in PEERS])
 AGGREGATORS = choose_aggregators(list(BY_ID), set(BY_ID), 3, BEACON)
+GROUPS = group_map(list(BY_ID), AGGREGATORS, BEACON)
 
 
 def delta_for(worker: str, scale: float = 1.0) -> np.ndarray:
@@ -65,7 +66,7 @@ def submit(worker: Identity, delta: np.ndarray, steps: int = 5) -> tuple[Submiss
 
 
 def group(aggregator: str) -> list[str]:
-    return sorted(w for w in BY_ID if group_of(w, AGGREGATORS, BEACON) == aggregator)
+    return sorted(w for w in BY_ID if GROUPS[w] == aggregator)
 
 
 def offers(aggregator: str, scale: dict[str, float] | None = None) -> list[tuple[Submission, bytes]]:
@@ -96,12 +97,16 @@ def test_aggregators_are_drawn_the_same_by_everyone_and_direct_members_come_firs
     assert choose_aggregators(ids[: 2 * MIN_GROUP - 1], direct, 4, BEACON) == ()  # too few for two groups
 
 
-def test_every_worker_has_one_aggregator_and_one_leaving_moves_only_its_own() -> None:
-    before = {w: group_of(w, AGGREGATORS, BEACON) for w in BY_ID}
-    assert set(before.values()) <= set(AGGREGATORS)
-    gone = AGGREGATORS[0]
-    after = {w: group_of(w, AGGREGATORS[1:], BEACON) for w in BY_ID}
-    assert all(after[w] == before[w] for w in BY_ID if before[w] != gone)
+@pytest.mark.parametrize("n", [6, 7, 12, 31, 100])
+def test_every_worker_has_one_aggregator_and_the_groups_are_even(n: int) -> None:
+    ids = [Identity(bytes([i % 256, i // 256]) * 16).peer_id for i in range(n)]
+    aggs = choose_aggregators(ids, set(ids), 8, BEACON)
+    groups = group_map(ids, aggs, BEACON)
+    assert set(groups) == set(ids) and set(groups.values()) == set(aggs)
+    assert all(groups[a] == a for a in aggs)  # an aggregator's Δ stays with it
+    sizes = [list(groups.values()).count(a) for a in aggs]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= MIN_GROUP  # the screen can fire in every group
+    assert group_map(list(reversed(ids)), aggs, BEACON) == groups  # whatever the order
 
 
 # --- the authority chain of a partial -----------------------------------------------------------
@@ -111,7 +116,7 @@ def test_an_honest_partial_checks_and_replays() -> None:
     for a in AGGREGATORS:
         offered = offers(a)
         p = decode(encode(partial_of(a, offered)), PartialAggregate)
-        subs = check_partial(p, ANN, AGGREGATORS, BEACON)
+        subs = check_partial(p, ANN, AGGREGATORS, GROUPS)
         assert [s.worker for s in subs] == group(a)
         replay_partial(p, {s.worker: pay for s, pay in offered}, SPEC, ANN, THETA)
 
@@ -141,7 +146,7 @@ def test_a_partial_is_refused_before_anything_it_names_is_fetched() -> None:
                   "by CID"))
     for bad, error, match in cases:
         with pytest.raises(error, match=match):
-            check_partial(bad, ANN, AGGREGATORS, BEACON)
+            check_partial(bad, ANN, AGGREGATORS, GROUPS)
 
 
 # --- a lying aggregator, proven by replay -------------------------------------------------------
@@ -153,7 +158,7 @@ def test_an_aggregator_that_lies_about_the_sum_is_proven_wrong_by_anyone_holding
     payloads = {s.worker: pay for s, pay in offered}
     other = pack_tensors({"w": np.ones((3, 4), np.float32)}, "fp32")
     lie = partial_of(a, offered, delta_cid=cid_of(other))
-    check_partial(lie, ANN, AGGREGATORS, BEACON)  # its authority is fine: only the arithmetic is wrong
+    check_partial(lie, ANN, AGGREGATORS, GROUPS)  # its authority is fine: only the arithmetic is wrong
     with pytest.raises(HashMismatch, match="not the combine"):
         replay_partial(lie, payloads, SPEC, ANN, THETA)
 
@@ -169,7 +174,7 @@ def test_an_aggregator_that_lists_a_delta_its_rule_refuses_is_proven_wrong() -> 
     mean = np.mean([unpack_tensors(pay)["w"] for _, pay in offered], axis=0)
     lie = partial_of(a, offered, submissions=tuple(encode(s) for s, _ in offered),
                      tokens=sum(s.tokens for s, _ in offered), delta_cid=cid_of(pack_tensors({"w": mean})))
-    check_partial(lie, ANN, AGGREGATORS, BEACON)
+    check_partial(lie, ANN, AGGREGATORS, GROUPS)
     with pytest.raises(HashMismatch, match="refuses"):
         replay_partial(lie, {s.worker: pay for s, pay in offered}, SPEC, ANN, THETA)
 

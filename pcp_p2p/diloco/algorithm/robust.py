@@ -98,6 +98,10 @@ class AggregationPolicy(Message):
     score_tolerance: float = 0.05
     val_jump: float = 0.10  # do not commit a θ whose val loss rises by more than this fraction; 0 = off
     audit_rate: float = 0.04  # share of accepted submissions re-executed by another worker (≈ its compute cost)
+    # Aggregators (issue #15 item 3, pcp_p2p.diloco.protocol.partials): above ``aggregate_above`` workers, up to
+    # ``aggregators`` members each combine one group's Δs and send the shepherd one partial aggregate; 0 = off.
+    aggregators: int = 0
+    aggregate_above: int = 16
 
 
 P = ParamSpec("P")

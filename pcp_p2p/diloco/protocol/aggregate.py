@@ -116,6 +116,12 @@ class RoundAggregator:
     refused: dict[str, PcpError] = field(default_factory=dict)
     _seen: dict[str, bytes] = field(default_factory=dict)
     submissions: dict[str, Submission] = field(default_factory=dict)
+    # accepted partial aggregates: aggregator -> the workers its group combined (the group's Δ is
+    # ``accepted[aggregator]``; its workers' signed submissions are in ``submissions``)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # assigned workers an accepted partial decided without combining them: its group's workers it
+    # left out (their Δ missed the group) are not waited for, since they submit to it, not here
+    closed_out: set[str] = field(default_factory=set)
     # the announcement's assignments by worker, indexed on first use: a lookup per
     # submission that scanned them made a round of R workers cost R² (R up to MAX_ROSTER)
     _by_worker: dict[str, DataAssignment] | None = field(default=None, init=False, repr=False)
@@ -137,8 +143,23 @@ class RoundAggregator:
 
     @property
     def reported(self) -> set[str]:
-        """Assigned workers whose submission has been decided (accepted or refused)."""
-        return set(self.accepted) | (set(self.refused) & self.assigned)
+        """Assigned workers whose submission has been decided (accepted or refused): an accepted
+        group decides its aggregator and every worker it combined."""
+        done = set(self.accepted) | (set(self.refused) & self.assigned) | self.closed_out
+        for members in self.groups.values():
+            done.update(members)
+        return done
+
+    def participants(self) -> tuple[str, ...]:
+        """The workers whose Δs the accepted entries carry (a group stands for its workers)."""
+        out: set[str] = set()
+        for key in self.accepted:
+            out.update(self.groups.get(key, (key,)))
+        return tuple(sorted(out))
+
+    def seen(self, worker: str) -> bool:
+        """Whether a submission of ``worker`` passed :meth:`check_header` in this attempt."""
+        return worker in self._seen
 
     def check_header(self, sub: Submission) -> bool:
         """Everything that can be checked without the payload.
@@ -210,8 +231,23 @@ class RoundAggregator:
         self.accepted[sub.worker] = Accepted(sub.worker, sub.tokens, sub.losses, delta, score)
         self.submissions[sub.worker] = sub  # what an audit of this round replays against
 
+    def admit_group(self, aggregator: str, subs: Collection[Submission], delta: Params, tokens: int,
+                    mean_loss: float, score: float | None = None, group: Collection[str] = ()) -> None:
+        """A partial aggregate's Δ (its submissions already header-checked): one entry, weighing
+        its workers' tokens, combined with the round's other entries by the same rule. ``group``:
+        the workers that submit to this aggregator; those not combined and not seen here are
+        decided too (their Δs went to the group, which closed without them)."""
+        self.accepted[aggregator] = Accepted(aggregator, tokens, (mean_loss,), delta, score)
+        self.groups[aggregator] = tuple(sorted(s.worker for s in subs))
+        self.closed_out.update(w for w in group if w in self.assigned and w not in self._seen)
+        for sub in subs:
+            self.submissions[sub.worker] = sub
+
     def refuse(self, worker: str, error: PcpError) -> None:
+        """Refuse ``worker``'s entry; a refused group refuses every worker it combined."""
         self.refused[worker] = error
+        for member in self.groups.pop(worker, ()):
+            self.refused[member] = error
 
     def combine(self, exclude: Collection[str] = ()) -> RoundResult:
         """Combine the accepted submissions (less ``exclude``) by the spec's policy.

@@ -88,6 +88,9 @@ class RoundAnnouncement(Message):
     assignments: tuple[DataAssignment, ...]
     shepherd: str
     dataset_cid: str = ""  # the tokenised dataset blob (see data.encode_dataset); "" = the workers' local copy
+    # this attempt's aggregators (pcp_p2p.diloco.protocol.partials): a worker sends its submission to
+    # its group's (``partials.group_map``); () = every submission goes to the shepherd
+    aggregators: tuple[str, ...] = ()
     signature: bytes = b""
 
     def assignment_for(self, worker: str) -> DataAssignment | None:

@@ -14,9 +14,8 @@ shepherd (docs/diloco.md, "Aggregators").
   members that can be dialled directly first (a relay-only home must not carry N Δs
   through a relay), ordered by a hash of the round's beacon and the peer id, so every
   member computes the same set and nobody can place itself.
-- **Who sends to whom** (:func:`group_of`): rendezvous hashing of (beacon, aggregator,
-  worker): groups of about N/g, and an aggregator that leaves moves only its own
-  workers.
+- **Who sends to whom** (:func:`group_map`): each aggregator in its own group, the other
+  workers ordered by a hash of the beacon and dealt in turn: groups of N/g, ± 1.
 - **The partial** (:class:`PartialAggregate`): the aggregator's signed statement of what
   it combined: the workers' signed submissions themselves (by CID: their Δs stay where
   they are), the CID of the group's combined Δ in fp32, and the group's tokens and loss.
@@ -52,11 +51,14 @@ import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
 from pcp_p2p.diloco.algorithm import robust
-from pcp_p2p.diloco.algorithm.params import Params, pack_tensors
-from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult
+from pcp_p2p.diloco.algorithm.params import Params, global_norm, unpack_tensors
+from pcp_p2p.diloco.algorithm.update import encode_update
+from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, delta_norm_bound
 from pcp_p2p.diloco.protocol.messages import RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.wire import HARD_MAX_SIZE, Message, decode, wire_message
@@ -87,11 +89,31 @@ def choose_aggregators(roster: Sequence[str], direct: Collection[str], count: in
     return tuple(order[:k])
 
 
-def group_of(worker: str, aggregators: Sequence[str], beacon: str) -> str:
-    """The aggregator ``worker`` submits to: the highest hash of (beacon, aggregator, worker)."""
+def group_map(workers: Collection[str], aggregators: Sequence[str], beacon: str) -> dict[str, str]:
+    """worker -> the aggregator it submits to, for every worker and aggregator.
+
+    An aggregator is in its own group (its Δ never travels to another). The other workers,
+    ordered by a hash of ``beacon`` and their id, are dealt to the aggregators in turn, so
+    groups differ in size by one at most: with ``choose_aggregators``' one aggregator per
+    ``MIN_GROUP`` members every group has ``MIN_GROUP`` workers or more, as the norm screen
+    needs. (Hashing each worker to an aggregator independently left groups of one or two.)
+    Every member computes the same map from the same announcement.
+    """
     if not aggregators:
         raise ValueError("no aggregators this round")
-    return max(aggregators, key=lambda a: _rank(beacon, a, worker))
+    out = {a: a for a in aggregators}
+    others = sorted((w for w in set(workers) if w not in out), key=lambda w: _rank(beacon, w))
+    for i, w in enumerate(others):
+        out[w] = aggregators[i % len(aggregators)]
+    return out
+
+
+def announced_groups(ann: RoundAnnouncement) -> dict[str, str]:
+    """The announcement's :func:`group_map` (its workers, its aggregators, its θ as the beacon);
+    ``{}`` when it names no aggregators."""
+    if not ann.aggregators:
+        return {}
+    return group_map([a.worker for a in ann.assignments], ann.aggregators, ann.theta_cid)
 
 
 @wire_message("diloco.partial", max_size=HARD_MAX_SIZE)
@@ -105,7 +127,7 @@ class PartialAggregate(Message):
     theta_cid: str  # the θ the round trained from (the announcement's)
     aggregator: str
     submissions: tuple[bytes, ...]  # the encoded, signed Submissions combined, in worker order
-    delta_cid: str  # the group's combined Δ, fp32 (``pack_tensors``)
+    delta_cid: str  # the group's combined Δ, encoded as the commit's update is (``outer.update_codec``)
     tokens: int  # the combined workers' tokens
     mean_loss: float
     signature: bytes = b""
@@ -116,7 +138,7 @@ class GroupResult:
     """What :func:`combine_group` made of one group's submissions."""
 
     result: RoundResult
-    delta_blob: bytes  # the combined Δ, fp32: what the partial names by CID
+    delta_blob: bytes  # the combined Δ as ``outer.update_codec`` encodes it: what the partial names by CID
     combined: tuple[Submission, ...]  # the submissions it combined, in worker order
     refused: dict[str, PcpError]  # refused by a check or by the screen, with why
 
@@ -139,7 +161,8 @@ def combine_group(spec: RunSpec, ann: RoundAnnouncement, theta: Params,
     result = agg.combine()
     refused = {**agg.refused, **result.screened}
     combined = tuple(agg.submissions[w] for w in sorted(result.weights))
-    return GroupResult(result, pack_tensors(result.delta, "fp32"), combined, refused)
+    blob, _ = encode_update(result.delta, spec.outer.update_codec)
+    return GroupResult(result, blob, combined, refused)
 
 
 def listed(partial: PartialAggregate) -> tuple[Submission, ...]:
@@ -148,7 +171,7 @@ def listed(partial: PartialAggregate) -> tuple[Submission, ...]:
 
 
 def check_partial(partial: PartialAggregate, ann: RoundAnnouncement, aggregators: Sequence[str],
-                  beacon: str) -> tuple[Submission, ...]:
+                  groups: Mapping[str, str]) -> tuple[Submission, ...]:
     """The authority chain of a partial, before anything it names is fetched; its submissions.
 
     Raises (nothing is fetched, nothing counts): :class:`BadSignature` unless the named
@@ -177,7 +200,7 @@ def check_partial(partial: PartialAggregate, ann: RoundAnnouncement, aggregators
     for sub in subs:
         if sub.worker not in assigned:
             raise RejectedUpdate(f"{sub.worker:.16}… is not assigned in round {ann.round}")
-        if group_of(sub.worker, aggregators, beacon) != partial.aggregator:
+        if groups.get(sub.worker) != partial.aggregator:
             raise RejectedUpdate(f"{sub.worker:.16}… submits to another aggregator")
         if (sub.run_id, sub.term, sub.round, sub.attempt, sub.base_theta_cid) != (
                 ann.run_id, ann.term, ann.round, ann.attempt, ann.theta_cid):
@@ -207,6 +230,26 @@ def replay_partial(partial: PartialAggregate, payloads: Mapping[str, bytes], spe
                            f"{sorted(group.refused)}")
     if cid_of(group.delta_blob) != partial.delta_cid:
         raise HashMismatch(f"aggregator {partial.aggregator:.16}…'s Δ is not the combine of what it lists")
+
+
+def decode_group_delta(blob: bytes, theta: Params, spec: RunSpec, subs: Sequence[Submission]) -> Params:
+    """A partial's Δ (already checked against its CID) as the shepherd combines it.
+
+    :class:`RejectedUpdate` for bytes that do not decode to θ's tensors, names and shapes,
+    that hold NaN or infinite values, or whose norm is above what the listed workers'
+    steps allow (a combine of bounded Δs is bounded by the largest bound)."""
+    try:
+        delta = unpack_tensors(blob, max_bytes=4 * sum(v.size for v in theta.values()) + (1 << 20))
+    except PcpError as exc:
+        raise RejectedUpdate(f"undecodable partial aggregate: {exc}") from exc
+    if list(delta) != list(theta) or any(delta[k].shape != v.shape for k, v in theta.items()):
+        raise RejectedUpdate("a partial aggregate has other tensors than θ")
+    if not all(np.all(np.isfinite(d)) for d in delta.values()):
+        raise RejectedUpdate("a partial aggregate has NaN or infinite values")
+    norm, bound = global_norm(delta), delta_norm_bound(spec, theta, max(s.steps for s in subs))
+    if not norm <= bound:
+        raise RejectedUpdate(f"a partial aggregate's ‖Δ‖ = {norm:.4g} is above the bound {bound:.4g}")
+    return {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
 
 
 def combine_partials(deltas: Mapping[str, Params], tokens: Mapping[str, int],

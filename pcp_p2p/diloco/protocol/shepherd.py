@@ -122,6 +122,13 @@ from pcp_p2p.diloco.protocol.messages import (
     sign,
     verify,
 )
+from pcp_p2p.diloco.protocol.partials import (
+    PartialAggregate,
+    announced_groups,
+    check_partial,
+    choose_aggregators,
+    decode_group_delta,
+)
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.wire import Message
 
@@ -158,6 +165,7 @@ class ShepherdOptions(TypedDict, total=False):
     score: Callable[[Params], float] | None
     val_loss: float | None
     audits: AuditDesk | None
+    direct: Callable[[], Collection[str]] | None
 
 
 class Shepherd:
@@ -179,6 +187,7 @@ class Shepherd:
         score: Callable[[Params], float] | None = None,
         val_loss: float | None = None,
         audits: AuditDesk | None = None,
+        direct: Callable[[], Collection[str]] | None = None,
     ) -> None:
         """``evaluate`` (optional, pure): validation loss of a θ, put in commit records
         and used by the val-jump guard (``aggregation.val_jump``).
@@ -208,10 +217,15 @@ class Shepherd:
         With it every submission must commit to its inner states (and start from an
         allowed one), each commit draws the audited submissions, and ``AuditReport``
         inputs may end in a ``Banned`` effect (the worker also leaves the roster).
+
+        ``direct`` (optional): the members that can be dialled without a relay, asked once
+        per announcement when the spec turns aggregators on: they are drawn first
+        (:func:`~pcp_p2p.diloco.protocol.partials.choose_aggregators`). None: every member alike.
         """
         self.spec = spec.validate()
         self.admit = admit
         self.audits = audits
+        self.direct = direct
         self.run_id = run_id
         self.identity = identity
         self.term = term
@@ -236,6 +250,10 @@ class Shepherd:
         self.attempt = 0
         self.round_agg: RoundAggregator | None = None
         self.pending: dict[str, list[Submission]] = {}  # Δ blob CID -> submissions naming it
+        # partial aggregates whose Δ is being fetched: its CID -> (the partial, its checked submissions)
+        self.pending_partials: dict[str, tuple[PartialAggregate, tuple[Submission, ...]]] = {}
+        self.partials_in: set[str] = set()  # aggregators whose partial this attempt took (one each)
+        self._group_map: tuple[RoundAnnouncement, dict[str, str]] | None = None
         self.theta_bytes = pack_tensors(state.theta, "fp32")
         self.theta_cid = state.theta_cid
         self.commits: list[CommitRecord] = []
@@ -307,6 +325,8 @@ class Shepherd:
             return self.on_audit_report(msg, now)
         if isinstance(msg, Leave):
             return self.on_leave(msg, now)
+        if isinstance(msg, PartialAggregate):
+            return self.on_partial(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
 
     def adopt(self, ann: RoundAnnouncement, now: float, gone: Collection[str] = ()) -> list[Effect]:
@@ -333,7 +353,7 @@ class Shepherd:
         budget = self.spec.round.time_budget_s
         self.close_at = min(max(ann.deadline, now + budget), now + 2 * budget)
         agg = self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
-        self.pending.clear()
+        self._clear_pending()
         self._set_phase(Phase.COLLECTING)
         for w in sorted(set(gone) & agg.assigned):
             agg.refuse(w, PeerGone(f"{w:.16}… led the term that ended"))
@@ -410,7 +430,8 @@ class Shepherd:
         agg = self.round_agg
         if self.phase is not Phase.COLLECTING or agg is None or msg.peer not in agg.assigned - agg.reported:
             return []
-        if any(sub.worker == msg.peer for subs in self.pending.values() for sub in subs):
+        if any(sub.worker == msg.peer for subs in self.pending.values() for sub in subs) or any(
+                sub.worker == msg.peer for _, subs in self.pending_partials.values() for sub in subs):
             return []  # its Δ is on its way here
         agg.refuse(msg.peer, PeerGone(f"{msg.peer:.16}… left the run"))
         if len(agg.accepted) + len(agg.assigned - agg.reported) < self.spec.round.min_quorum:
@@ -432,6 +453,11 @@ class Shepherd:
         self.roster.pop(idle)
         self.misses.pop(idle, None)
 
+    def _clear_pending(self) -> None:
+        self.pending.clear()
+        self.pending_partials.clear()
+        self.partials_in.clear()
+
     def on_submission(self, sub: Submission, now: float) -> list[Effect]:
         agg = self.round_agg
         refusal = self._not_admitted(sub.worker)
@@ -448,6 +474,9 @@ class Shepherd:
                 return []  # the same submission again
         except PcpError as exc:
             return [Rejected(sub.worker, exc)]
+        if self.adopted is None and sub.worker in agg.announcement.aggregators:
+            return self._refuse(sub, RejectedUpdate(f"{sub.worker:.16}… aggregates this round: its Δ comes "
+                                                    "in its partial aggregate"), now)
         if self.audits is not None:
             try:
                 self.audits.check(sub)  # it must commit to an inner state it may start from
@@ -460,8 +489,79 @@ class Shepherd:
         waiting.append(sub)
         return [FetchBlob(sub.delta_cid, hint=sub.worker)] if len(waiting) == 1 else []
 
+    def on_partial(self, p: PartialAggregate, now: float) -> list[Effect]:
+        """An aggregator's partial aggregate: its authority chain first, then its Δ is fetched.
+
+        Refused whole (the aggregator's fault; its workers are decided when the round closes
+        without them, and send their next Δ here): a partial for an attempt this term took over
+        (its workers submit here), from a signer that is not admitted or not one of the round's
+        aggregators, failing :func:`~pcp_p2p.diloco.protocol.partials.check_partial`, a second
+        partial from the same aggregator, or listing a worker that is not admitted, whose Δ came
+        here itself, or whose submission a check here refuses.
+        """
+        agg = self.round_agg
+        if self.phase is not Phase.COLLECTING or agg is None:
+            return [Rejected(p.aggregator, StaleMessage("no round is open"))]
+        ann = agg.announcement
+        try:
+            if self.adopted is not None:
+                raise StaleMessage("this attempt was taken over: its workers submit to the shepherd")
+            refusal = self._not_admitted(p.aggregator)
+            if refusal is not None:
+                raise refusal
+            subs = check_partial(p, ann, ann.aggregators, self._groups(ann))
+            if p.aggregator in self.partials_in:
+                raise RejectedUpdate(f"{p.aggregator:.16}… sent a second partial aggregate")
+            for sub in subs:
+                refusal = self._not_admitted(sub.worker)
+                if refusal is not None:
+                    raise RejectedUpdate(f"the partial lists a worker that is not admitted: {refusal}")
+                if agg.seen(sub.worker):
+                    raise RejectedUpdate(f"the partial lists {sub.worker:.16}…, whose Δ came here itself")
+            for sub in subs:
+                agg.check_header(sub)
+                if self.audits is not None:
+                    self.audits.check(sub)
+        except PcpError as exc:
+            return [Rejected(p.aggregator, exc)]
+        self.partials_in.add(p.aggregator)
+        self.pending_partials[p.delta_cid] = (p, subs)
+        return [FetchBlob(p.delta_cid, hint=p.aggregator)]
+
+    def _groups(self, ann: RoundAnnouncement) -> dict[str, str]:
+        """The attempt's worker -> aggregator map, computed once per announcement."""
+        if self._group_map is None or self._group_map[0] is not ann:
+            self._group_map = (ann, announced_groups(ann))
+        return self._group_map[1]
+
+    def _partial_in(self, cid: str, data: bytes | None, error: PcpError | None, now: float) -> list[Effect]:
+        """A partial's Δ arrived (``data``) or could not be fetched (``error``)."""
+        p, subs = self.pending_partials.pop(cid)
+        agg = self.round_agg
+        if agg is None or not self._is_current(subs[0]):
+            return []
+        try:
+            if error is not None:
+                raise error
+            assert data is not None
+            check_cid(cid, data)
+            delta = decode_group_delta(data, self.state.theta, self.spec, subs)
+            score = self._score(p.aggregator, delta)
+        except PcpError as exc:
+            for sub in subs:
+                agg.refuse(sub.worker, exc)
+            return [Rejected(p.aggregator, exc), *self._maybe_close(now)]
+        group = [w for w, a in self._groups(agg.announcement).items() if a == p.aggregator]
+        agg.admit_group(p.aggregator, subs, delta, p.tokens, p.mean_loss, score, group)
+        if self.adopted is None:
+            for sub in subs:
+                self.deadlines.observe(sub.worker, now - self.announced_at)
+        return self._maybe_close(now)
+
     def on_blob(self, cid: str, data: bytes, now: float) -> list[Effect]:
         """A Δ blob asked for with ``FetchBlob`` arrived."""
+        if cid in self.pending_partials:
+            return self._partial_in(cid, data, None, now)
         subs = self.pending.pop(cid, [])
         effects: list[Effect] = []
         try:
@@ -477,6 +577,8 @@ class Shepherd:
         return effects
 
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
+        if cid in self.pending_partials:
+            return self._partial_in(cid, None, error, now)
         effects: list[Effect] = []
         for sub in self.pending.pop(cid, []):
             if self._is_current(sub):
@@ -518,7 +620,7 @@ class Shepherd:
         assert agg is not None
         try:
             delta = agg.check_delta(sub, payload)
-            score = self._score(sub, delta)
+            score = self._score(sub.worker, delta)
         except PcpError as exc:
             return self._refuse(sub, exc, now)
         agg.admit(sub, delta, score)
@@ -526,7 +628,7 @@ class Shepherd:
             self.deadlines.observe(sub.worker, now - self.announced_at)
         return self._maybe_close(now)
 
-    def _score(self, sub: Submission, delta: Params) -> float | None:
+    def _score(self, who: str, delta: Params) -> float | None:
         """Held-out loss of θ_r − Δ (the θ the worker claims to hold); raises if too much worse.
 
         Why θ_r − Δ and not θ after the whole round: it judges this worker alone,
@@ -543,7 +645,7 @@ class Shepherd:
         s = float(self.score({k: theta[k] - delta[k] for k in theta}))
         if not s <= base + SCORE_ABSOLUTE * tol:  # NaN too
             raise RejectedUpdate(
-                f"{sub.worker:.16}…: held-out loss of θ−Δ is {s:.4g}, θ's is {base:.4g} "
+                f"{who:.16}…: held-out loss of θ−Δ is {s:.4g}, θ's is {base:.4g} "
                 f"({s - base:+.3g} nats, more than {SCORE_ABSOLUTE:g} x the tolerance {tol:g})"
             )
         return s
@@ -600,6 +702,7 @@ class Shepherd:
         )
         ann = sign(
             RoundAnnouncement(
+                aggregators=self._aggregators(workers),
                 run_id=self.run_id,
                 term=self.term,
                 round=r,
@@ -616,9 +719,19 @@ class Shepherd:
         )
         self.announced_at = now
         self.round_agg = RoundAggregator(self.spec, ann, self.state.theta)
-        self.pending.clear()
+        self._clear_pending()
         self._set_phase(Phase.COLLECTING)
         return [StoreBlob(self.theta_cid, self.theta_bytes), *(Send(w, ann) for w in workers)]
+
+    def _aggregators(self, workers: list[str]) -> tuple[str, ...]:
+        """This attempt's aggregators: () unless the spec turns them on and the roster is above
+        ``aggregate_above``; never the shepherd (its own Δ is here already)."""
+        g = self.spec.aggregation
+        if g.aggregators <= 0 or len(workers) <= g.aggregate_above:
+            return ()
+        direct = self.direct() if self.direct is not None else workers
+        return choose_aggregators([w for w in workers if w != self.peer_id], set(direct), g.aggregators,
+                                  self.theta_cid)
 
     def _count_misses(self, accepted: set[str]) -> None:
         agg = self.round_agg
@@ -646,7 +759,7 @@ class Shepherd:
             f"quorum {self.spec.round.min_quorum}{why}"
         )
         effects: list[Effect] = [Discarded(self.state.round, self.attempt, err)]
-        self._count_misses(set(agg.accepted))
+        self._count_misses(set(agg.participants()))
         self.attempt += 1
         self.round_agg = None
         self.adopted = self.close_at = None
@@ -738,7 +851,7 @@ class Shepherd:
         ckpt_bytes, theta_cid = encode_checkpoint(Checkpoint(self.run_id, self.term, new_state, metrics),
                                                   with_momentum=self.spec.outer.momentum != 0)
         ckpt_cid, update_cid = cid_of(ckpt_bytes), cid_of(update)
-        participants = tuple(sorted(agg.accepted))
+        participants = agg.participants()
         record = sign(
             CommitRecord(
                 run_id=self.run_id,

@@ -60,6 +60,8 @@ Example (every key optional; these are the defaults)::
     score_tolerance = 0.05   # a Δ whose held-out loss is worse than the round's median by more (nats) is refused
     val_jump = 0.10          # a commit whose val loss rises >10% is retried without suspects
     audit_rate = 0.04        # share of accepted submissions re-executed by another worker
+    aggregators = 0          # above aggregate_above workers, this many members combine groups of Δs; 0 = off
+    aggregate_above = 16     # (docs/diloco.md, "Aggregators")
 
     [admission]        # who may contribute
     mode = "open"            # or "allowlist"
@@ -245,6 +247,8 @@ class RunSpec(Message):
         need(finite(g.score_tolerance), "aggregation.score_tolerance", "must be a number (< 0 = off)")
         need(finite(g.val_jump) and g.val_jump >= 0, "aggregation.val_jump", "must be >= 0 (0 = off)")
         need(finite(g.audit_rate) and 0 <= g.audit_rate <= 1, "aggregation.audit_rate", "must be in [0, 1]")
+        need(0 <= g.aggregators <= 64, "aggregation.aggregators", "must be in [0, 64] (0 = off)")
+        need(g.aggregate_above >= 0, "aggregation.aggregate_above", "must be >= 0")
         need(g.audit_rate == 0 or r.delta_codec not in FEEDBACK_CODECS, "aggregation.audit_rate",
              f"must be 0 with round.delta_codec = {r.delta_codec!r}: its workers train from θ minus a private "
              "error-feedback residual, which an audit cannot replay yet")

@@ -125,10 +125,13 @@ from pcp_p2p.diloco.protocol.messages import (
     sign,
     verify,
 )
+from pcp_p2p.diloco.protocol.partials import announced_groups
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.wire import Message
 
 KEEP_SUBMITTED = 16
+MAX_DROPPED_BY = 64
+"""Aggregators a worker remembers leaving it out (the oldest is forgotten first)."""
 """Own submissions kept (signed, as sent): an audit request names one of the last rounds."""
 
 HOLD_FOR_COMMIT = 0.25
@@ -239,6 +242,11 @@ class Worker:
         self.joined_for: tuple[int, int, int] | None = None
         self.submitted: list[Submission] = []
         self.last_heard = 0.0
+        # (round, aggregator) of the last submission sent to an aggregator; a commit of that round
+        # that does not list this worker marks the aggregator: from then on, a round that puts this
+        # worker in its group sends the Δ to the shepherd itself (docs/diloco.md, "Aggregators")
+        self.via: tuple[int, str] | None = None
+        self.dropped_by: deque[str] = deque(maxlen=MAX_DROPPED_BY)
 
     @property
     def peer_id(self) -> str:
@@ -459,7 +467,13 @@ class Worker:
             self.phase = WorkerPhase.IDLE
             return [Rejected(self.peer_id, exc)]
         effects: list[Effect] = []
-        if len(payload) <= INLINE_DELTA_LIMIT:
+        # (a failover while training: the new term's shepherd may take the attempt over)
+        carried = self._carries_over(ann) and self.shepherd is not None
+        to = self.shepherd if carried and self.shepherd is not None else ann.shepherd
+        if ann.aggregators and not carried:
+            via = announced_groups(ann).get(self.peer_id, ann.shepherd)
+            to = ann.shepherd if via in self.dropped_by else via
+        if len(payload) <= INLINE_DELTA_LIMIT and to == ann.shepherd:
             delta_cid, inline = None, payload
         else:
             delta_cid, inline = cid_of(payload), None
@@ -489,8 +503,7 @@ class Worker:
         self.submitted.append(sub)
         del self.submitted[:-KEEP_SUBMITTED]  # an audit asks about a recent round only
         self.phase = WorkerPhase.SUBMITTED
-        # (a failover while training: the new term's shepherd may take the attempt over)
-        to = self.shepherd if self._carries_over(ann) and self.shepherd is not None else ann.shepherd
+        self.via = (ann.round, to) if to in ann.aggregators else None
         return [*effects, Send(to, sub), *self._start_early(ann, result)]
 
     def on_inner_failed(self, round_: int, attempt: int, error: PcpError, now: float) -> list[Effect]:
@@ -530,6 +543,10 @@ class Worker:
         self.term = max(self.term, rec.term)
         self.last_heard = now
         self.last_commit = rec
+        if self.via is not None and self.via[0] == rec.round:
+            if self.peer_id not in rec.participants and self.via[1] not in self.dropped_by:
+                self.dropped_by.append(self.via[1])  # it left us out (or its partial was refused)
+            self.via = None
         self._settle_state(rec)
         effects: list[Effect] = []
         ann = self.current

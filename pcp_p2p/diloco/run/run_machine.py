@@ -110,6 +110,7 @@ from pcp_p2p.diloco.protocol.audit import (
     decode_evidence,
     encode_evidence,
 )
+from pcp_p2p.diloco.protocol.collector import GroupCollector
 from pcp_p2p.diloco.protocol.departures import Departures
 from pcp_p2p.diloco.protocol.effects import (
     Banned,
@@ -149,6 +150,7 @@ from pcp_p2p.diloco.protocol.messages import (
     RoundAnnouncement,
     Submission,
 )
+from pcp_p2p.diloco.protocol.partials import PartialAggregate
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
@@ -185,6 +187,7 @@ from pcp_p2p.diloco.run.run_effects import (
     Stopped,
     Wake,
 )
+from pcp_p2p.net.reachability import RELAY_ONLY
 from pcp_p2p.wire import Message, encode
 
 log = logging.getLogger("pcp.run")
@@ -198,7 +201,7 @@ SETUP_BACKOFF_S = 10.0  # after a term whose set-up failed here, no claim for th
 SETUP_BACKOFF_MAX_S = 300.0  # ... doubling with each failure in a row, up to this; a success resets it
 FIRST_LOOK_S = 5.0  # members first seen this soon after this node's first view may predate it (see candidates)
 
-WORKER, SHEPHERD = "worker", "shepherd"
+WORKER, SHEPHERD, AGGREGATOR = "worker", "shepherd", "aggregator"
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ class RunMachine:
         self.started_at = started_at
         self.worker: Worker | None = None
         self.shepherd: Shepherd | None = None
+        self.collector: GroupCollector | None = None  # this node's group, when an announcement names it
         self.shepherd_peer: str | None = None
         self.phase = "starting"
         self.finished = False
@@ -349,16 +353,19 @@ class RunMachine:
     def on_message(self, sender: str, msg: Message, now: float) -> list[RunEffect]:
         return self._run(now, lambda: self._message(sender, msg, now))
 
+    def _machine(self, who: str) -> Shepherd | Worker | GroupCollector | None:
+        return self.shepherd if who == SHEPHERD else self.collector if who == AGGREGATOR else self.worker
+
     def on_blob(self, who: str, cid: str, data: bytes, now: float) -> list[RunEffect]:
         def go() -> None:
-            machine = self.shepherd if who == SHEPHERD else self.worker
+            machine = self._machine(who)
             if machine is not None:
                 self._round(who, machine.on_blob(cid, data, now), now)
         return self._run(now, go)
 
     def on_blob_failed(self, who: str, cid: str, error: PcpError, now: float) -> list[RunEffect]:
         def go() -> None:
-            machine = self.shepherd if who == SHEPHERD else self.worker
+            machine = self._machine(who)
             if machine is not None:
                 self._round(who, machine.on_blob_failed(cid, error, now), now)
         return self._run(now, go)
@@ -475,6 +482,8 @@ class RunMachine:
                 self._round(SHEPHERD, self.shepherd.tick(now), now)
             if self.worker is not None:
                 self._round(WORKER, self.worker.tick(now), now)
+            if self.collector is not None:
+                self._round(AGGREGATOR, self.collector.tick(now), now)
             e = self.election
             followed = e.lease if e.role is Role.FOLLOWER else None
             self._election(e.tick(now), now)
@@ -490,7 +499,7 @@ class RunMachine:
     def next_wakeup(self) -> float | None:
         """The earliest deadline of the three machines (a past one: a worker busy training)."""
         wake = self.election.next_wakeup  # (read after every input: no list built)
-        for machine in (self.shepherd, self.worker):
+        for machine in (self.shepherd, self.worker, self.collector):
             w = machine.next_wakeup if machine is not None else None
             if w is not None and (wake is None or w < wake):
                 wake = w
@@ -555,6 +564,11 @@ class RunMachine:
     def run_members(self) -> list[str]:
         """The live members taking part in this run, this node left out."""
         return [m.peer_id for m in self.members if m.in_run and m.peer_id != self.peer_id]
+
+    def direct_members(self) -> list[str]:
+        """Live members not known to be reachable only through a relay: aggregators are drawn
+        from these first (a relay-only home must not pull a group's Δs through a relay)."""
+        return [m.peer_id for m in self.members if m.reachability != RELAY_ONLY]
 
     def departure_targets(self) -> list[str]:
         """Whom this node tells that it leaves: as the shepherd (or becoming it) the run, else the shepherd."""
@@ -636,7 +650,11 @@ class RunMachine:
                 pass  # the one in force, again
             except RemoteError as exc:  # a bug of ours reaches the runtime's boundary
                 self._reject(sender, exc)
-        elif isinstance(msg, (Join, Submission, AuditReport)):
+        elif isinstance(msg, Submission) and self.collector is not None and self.collector.takes(msg):
+            effects = self.collector.on_submission(msg, now)
+            self._strike(sender, effects, now)
+            self._round(AGGREGATOR, effects, now)
+        elif isinstance(msg, (Join, Submission, AuditReport, PartialAggregate)):
             if self.shepherd is None and self.becoming:
                 self._early.append((sender, msg))  # still compiling: answer once the shepherd exists
                 return
@@ -644,22 +662,27 @@ class RunMachine:
                 self._reject(sender, VerificationError("this node is not the run's shepherd"))
                 return
             effects = self.shepherd.receive(msg, now)
-            for e in effects:  # strike only the sender libp2p authenticated
-                if isinstance(e, Rejected) and e.peer == sender:
-                    self.ledger.strike(sender, type(e.error).__name__, now)
+            self._strike(sender, effects, now)
             self._round(SHEPHERD, effects, now)
         elif isinstance(msg, CommitRecord):
             self._on_commit(msg, now)
         elif isinstance(msg, RoundAnnouncement) and self.worker is not None:
             self._round(WORKER, self.worker.receive(msg, now), now)
 
+    def _strike(self, sender: str, effects: list[Effect], now: float) -> None:
+        for e in effects:  # strike only the sender libp2p authenticated
+            if isinstance(e, Rejected) and e.peer == sender:
+                self.ledger.strike(sender, type(e.error).__name__, now)
+
     def _after_input(self) -> None:
-        """After every input: the worker's phase, a new commit's bookkeeping, and the run's end."""
+        """After every input: the worker's phase, this node's group, a new commit's bookkeeping,
+        and the run's end."""
         w = self.worker
         if w is None or self.finished:
             return
         rec = w.last_commit
         now = self._now
+        self._aggregate(w, now)
         if rec is not None and rec.theta_cid != self._seen_commit:
             self._seen_commit = rec.theta_cid
             self._commit_seen(rec, now)
@@ -669,6 +692,21 @@ class RunMachine:
             self.phase = "finished"
             self.finished = True
             self._out.append(RunEnded("finished", rec.theta_cid))
+
+    def _aggregate(self, w: Worker, now: float) -> None:
+        """The aggregator's part: a collector for each attempt whose announcement (taken by the
+        worker, so signed by the term's shepherd) names this node; θ_r handed to it once the
+        worker holds it; dropped when the worker moves on to another attempt."""
+        ann, c = w.current, self.collector
+        if self.shepherd is not None:  # (a successor that was an aggregator: the workers submit to it)
+            self.collector = None
+            return
+        if c is not None and c.ann is not ann:
+            self.collector = c = None
+        if c is None and ann is not None and self.peer_id in ann.aggregators:
+            self.collector = c = GroupCollector(self.spec, ann, self.identity, now)
+        if c is not None and c.theta is None and w.theta is not None and w.theta_cid == c.ann.theta_cid:
+            self._round(AGGREGATOR, c.hold_theta(w.theta, now), now)
 
     def _commit_seen(self, rec: CommitRecord, now: float) -> None:
         self.stats.last_commit_at = now

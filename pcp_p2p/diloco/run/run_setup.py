@@ -215,6 +215,7 @@ class TermSetUp:
             end_round=eff.end_round, score=evaluate.score,
             admit=lambda peer: m.admission.why_not(peer) or self.memory_refusal(plan, peer),
             audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
+            direct=m.direct_members,
         )
         if not eff.checkpoint_cid:
             return Shepherd(spec=rt.spec, run_id=rt.run_id, identity=rt.node.identity, term=eff.term,

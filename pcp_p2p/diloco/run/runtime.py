@@ -879,13 +879,13 @@ class RunRuntime:
 
     async def _fetch(self, who: str, cid: str, hint: str | None) -> None:
         try:
-            # The shepherd fetches only Δs (pseudo-gradients): used once, not kept.
+            # The shepherd and an aggregator fetch only Δs (pseudo-gradients): used once, not kept.
             artifact = who == "worker" and self._is_artifact(cid)
             bound = (1 << 20) if artifact else self.state_bound(1)  # a manifest weighs a few KiB
             theta = who == "worker" and not artifact
             data = await self._theta_from_checkpoint(cid) if theta else None
             if data is None:
-                data = await self.io.fetch_bytes(cid, hint, keep=who != "shepherd", for_run=artifact, max_size=bound,
+                data = await self.io.fetch_bytes(cid, hint, keep=who == "worker", for_run=artifact, max_size=bound,
                                                  swarm=self._swarm_for(cid) if who == "worker" else None)
             if artifact:
                 await self._prepare_artifact(data)
