@@ -15,21 +15,24 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 from test_diloco_protocol import OWNER, RUN_ID, SPEC, THETA0, Round, rejections, sent
 from trio.testing import MockClock
 
 from pcp_p2p.core.cid import cid_of
-from pcp_p2p.core.errors import HashMismatch, RejectedUpdate, StaleMessage
-from pcp_p2p.diloco.algorithm.params import pack_tensors
+from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage, VerificationError
+from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
+from pcp_p2p.diloco.algorithm.update import encode_update
 from pcp_p2p.diloco.protocol.collector import GroupCollector
 from pcp_p2p.diloco.protocol.effects import Committed, FetchBlob, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission, sign
+from pcp_p2p.diloco.protocol.partial_audit import PartialAudit, PartialReplay, PartialVerdict
 from pcp_p2p.diloco.protocol.partials import PartialAggregate, announced_groups
 from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.testing.run_harness import RunSwarm, SwarmConfig
-from pcp_p2p.wire import Message
+from pcp_p2p.wire import Message, decode
 
 AGG_SPEC = dataclasses.replace(SPEC, aggregation=dataclasses.replace(SPEC.aggregation, aggregators=3,
                                                                       aggregate_above=4))
@@ -301,3 +304,110 @@ def test_seven_run_machines_train_through_aggregators_and_the_shepherd_gets_only
     assert sum(n for (dst, kind), n in swarm.got.items() if kind == "Submission") == 7 * 6
     assert r.val_losses[-1] < 0.5 * r.initial_val_loss
     assert not [e for _, _, e in r.rejected if isinstance(e, (HashMismatch, RejectedUpdate))]
+
+
+class Lying(RunSwarm):
+    """The first node that sends a partial aggregate lies in every partial from then on: it
+    sends the group's Δ three times over (stored, named and signed as if it were the combine)."""
+
+    def __init__(self, cfg: SwarmConfig) -> None:
+        super().__init__(cfg)
+        self.liar: str | None = None
+        self.lies = 0
+        self.got: collections.Counter[str] = collections.Counter()
+
+    def _carry_out_now(self, node: Any, effects: list[Any]) -> None:
+        sends = [e for e in effects if isinstance(e, Send) and isinstance(e.message, PartialAggregate)]
+        if sends and self.liar is None:
+            self.liar = node.peer_id
+        if sends and node.peer_id == self.liar:
+            effects = self._lie(node, effects, sends[0].message)
+        super()._carry_out_now(node, effects)
+
+    def _lie(self, node: Any, effects: list[Any], p: PartialAggregate) -> list[Any]:
+        store = next(e for e in effects if isinstance(e, StoreBlob) and e.cid == p.delta_cid)
+        blob, _ = encode_update({k: 3 * v for k, v in unpack_tensors(store.data).items()}, "int8")
+        forged = sign(dataclasses.replace(p, delta_cid=cid_of(blob)), node.identity)
+        self.lies += 1
+        out: list[Any] = []
+        for e in effects:
+            if e is store:
+                out.append(StoreBlob(cid_of(blob), blob))
+            elif isinstance(e, Send) and e.message is p:
+                out.append(Send(e.to, forged))
+            else:
+                out.append(e)
+        return out
+
+    async def deliver(self, sender: str, dst: str, msg: Message) -> bool:
+        taken = await super().deliver(sender, dst, msg)
+        if taken and isinstance(msg, PartialVerdict):
+            self.got[msg.verdict] += 1
+        return taken
+
+
+def test_an_aggregator_that_lies_is_caught_by_another_members_replay_and_banned_by_the_shepherd() -> None:
+    spec = dataclasses.replace(SWARM_SPEC, aggregation=dataclasses.replace(SWARM_SPEC.aggregation,
+                                                                           partial_audit_rate=1.0))
+
+    async def go() -> tuple[Lying, Any]:
+        swarm = Lying(SwarmConfig(spec=spec, nodes=7))
+        return swarm, await swarm.run()
+
+    swarm, r = trio.run(go, clock=MockClock(autojump_threshold=0))
+    assert r.finished and swarm.liar is not None and swarm.lies >= 1
+    assert swarm.got["mismatch"] >= 1  # another member's replay saw it
+    (shepherd,) = {c.shepherd for c in r.chain}
+    machine = swarm.by_id[shepherd].machine
+    assert machine is not None and machine.ledger.banned(swarm.liar)  # confirmed by the shepherd's own replay
+    ban = machine.ledger.ban_of(swarm.liar)
+    assert ban is not None and "partial aggregate" in ban.reason
+    # banned: not drawn again, and its own Δ is refused from then on
+    later = [c for c in r.chain if c.round > min(c.round for c in r.chain if swarm.liar not in c.participants)]
+    assert all(swarm.liar not in c.participants for c in later)
+    assert swarm.got["match"] >= 1  # the honest aggregators' partials replayed to the same bytes
+
+
+def test_partial_audits_are_asked_by_the_shepherd_replayed_by_another_member_and_not_believed_on_one_word() -> None:
+    spec = dataclasses.replace(AGG_SPEC, aggregation=dataclasses.replace(AGG_SPEC.aggregation, partial_audit_rate=1.0))
+    bus = Bus(spec)
+    bus.hold_theta()
+    bus.blobs[bus.ann.theta_cid] = pack_tensors(THETA0, "fp32")
+    for w in sorted(bus.ids):
+        bus.train(w)
+    (rec,) = bus.commits()
+    reqs = sent(bus.effects, PartialAudit)
+    assert len(reqs) == 3  # every partial drawn at rate 1, each to another aggregator
+    for req in reqs:
+        p = decode(req.partial, PartialAggregate)
+        assert req.auditor in bus.ann.aggregators and req.auditor != p.aggregator and req.beacon == rec.theta_cid
+    req = reqs[0]
+    # only the auditor named, only as the shepherd signed it
+    other = next(i for p, i in bus.ids.items() if p != req.auditor)
+    with pytest.raises(VerificationError):
+        PartialReplay(spec, req, other, now=50.0)
+    with pytest.raises(BadSignature):
+        PartialReplay(spec, dataclasses.replace(req, beacon="x"), bus.ids[req.auditor], now=50.0)
+    # the auditor's replay: θ_r and the listed Δs, then a verdict to the shepherd
+    replay = PartialReplay(spec, req, bus.ids[req.auditor], now=50.0)
+    effects: list[Any] = []
+    for fetch in replay.start():
+        assert isinstance(fetch, FetchBlob)
+        effects += replay.on_blob(fetch.cid, bus.blobs[fetch.cid], now=51.0)
+    (verdict,) = sent(effects, PartialVerdict)
+    assert verdict.verdict == "match" and replay.done
+    s = bus.round.shepherd
+    # a verdict from anyone else, or on nothing open
+    (err,) = rejections(s.receive(sign(dataclasses.replace(verdict, auditor=other.peer_id), other), now=52.0))
+    assert isinstance(err, VerificationError)
+    # a mismatch is not believed: the shepherd replays the group itself, and refutes it
+    lie = sign(dataclasses.replace(verdict, verdict="mismatch"), bus.ids[req.auditor])
+    fetches = s.receive(lie, now=52.0)
+    assert fetches and all(isinstance(f, FetchBlob) for f in fetches)
+    out: list[Any] = []
+    for f in fetches:
+        out += s.on_blob(f.cid, bus.blobs[f.cid], now=53.0)
+    (err,) = rejections(out)
+    assert isinstance(err, VerificationError) and "does not show" in str(err)
+    (err,) = rejections(s.receive(verdict, now=54.0))  # the case is closed
+    assert isinstance(err, StaleMessage)

@@ -102,6 +102,7 @@ class AggregationPolicy(Message):
     # ``aggregators`` members each combine one group's Δs and send the shepherd one partial aggregate; 0 = off.
     aggregators: int = 0
     aggregate_above: int = 16
+    partial_audit_rate: float = 0.25  # share of partials another member replays (a confirmed lie bans)
 
 
 P = ParamSpec("P")

@@ -154,11 +154,14 @@ class Finished:
 @dataclass(frozen=True)
 class Banned:
     """Two auditors' replays contradict ``peer``'s signed round: record the ban (``evidence``:
-    encoded :class:`~pcp_p2p.diloco.protocol.audit.Evidence`, re-verifiable by anyone)."""
+    encoded :class:`~pcp_p2p.diloco.protocol.audit.Evidence`, re-verifiable by anyone), and send
+    it to every member. ``shared`` false: a lie only this node could check (a partial aggregate
+    its own replay disproved, :mod:`~pcp_p2p.diloco.protocol.partial_audit`): recorded here only."""
 
     peer: str
     evidence: bytes
     reason: str
+    shared: bool = True
 
 
 Effect = (

@@ -122,6 +122,7 @@ from pcp_p2p.diloco.protocol.messages import (
     sign,
     verify,
 )
+from pcp_p2p.diloco.protocol.partial_audit import PartialDesk, PartialVerdict
 from pcp_p2p.diloco.protocol.partials import (
     PartialAggregate,
     announced_groups,
@@ -254,6 +255,11 @@ class Shepherd:
         self.pending_partials: dict[str, tuple[PartialAggregate, tuple[Submission, ...]]] = {}
         self.partials_in: set[str] = set()  # aggregators whose partial this attempt took (one each)
         self._group_map: tuple[RoundAnnouncement, dict[str, str]] | None = None
+        self.taken: dict[str, PartialAggregate] = {}  # aggregator -> its partial this attempt took
+        g = self.spec.aggregation
+        # another member replays a drawn share of the partials (pcp_p2p.diloco.protocol.partial_audit)
+        self.partial_audits = (PartialDesk(self.spec, run_id, identity)
+                               if g.aggregators > 0 and g.partial_audit_rate > 0 else None)
         self.theta_bytes = pack_tensors(state.theta, "fp32")
         self.theta_cid = state.theta_cid
         self.commits: list[CommitRecord] = []
@@ -327,6 +333,8 @@ class Shepherd:
             return self.on_leave(msg, now)
         if isinstance(msg, PartialAggregate):
             return self.on_partial(msg, now)
+        if isinstance(msg, PartialVerdict):
+            return self.on_partial_verdict(msg, now)
         return [Rejected(None, RejectedUpdate(f"a shepherd does not take {type(msg).__name__}"))]
 
     def adopt(self, ann: RoundAnnouncement, now: float, gone: Collection[str] = ()) -> list[Effect]:
@@ -366,11 +374,7 @@ class Shepherd:
             effects = self.audits.on_report(report, now)
         except PcpError as exc:
             return [Rejected(report.auditor, exc)]
-        for e in effects:
-            if isinstance(e, Banned):
-                self.roster.pop(e.peer, None)
-                self.misses.pop(e.peer, None)
-        return effects
+        return self._banned(effects)
 
     def _not_admitted(self, peer: str) -> RejectedUpdate | None:
         """The refusal for a peer the run does not admit (it also leaves the roster), or None.
@@ -457,6 +461,7 @@ class Shepherd:
         self.pending.clear()
         self.pending_partials.clear()
         self.partials_in.clear()
+        self.taken.clear()
 
     def on_submission(self, sub: Submission, now: float) -> list[Effect]:
         agg = self.round_agg
@@ -553,15 +558,35 @@ class Shepherd:
             return [Rejected(p.aggregator, exc), *self._maybe_close(now)]
         group = [w for w, a in self._groups(agg.announcement).items() if a == p.aggregator]
         agg.admit_group(p.aggregator, subs, delta, p.tokens, p.mean_loss, score, group)
+        self.taken[p.aggregator] = p
         if self.adopted is None:
             for sub in subs:
                 self.deadlines.observe(sub.worker, now - self.announced_at)
         return self._maybe_close(now)
 
+    def on_partial_verdict(self, v: PartialVerdict, now: float) -> list[Effect]:
+        """An auditor's verdict on a partial this term asked it to replay."""
+        if self.partial_audits is None:
+            return [Rejected(v.auditor, StaleMessage("this shepherd asked for no partial audits"))]
+        try:
+            effects = self.partial_audits.on_verdict(v, now)
+        except PcpError as exc:
+            return [Rejected(v.auditor, exc)]
+        return effects
+
+    def _banned(self, effects: list[Effect]) -> list[Effect]:
+        for e in effects:
+            if isinstance(e, Banned):
+                self.roster.pop(e.peer, None)
+                self.misses.pop(e.peer, None)
+        return effects
+
     def on_blob(self, cid: str, data: bytes, now: float) -> list[Effect]:
         """A Δ blob asked for with ``FetchBlob`` arrived."""
         if cid in self.pending_partials:
             return self._partial_in(cid, data, None, now)
+        if self.partial_audits is not None and self.partial_audits.wants(cid):
+            return self._banned(self.partial_audits.on_blob(cid, data, None, now))
         subs = self.pending.pop(cid, [])
         effects: list[Effect] = []
         try:
@@ -579,6 +604,8 @@ class Shepherd:
     def on_blob_failed(self, cid: str, error: PcpError, now: float) -> list[Effect]:
         if cid in self.pending_partials:
             return self._partial_in(cid, None, error, now)
+        if self.partial_audits is not None and self.partial_audits.wants(cid):
+            return self.partial_audits.on_blob(cid, None, error, now)
         effects: list[Effect] = []
         for sub in self.pending.pop(cid, []):
             if self._is_current(sub):
@@ -895,6 +922,10 @@ class Shepherd:
                 agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
                 {w: j.target for w, j in self.roster.items()}, term=self.term,
             )
+        if self.partial_audits is not None and agg.groups:  # (drawn with the new θ's CID too)
+            effects += self.partial_audits.on_commit(
+                agg.announcement, [self.taken[a] for a in agg.groups if a in self.taken], participants,
+                agg.theta, theta_cid, self.term)
         if new_state.round >= self.spec.round.rounds:
             self._set_phase(Phase.FINISHED)
             return [*effects, Finished(new_state.round, theta_cid)]

@@ -62,6 +62,7 @@ Example (every key optional; these are the defaults)::
     audit_rate = 0.04        # share of accepted submissions re-executed by another worker
     aggregators = 0          # above aggregate_above workers, this many members combine groups of Δs; 0 = off
     aggregate_above = 16     # (docs/diloco.md, "Aggregators")
+    partial_audit_rate = 0.25  # share of partial aggregates another member recomputes
 
     [admission]        # who may contribute
     mode = "open"            # or "allowlist"
@@ -249,6 +250,8 @@ class RunSpec(Message):
         need(finite(g.audit_rate) and 0 <= g.audit_rate <= 1, "aggregation.audit_rate", "must be in [0, 1]")
         need(0 <= g.aggregators <= 64, "aggregation.aggregators", "must be in [0, 64] (0 = off)")
         need(g.aggregate_above >= 0, "aggregation.aggregate_above", "must be >= 0")
+        need(finite(g.partial_audit_rate) and 0 <= g.partial_audit_rate <= 1, "aggregation.partial_audit_rate",
+             "must be in [0, 1]")
         need(g.audit_rate == 0 or r.delta_codec not in FEEDBACK_CODECS, "aggregation.audit_rate",
              f"must be 0 with round.delta_codec = {r.delta_codec!r}: its workers train from θ minus a private "
              "error-feedback residual, which an audit cannot replay yet")

@@ -99,7 +99,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pcp_p2p.blob.swarm import tree_order, worth_a_tree
-from pcp_p2p.core.errors import HeldBack, NotElected, PcpError, RemoteError, StaleMessage, VerificationError
+from pcp_p2p.core.errors import (
+    HeldBack,
+    NotElected,
+    OverBudget,
+    PcpError,
+    RemoteError,
+    StaleMessage,
+    VerificationError,
+)
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
 from pcp_p2p.diloco.protocol.audit import (
@@ -150,6 +158,7 @@ from pcp_p2p.diloco.protocol.messages import (
     RoundAnnouncement,
     Submission,
 )
+from pcp_p2p.diloco.protocol.partial_audit import MAX_REPLAYS, PartialAudit, PartialReplay, PartialVerdict
 from pcp_p2p.diloco.protocol.partials import PartialAggregate
 from pcp_p2p.diloco.protocol.shepherd import Shepherd
 from pcp_p2p.diloco.protocol.spec import RunSpec
@@ -202,6 +211,7 @@ SETUP_BACKOFF_MAX_S = 300.0  # ... doubling with each failure in a row, up to th
 FIRST_LOOK_S = 5.0  # members first seen this soon after this node's first view may predate it (see candidates)
 
 WORKER, SHEPHERD, AGGREGATOR = "worker", "shepherd", "aggregator"
+REPLAY = "partial-audit:"  # + the partial's CID: a partial audit's fetches (``PartialReplay``)
 
 
 @dataclass(frozen=True)
@@ -257,6 +267,7 @@ class RunMachine:
         self.worker: Worker | None = None
         self.shepherd: Shepherd | None = None
         self.collector: GroupCollector | None = None  # this node's group, when an announcement names it
+        self.replays: dict[str, PartialReplay] = {}  # partial audits this node runs, by the partial's CID
         self.shepherd_peer: str | None = None
         self.phase = "starting"
         self.finished = False
@@ -353,7 +364,9 @@ class RunMachine:
     def on_message(self, sender: str, msg: Message, now: float) -> list[RunEffect]:
         return self._run(now, lambda: self._message(sender, msg, now))
 
-    def _machine(self, who: str) -> Shepherd | Worker | GroupCollector | None:
+    def _machine(self, who: str) -> Shepherd | Worker | GroupCollector | PartialReplay | None:
+        if who.startswith(REPLAY):
+            return self.replays.get(who[len(REPLAY):])
         return self.shepherd if who == SHEPHERD else self.collector if who == AGGREGATOR else self.worker
 
     def on_blob(self, who: str, cid: str, data: bytes, now: float) -> list[RunEffect]:
@@ -484,6 +497,8 @@ class RunMachine:
                 self._round(WORKER, self.worker.tick(now), now)
             if self.collector is not None:
                 self._round(AGGREGATOR, self.collector.tick(now), now)
+            for pcid, replay in list(self.replays.items()):
+                self._round(REPLAY + pcid, replay.tick(now), now)
             e = self.election
             followed = e.lease if e.role is Role.FOLLOWER else None
             self._election(e.tick(now), now)
@@ -499,7 +514,7 @@ class RunMachine:
     def next_wakeup(self) -> float | None:
         """The earliest deadline of the three machines (a past one: a worker busy training)."""
         wake = self.election.next_wakeup  # (read after every input: no list built)
-        for machine in (self.shepherd, self.worker, self.collector):
+        for machine in (self.shepherd, self.worker, self.collector, *self.replays.values()):
             w = machine.next_wakeup if machine is not None else None
             if w is not None and (wake is None or w < wake):
                 wake = w
@@ -654,7 +669,9 @@ class RunMachine:
             effects = self.collector.on_submission(msg, now)
             self._strike(sender, effects, now)
             self._round(AGGREGATOR, effects, now)
-        elif isinstance(msg, (Join, Submission, AuditReport, PartialAggregate)):
+        elif isinstance(msg, PartialAudit):
+            self._partial_audit(sender, msg, now)
+        elif isinstance(msg, (Join, Submission, AuditReport, PartialAggregate, PartialVerdict)):
             if self.shepherd is None and self.becoming:
                 self._early.append((sender, msg))  # still compiling: answer once the shepherd exists
                 return
@@ -669,6 +686,23 @@ class RunMachine:
         elif isinstance(msg, RoundAnnouncement) and self.worker is not None:
             self._round(WORKER, self.worker.receive(msg, now), now)
 
+    def _partial_audit(self, sender: str, req: PartialAudit, now: float) -> None:
+        """Replay a partial aggregate the term's shepherd drew (``PartialReplay``): only from the
+        holder of the term it names, at most ``MAX_REPLAYS`` at once."""
+        try:
+            if sender != req.shepherd or not self.holds_term(req.term, req.shepherd):
+                raise VerificationError(f"{sender:.16}… does not hold term {req.term}: no partial audit")
+            if len(self.replays) >= MAX_REPLAYS:
+                raise OverBudget(f"{MAX_REPLAYS} partial audits already run here")
+            replay = PartialReplay(self.spec, req, self.identity, now)
+        except PcpError as exc:
+            self._reject(sender, exc)
+            return
+        if replay.partial_cid in self.replays:
+            return
+        self.replays[replay.partial_cid] = replay
+        self._round(REPLAY + replay.partial_cid, replay.start(), now)
+
     def _strike(self, sender: str, effects: list[Effect], now: float) -> None:
         for e in effects:  # strike only the sender libp2p authenticated
             if isinstance(e, Rejected) and e.peer == sender:
@@ -677,6 +711,8 @@ class RunMachine:
     def _after_input(self) -> None:
         """After every input: the worker's phase, this node's group, a new commit's bookkeeping,
         and the run's end."""
+        for pcid in [p for p, r in self.replays.items() if r.done]:
+            del self.replays[pcid]
         w = self.worker
         if w is None or self.finished:
             return
@@ -978,8 +1014,9 @@ class RunMachine:
                 log.warning("run %s: %s banned: %s", self.run_id[:16], e.peer, e.reason)
                 # The evidence proves itself: every member records the ban, so the
                 # next term's shepherd refuses the offender too.
-                evidence = decode_evidence(e.evidence)
-                self._out.extend(Send(p, evidence) for p in self.run_members() if p != e.peer)
+                if e.shared:
+                    evidence = decode_evidence(e.evidence)
+                    self._out.extend(Send(p, evidence) for p in self.run_members() if p != e.peer)
             elif isinstance(e, Discarded):
                 log.warning("run %s: round %d attempt %d discarded: %s", self.run_id[:16], e.round + 1,
                             e.attempt, e.error)

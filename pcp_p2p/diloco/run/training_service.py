@@ -37,6 +37,7 @@ from pcp_p2p.diloco.protocol.election import Heartbeat, Lease
 from pcp_p2p.diloco.protocol.lifecycle import StopOrder, summary_of
 from pcp_p2p.diloco.protocol.messages import ROUND_MESSAGES
 from pcp_p2p.diloco.protocol.owner_runs import OWNER_RUNS_KIND, OwnerRuns
+from pcp_p2p.diloco.protocol.partial_audit import PARTIAL_AUDIT_MESSAGES
 from pcp_p2p.diloco.protocol.partials import PartialAggregate
 from pcp_p2p.diloco.protocol.runs import KnownRun, NoAllowedTarget, RunBook, TrustPolicy
 from pcp_p2p.diloco.protocol.spec import RunSpec, SignedRunSpec
@@ -81,8 +82,8 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, PartialAggregate, Lease, AllowlistUpdate, StopOrder,
-                                      *AUDIT_MESSAGES),
+        self.node.messenger.register((*ROUND_MESSAGES, PartialAggregate, *PARTIAL_AUDIT_MESSAGES, Lease,
+                                      AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
                                      self._on_round_message)
         self.node.messenger.register((Heartbeat,), self._on_round_message, line=True)  # posted on a line
         self.node.config.extra_status["run"] = self.run_status
