@@ -256,6 +256,7 @@ class Shepherd:
         self.partials_in: set[str] = set()  # aggregators whose partial this attempt took (one each)
         self._group_map: tuple[RoundAnnouncement, dict[str, str]] | None = None
         self.taken: dict[str, PartialAggregate] = {}  # aggregator -> its partial this attempt took
+        self.partials_combined = 0  # partial aggregates in this term's commits
         g = self.spec.aggregation
         # another member replays a drawn share of the partials (pcp_p2p.diloco.protocol.partial_audit)
         self.partial_audits = (PartialDesk(self.spec, run_id, identity)
@@ -922,6 +923,7 @@ class Shepherd:
                 agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
                 {w: j.target for w, j in self.roster.items()}, term=self.term,
             )
+        self.partials_combined += len(agg.groups)
         if self.partial_audits is not None and agg.groups:  # (drawn with the new θ's CID too)
             effects += self.partial_audits.on_commit(
                 agg.announcement, [self.taken[a] for a in agg.groups if a in self.taken], participants,

@@ -237,6 +237,8 @@ class RunStats:
     first_contribution_s: float | None = None
     contributed_rounds: list[int] = field(default_factory=list)  # rounds whose commit counted this node
     bytes_submitted: int = 0  # encoded submissions sent (what this worker puts on the wire per round)
+    partials_sent: int = 0  # partial aggregates this node sent as an aggregator
+    partial_replays: dict[str, int] = field(default_factory=dict)  # partial audits this node ran, by verdict
     first_train_at: float | None = None  # the first inner run started
     last_commit_at: float | None = None  # the latest commit arrived
     superseded: int = 0  # commits this node had shown, replaced by fork choice (a higher term's chain)
@@ -992,6 +994,11 @@ class RunMachine:
             if isinstance(e, Send):
                 if isinstance(e.message, Submission):
                     self.stats.bytes_submitted += len(encode(e.message))
+                elif isinstance(e.message, PartialAggregate):
+                    self.stats.partials_sent += 1
+                elif isinstance(e.message, PartialVerdict):
+                    v = e.message.verdict
+                    self.stats.partial_replays[v] = self.stats.partial_replays.get(v, 0) + 1
                 self._out.append(e)
             elif isinstance(e, FetchBlob):
                 self._out.append(Fetch(who, e.cid, e.hint))

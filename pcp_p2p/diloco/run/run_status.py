@@ -108,6 +108,15 @@ def run_status(rt: RunRuntime) -> dict[str, Any]:
         "rejected": dict(stats.rejected),
         "held": stats.held,  # leases/commits kept until their authority can be checked
         "audits": dict(stats.audits),
+        # aggregators (docs/diloco.md, "Aggregators"): partials this node sent, combined as the
+        # shepherd, and replayed for a shepherd (by verdict); the shepherd's partial audits
+        "aggregation": {
+            "partials_sent": stats.partials_sent,
+            "partials_combined": m.shepherd.partials_combined if m.shepherd is not None else 0,
+            "partial_replays": dict(stats.partial_replays),
+            "partial_audits": (m.shepherd.partial_audits.status()
+                               if m.shepherd is not None and m.shepherd.partial_audits is not None else None),
+        },
         "admission": rt.spec.admission.mode,
         "banned": len(m.ledger.bans()),
         "history": list(stats.history),
