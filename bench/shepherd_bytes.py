@@ -34,8 +34,17 @@ N = 16 (the headline) and at a smaller N (``PCP_BENCH_SHEPHERD_NS``, default
 "4,16"); ``shepherd_bytes_flat_in_n`` is true when the largest N's figure is
 at most 1.25x the smallest's (null when one N was measured).
 
+Aggregators (issue #15 item 3): with ``PCP_BENCH_SHEPHERD_AGGREGATORS=K`` every N is
+measured twice in the same run, without aggregators (the baseline) and with
+``aggregation.aggregators = K`` (``aggregate_above = 4``, ``partial_audit_rate = 0.25``);
+the headline is then the aggregated figure at the largest N, and
+``shepherd_bytes_without_aggregators_by_n`` holds the baseline's. Aggregators pay where
+a worker's Δ is large next to a group's update (a dense codec: ``PCP_BENCH_SHEPHERD_CODEC=int8``);
+with ``topk2`` a Δ is ~1.5% of θ, smaller than the int8 update a group sends.
+
 Knobs: ``PCP_BENCH_SHEPHERD_NS`` ("4,16"), ``PCP_BENCH_SHEPHERD_ROUNDS`` (5),
-``PCP_BENCH_SHEPHERD_BUDGET`` (2 s of inner steps per round).
+``PCP_BENCH_SHEPHERD_BUDGET`` (2 s of inner steps per round), ``PCP_BENCH_SHEPHERD_CODEC``
+("topk2"), ``PCP_BENCH_SHEPHERD_AGGREGATORS`` (0: none).
 """
 
 from __future__ import annotations
@@ -61,13 +70,15 @@ from pcp_p2p.node.status import to_json
 NS = [int(n) for n in os.environ.get("PCP_BENCH_SHEPHERD_NS", "4,16").split(",")]
 ROUNDS = int(os.environ.get("PCP_BENCH_SHEPHERD_ROUNDS", "5"))
 BUDGET_S = float(os.environ.get("PCP_BENCH_SHEPHERD_BUDGET", "2"))
+CODEC = os.environ.get("PCP_BENCH_SHEPHERD_CODEC", "topk2")
+AGGREGATORS = int(os.environ.get("PCP_BENCH_SHEPHERD_AGGREGATORS", "0"))
 WARM = 2  # rounds before the window opens (the first rounds also fetch the artifact, θ_0, ...)
 TARGET = 3.0
 FLAT = 1.25
 POLL_S = 0.5
 
 
-def spec(n: int) -> str:
+def spec(n: int, aggregators: int = 0) -> str:
     return f"""
 name = "shepherd-bytes"
 [model]
@@ -83,10 +94,12 @@ max_inner_steps = 100000
 deadline_s = {BUDGET_S * 4 + 30 + n}
 rounds = {ROUNDS + 2}
 min_quorum = {max(2, n // 2)}
-delta_codec = "topk2"
+delta_codec = "{CODEC}"
 [aggregation]
 rule = "centered_clip"
 audit_rate = 0.0
+aggregators = {aggregators}
+aggregate_above = 4
 [election]
 rotate_every = 0
 """
@@ -113,14 +126,15 @@ async def swarm_totals(swarm: LocalSwarm) -> dict[str, int]:
     return totals
 
 
-async def arm(root: Path, n: int) -> dict[str, Any]:
-    async with local_swarm(root / f"n{n}", extra_args=["--trust-any"]) as swarm:
+async def arm(root: Path, n: int, aggregators: int = 0) -> dict[str, Any]:
+    name = f"n{n}a{aggregators}"
+    async with local_swarm(root / name, extra_args=["--trust-any"]) as swarm:
         boot = await swarm.start_bootstrap()
         await swarm.add_workers(n, deadline_s=120 + 10 * n)
-        (root / f"n{n}.toml").write_text(spec(n))
+        (root / f"{name}.toml").write_text(spec(n, aggregators))
         await trio.to_thread.run_sync(lambda: subprocess.run(
-            [*pcp_command(), "run", "create", str(root / f"n{n}.toml"), "--bootstrap", boot.addr,
-             "--data-dir", str(root / f"owner{n}"), "--json"], capture_output=True, check=True, timeout=300))
+            [*pcp_command(), "run", "create", str(root / f"{name}.toml"), "--bootstrap", boot.addr,
+             "--data-dir", str(root / f"owner{name}"), "--json"], capture_output=True, check=True, timeout=300))
         by_peer = {w.peer_id: w for w in swarm.workers}
         marks: dict[int, tuple[int, int, float]] = {}  # round -> (shepherd bytes in + out, of them blob, time seen)
         split: dict[int, dict[str, int]] = {}  # round -> the shepherd's stream bytes (in + out) by protocol
@@ -191,13 +205,17 @@ async def arm(root: Path, n: int) -> dict[str, Any]:
         }
 
 
-def measure(ns: list[int] = NS) -> dict[str, Any]:
+def measure(ns: list[int] = NS, aggregators: int = AGGREGATORS) -> dict[str, Any]:
     """The figures (also merged into ``bench/bandwidth.py``'s line)."""
     results: dict[int, dict[str, Any]] = {}
+    baseline: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="pcp-bench-shepherd-") as tmp:
         for n in ns:
-            results[n] = trio.run(arm, Path(tmp), n)
-            print(json.dumps({"workers": n, **results[n]}), file=sys.stderr, flush=True)  # (progress)
+            if aggregators:
+                baseline[n] = trio.run(arm, Path(tmp), n, 0)
+                print(json.dumps({"workers": n, "aggregators": 0, **baseline[n]}), file=sys.stderr, flush=True)
+            results[n] = trio.run(arm, Path(tmp), n, aggregators)
+            print(json.dumps({"workers": n, "aggregators": aggregators, **results[n]}), file=sys.stderr, flush=True)
     big, small = max(ns), min(ns)
     # one N alone says nothing about flatness: null, not a ratio of 1
     ratio = results[big]["per_model"] / results[small]["per_model"] if big != small else None
@@ -209,6 +227,10 @@ def measure(ns: list[int] = NS) -> dict[str, Any]:
         "shepherd_bytes_flat_in_n": ratio <= FLAT if ratio is not None else None,
         "shepherd_bytes_ratio_largest_to_smallest_n": round(ratio, 3) if ratio is not None else None,
         "shepherd_bytes_detail": {str(n): r for n, r in sorted(results.items())},
+        "shepherd_bytes_aggregators": aggregators,
+        **({"shepherd_bytes_without_aggregators_by_n": {str(n): r["per_model"] for n, r in sorted(baseline.items())},
+            "shepherd_bytes_without_aggregators_detail": {str(n): r for n, r in sorted(baseline.items())}}
+           if baseline else {}),
     }
 
 
@@ -223,7 +245,7 @@ def main() -> None:
         **figures,
         "before_swarming_computed_n16": 16.28,
         "model": "tiny",
-        "delta_codec": "topk2",
+        "delta_codec": CODEC,
         "inner_budget_s": BUDGET_S,
     }))
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import trio
 from test_diloco_protocol import OWNER, RUN_ID, SPEC, THETA0, Round, rejections, sent
+from test_run_machine import SPEC as RUN_MACHINE_SPEC
 from trio.testing import MockClock
 
 from pcp_p2p.core.cid import cid_of
@@ -29,7 +30,6 @@ from pcp_p2p.diloco.protocol.effects import Committed, FetchBlob, Send, StoreBlo
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.protocol.partial_audit import PartialAudit, PartialReplay, PartialVerdict
 from pcp_p2p.diloco.protocol.partials import PartialAggregate, announced_groups
-from pcp_p2p.diloco.protocol.spec import parse_spec
 from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.testing.run_harness import RunSwarm, SwarmConfig
 from pcp_p2p.wire import Message, decode
@@ -257,23 +257,10 @@ def test_without_aggregators_or_below_the_size_every_delta_goes_to_the_shepherd(
 
 # --- the same on N run machines -----------------------------------------------------------
 
-SWARM_SPEC = parse_spec("""
-[inner]
-lr = 0.02
-batch_size = 4
-seq_len = 8
-[round]
-time_budget_s = 10.0
-deadline_s = 20.0
-max_inner_steps = 20
-rounds = 6
-min_quorum = 2
-[aggregation]
-score_tolerance = 0.25
-val_jump = 0.0
-aggregators = 2
-aggregate_above = 4
-""")
+SWARM_SPEC = dataclasses.replace(  # test_run_machine's run, shorter, with two aggregators
+    RUN_MACHINE_SPEC, round=dataclasses.replace(RUN_MACHINE_SPEC.round, rounds=6),
+    aggregation=dataclasses.replace(RUN_MACHINE_SPEC.aggregation, aggregators=2, aggregate_above=4))
+
 
 
 def test_seven_run_machines_train_through_aggregators_and_the_shepherd_gets_only_partials() -> None:

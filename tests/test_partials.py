@@ -15,7 +15,8 @@ from test_diloco_byzantine import SPEC  # (the absolute norm cap out of the way:
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage
 from pcp_p2p.core.identity import Identity
-from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
+from pcp_p2p.diloco.algorithm import robust
+from pcp_p2p.diloco.algorithm.params import Params, pack_tensors, unpack_tensors
 from pcp_p2p.diloco.protocol.messages import DataAssignment, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.protocol.partials import (
     MIN_GROUP,
@@ -23,7 +24,6 @@ from pcp_p2p.diloco.protocol.partials import (
     check_partial,
     choose_aggregators,
     combine_group,
-    combine_partials,
     group_map,
     replay_partial,
 )
@@ -63,6 +63,11 @@ def submit(worker: Identity, delta: np.ndarray, steps: int = 5) -> tuple[Submiss
         delta_cid=cid_of(payload), delta_inline=None, steps=steps, tokens=steps * SPEC.tokens_per_step,
         losses=(2.0, 1.5)), worker)
     return sub, payload
+
+
+def top_level(deltas: dict[str, Params], tokens: dict[str, int]) -> robust.Aggregate:
+    """The shepherd's combine across groups: its RoundAggregator's rule, each group one entry."""
+    return robust.aggregate(deltas, {a: float(t) for a, t in tokens.items()}, SPEC.aggregation)
 
 
 def group(aggregator: str) -> list[str]:
@@ -189,10 +194,10 @@ def test_a_hostile_worker_is_bounded_in_its_group_and_a_hostile_aggregator_acros
     for a in AGGREGATORS:  # one worker of the first group sends 40x its Δ
         g = combine_group(SPEC, ANN, THETA, offers(a, {group(a)[0]: 40.0} if a == AGGREGATORS[0] else None))
         results[a], tokens[a] = g.result.delta, g.result.tokens
-    clean = combine_partials(results, tokens, SPEC.aggregation).delta["w"]
+    clean = top_level(results, tokens).delta["w"]
     assert np.max(np.abs(clean - target)) < 0.2 * np.max(np.abs(target))
     # an aggregator that sends a Δ of its choosing (its own sum, 1000x) is screened across the groups
     results[AGGREGATORS[1]] = {"w": 1000.0 * target}
-    hostile = combine_partials(results, tokens, SPEC.aggregation)
+    hostile = top_level(results, tokens)
     assert AGGREGATORS[1] in hostile.screened
     assert np.max(np.abs(hostile.delta["w"] - target)) < 0.2 * np.max(np.abs(target))

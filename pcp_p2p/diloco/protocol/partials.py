@@ -6,9 +6,15 @@ With aggregators, a few well-connected members each combine the Δs of one group
 workers and send the shepherd one partial aggregate: the shepherd takes g partials
 instead of N Δs.
 
-What this module holds (the protocol's rules; no I/O, no clock). It is not wired into
-the round yet: the announcement does not name aggregators, workers still submit to the
-shepherd (docs/diloco.md, "Aggregators").
+What this module holds: the protocol's rules (no I/O, no clock). The round uses them
+when the spec sets ``aggregation.aggregators`` and the roster is above
+``aggregation.aggregate_above``: the shepherd names the attempt's aggregators in its
+announcement, a worker sends its Δ to its group's, an aggregator collects and combines
+its group (:mod:`~pcp_p2p.diloco.protocol.collector`), the shepherd checks each partial
+and combines them with any Δ sent to it directly
+(:meth:`~pcp_p2p.diloco.protocol.shepherd.Shepherd.on_partial`), and a drawn share of
+partials is replayed by another member (:mod:`~pcp_p2p.diloco.protocol.partial_audit`).
+See docs/diloco.md, "Aggregators".
 
 - **Who aggregates** (:func:`choose_aggregators`): a deterministic draw from the roster,
   members that can be dialled directly first (a relay-only home must not carry N Δs
@@ -18,7 +24,9 @@ shepherd (docs/diloco.md, "Aggregators").
   workers ordered by a hash of the beacon and dealt in turn: groups of N/g, ± 1.
 - **The partial** (:class:`PartialAggregate`): the aggregator's signed statement of what
   it combined: the workers' signed submissions themselves (by CID: their Δs stay where
-  they are), the CID of the group's combined Δ in fp32, and the group's tokens and loss.
+  they are), the CID of the group's combined Δ (encoded as the commit's update is,
+  ``outer.update_codec``: a deterministic encoding, so a replay still compares CIDs), and
+  the group's tokens and loss.
 - **The group's combine** (:func:`combine_group`) is the shepherd's own rule
   (:class:`~pcp_p2p.diloco.protocol.aggregate.RoundAggregator`: every check of a
   submission, the norm screen, capped weights, the spec's robust rule) run on the
@@ -31,16 +39,18 @@ shepherd (docs/diloco.md, "Aggregators").
   the group's combine and compares CIDs; the partial, signed by the aggregator, and the
   workers' signed submissions are the whole evidence. A worker's round needs its
   auditor to re-train it; an aggregator's needs only the arithmetic, so it can be
-  checked as often as the Δs' bytes allow (a sampled share of partials a round).
+  checked as often as the Δs' bytes allow (``aggregation.partial_audit_rate`` of the
+  partials, by another member: :mod:`~pcp_p2p.diloco.protocol.partial_audit`).
 
 Robust aggregation and partial sums (the tension, and the choice). The robust rules
 need every Δ: a trimmed mean of sums is not a trimmed mean. The choice here is two
 levels (bucketing: Karimireddy, He, Jaggi, ICLR 2022, "Byzantine-robust learning on
 heterogeneous datasets via bucketing"): each group is combined by the full rule, so a
 hostile worker is bounded inside its group exactly as today; the shepherd combines the
-g group results by the same rule, weighted by tokens (:func:`combine_partials`), so a
-hostile aggregator is bounded like a hostile worker, and a lying one is provable
-besides. What is lost: a worker's Δ is screened against its group's median norm, not
+g group results by the same rule, weighted by tokens (each partial is one entry of the
+shepherd's :class:`~pcp_p2p.diloco.protocol.aggregate.RoundAggregator`, beside any Δ sent
+to it directly), so a hostile aggregator is bounded like a hostile worker, and a lying
+one is provable besides. What is lost: a worker's Δ is screened against its group's median norm, not
 the round's, and with groups of two or fewer the norm screen cannot fire; so groups
 are kept at ``MIN_GROUP`` or more workers (fewer aggregators when the roster is small).
 """
@@ -55,7 +65,6 @@ import numpy as np
 
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
-from pcp_p2p.diloco.algorithm import robust
 from pcp_p2p.diloco.algorithm.params import Params, global_norm, unpack_tensors
 from pcp_p2p.diloco.algorithm.update import encode_update
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, delta_norm_bound
@@ -250,12 +259,3 @@ def decode_group_delta(blob: bytes, theta: Params, spec: RunSpec, subs: Sequence
     if not norm <= bound:
         raise RejectedUpdate(f"a partial aggregate's ‖Δ‖ = {norm:.4g} is above the bound {bound:.4g}")
     return {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
-
-
-def combine_partials(deltas: Mapping[str, Params], tokens: Mapping[str, int],
-                     policy: robust.AggregationPolicy) -> robust.Aggregate:
-    """The shepherd's combine across groups (keyed by aggregator): the spec's rule again, a
-    group weighing its tokens (capped at ``max_share``), with the norm screen against the
-    groups' median. A group result is itself robust, so a hostile worker is bounded in its
-    group; a hostile aggregator is bounded here as a hostile worker is in a group."""
-    return robust.aggregate(dict(deltas), {a: float(t) for a, t in tokens.items()}, policy)

@@ -24,6 +24,13 @@ input — there is no state in which the step is half-applied. If the deadline
 passes without quorum the attempt is *discarded* (``Discarded``) and the same
 round is announced again with ``attempt + 1``: fresh data seeds, the same θ_r.
 
+**Aggregators** (``aggregation.aggregators``, docs/diloco.md "Aggregators"): above
+``aggregate_above`` workers the announcement names a few members; each combines its
+group's Δs and sends a signed partial aggregate (``on_partial``: checked before its Δ
+is fetched; the group is then one entry of the round's combine and stands for its
+workers in the commit). At each commit a drawn share of partials goes to another member
+to replay (``PartialDesk``); a mismatch it reports is replayed here before a ban.
+
 Membership is a roster of workers that sent a signed ``Join``. The first
 announcement waits :attr:`Shepherd.join_grace_s` after the quorum has joined, so
 workers that start together train together. A joiner is assigned from the next
