@@ -107,8 +107,11 @@ class Bus:
         return [e.record for e in self.effects if isinstance(e, Committed)]
 
 
-def test_a_round_through_aggregators_commits_every_worker_from_one_partial_per_group() -> None:
-    bus = Bus()
+@pytest.mark.parametrize("quorum", [2, N - 1])
+def test_a_round_through_aggregators_commits_every_worker_from_one_partial_per_group(quorum: int) -> None:
+    # (the quorum counts workers, not partials: three partials meet a quorum of nine)
+    spec = dataclasses.replace(AGG_SPEC, round=dataclasses.replace(AGG_SPEC.round, min_quorum=quorum))
+    bus = Bus(spec)
     assert len(bus.ann.aggregators) == 3 and OWNER.peer_id not in bus.ann.aggregators  # (10 workers: 3 groups)
     bus.hold_theta()
     subs = [bus.train(w) for w in sorted(bus.ids)]

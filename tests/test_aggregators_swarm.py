@@ -3,7 +3,8 @@
 Bootstrap + 7 workers train the tiny GPT with ``aggregation.aggregators = 2``: each
 round's announcement names two aggregators, every worker's Δ goes to its group's, the
 shepherd combines two partial aggregates a round and commits all seven workers, and
-every partial is replayed by the other aggregator (``partial_audit_rate = 1``).
+every partial is replayed by the other aggregator (``partial_audit_rate = 1``). The
+quorum (5) is above the number of partials: it counts the workers they stand for.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ time_budget_s = 2.0
 max_inner_steps = 100
 deadline_s = 20.0
 rounds = {ROUNDS}
-min_quorum = 2
+min_quorum = 5
 [aggregation]
 aggregators = 2
 aggregate_above = 4

@@ -157,6 +157,11 @@ class RoundAggregator:
             out.update(self.groups.get(key, (key,)))
         return tuple(sorted(out))
 
+    def workers_in(self, keys: Collection[str]) -> int:
+        """How many workers the entries ``keys`` stand for (a group counts its workers): what a
+        quorum counts, so a round of g partials is not g submissions."""
+        return sum(len(self.groups.get(k, (k,))) for k in keys)
+
     def seen(self, worker: str) -> bool:
         """Whether a submission of ``worker`` passed :meth:`check_header` in this attempt."""
         return worker in self._seen

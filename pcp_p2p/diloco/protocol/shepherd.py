@@ -446,7 +446,7 @@ class Shepherd:
                 sub.worker == msg.peer for _, subs in self.pending_partials.values() for sub in subs):
             return []  # its Δ is on its way here
         agg.refuse(msg.peer, PeerGone(f"{msg.peer:.16}… left the run"))
-        if len(agg.accepted) + len(agg.assigned - agg.reported) < self.spec.round.min_quorum:
+        if agg.workers_in(agg.accepted) + len(agg.assigned - agg.reported) < self.spec.round.min_quorum:
             return self._discard(now, " (workers left; the quorum is out of reach)")
         return self._maybe_close(now)
 
@@ -631,7 +631,7 @@ class Shepherd:
         deadline = self.deadline
         if agg is None or deadline is None or now < deadline:
             return []
-        if len(agg.accepted) >= self.spec.round.min_quorum:
+        if agg.workers_in(agg.accepted) >= self.spec.round.min_quorum:
             return self._commit(now)
         return self._discard(now)
 
@@ -718,7 +718,7 @@ class Shepherd:
         assert agg is not None
         if agg.reported != agg.assigned:
             return []
-        if len(agg.accepted) >= self.spec.round.min_quorum:
+        if agg.workers_in(agg.accepted) >= self.spec.round.min_quorum:
             return self._commit(now)
         return self._discard(now)
 
@@ -790,7 +790,7 @@ class Shepherd:
         agg = self.round_agg
         assert agg is not None
         err = QuorumError(
-            f"round {self.state.round + 1} attempt {self.attempt}: {len(agg.accepted)} accepted, "
+            f"round {self.state.round + 1} attempt {self.attempt}: {agg.workers_in(agg.accepted)} accepted, "
             f"quorum {self.spec.round.min_quorum}{why}"
         )
         effects: list[Effect] = [Discarded(self.state.round, self.attempt, err)]
@@ -848,10 +848,10 @@ class Shepherd:
         screened: dict[str, RejectedUpdate] = {}
         outcome: tuple[RoundResult, OuterState, float | None, bytes] | None = None
         guard_dropped = False  # only the guard's own drops loosen its limit for the next attempt
-        while len(agg.accepted) - len(dropped) >= quorum:
+        while agg.workers_in(agg.accepted) - agg.workers_in(dropped) >= quorum:
             result = agg.combine(exclude=dropped)
             screened = result.screened
-            if len(result.weights) < quorum:
+            if agg.workers_in(result.weights) < quorum:
                 break
             update, applied = encode_update(result.delta, self.spec.outer.update_codec)
             new_state = nesterov_step(self.state, applied, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
