@@ -25,7 +25,7 @@ from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage, VerificationError
 from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
 from pcp_p2p.diloco.algorithm.update import encode_update
-from pcp_p2p.diloco.protocol.collector import GroupCollector
+from pcp_p2p.diloco.protocol.collector import GroupCollector, close_time
 from pcp_p2p.diloco.protocol.effects import Committed, FetchBlob, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.protocol.partial_audit import PartialAudit, PartialReplay, PartialVerdict
@@ -250,6 +250,13 @@ def test_a_collector_refuses_an_inline_delta_a_bad_signature_and_anything_after_
     assert c.closed and c.partial is None  # nothing arrived: nothing to send
     (err,) = rejections(c.on_submission(bus.round.submission(bus.ids[sorted(c.group)[2]]), now=c.close_at))
     assert isinstance(err, StaleMessage)
+
+
+@pytest.mark.parametrize(("budget", "deadline", "closes"), [(10.0, 100.0, 85.0), (60.0, 66.0, 63.0), (5.0, 5.0, 5.0)])
+def test_an_incomplete_group_closes_before_the_deadline_but_after_the_time_budget(
+        budget: float, deadline: float, closes: float) -> None:
+    ann = dataclasses.replace(Round(AGG_SPEC, n=N).ann, time_budget_s=budget, deadline=deadline)
+    assert close_time(ann, now=0.0) == pytest.approx(closes)
 
 
 def test_without_aggregators_or_below_the_size_every_delta_goes_to_the_shepherd() -> None:

@@ -15,9 +15,9 @@ Like the shepherd and the worker it is fed inputs with ``now`` and answers with
 submissions of its group and the blobs it asked for.
 
 A group closes when every worker of it has been decided (its Δ arrived, or it was
-refused) and θ_r is held (:meth:`GroupCollector.hold_theta`), or at ``close_at``: a
-share :data:`CLOSE_SHARE` of the way from the announcement's arrival to its deadline,
-so the partial and its Δ reach the shepherd before the shepherd closes the attempt.
+refused) and θ_r is held (:meth:`GroupCollector.hold_theta`), or at ``close_at``
+(:func:`close_time`: a little before the announcement's deadline, after the workers'
+time budget), so the partial and its Δ reach the shepherd before it closes the attempt.
 A worker whose Δ missed the group is not combined; it sees itself missing from the
 commit and from then on sends its Δ to the shepherd itself whenever that aggregator is
 its group's (:attr:`~pcp_p2p.diloco.protocol.worker.Worker.dropped_by`): an aggregator
@@ -44,9 +44,18 @@ from pcp_p2p.diloco.protocol.partials import PartialAggregate, announced_groups,
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.wire import encode
 
-CLOSE_SHARE = 0.85
-"""The group closes this far from the announcement's arrival to its deadline (if not complete
-before): the rest is for the partial and its Δ to reach the shepherd."""
+CLOSE_SHARE = 0.15
+"""An incomplete group closes this share of the time to the announcement's deadline before it
+(but no sooner than halfway through the slack the deadline leaves after the time budget): the
+rest is for the partial and its Δ to reach the shepherd."""
+
+
+def close_time(ann: RoundAnnouncement, now: float) -> float:
+    """When a group that has not heard from every worker closes: the deadline less a margin of
+    ``CLOSE_SHARE`` of the time left, or of half the slack after the workers' time budget if
+    that is less (a 60 s budget with a 66 s deadline closes at 63 s, after the workers trained)."""
+    left = max(0.0, ann.deadline - now)
+    return now + left - min(CLOSE_SHARE * left, max(0.0, left - ann.time_budget_s) / 2)
 
 
 class GroupCollector:
@@ -61,7 +70,7 @@ class GroupCollector:
             raise ValueError("this node is not an aggregator of the announcement")
         self.peer_id = me
         self.group = frozenset(w for w, a in announced_groups(ann).items() if a == me)
-        self.close_at = now + CLOSE_SHARE * max(0.0, ann.deadline - now)
+        self.close_at = close_time(ann, now)
         self.theta: Params | None = None
         self.headers = RoundAggregator(spec, ann, {})  # header checks only (signatures, caps, replays)
         self.waiting: dict[str, list[Submission]] = {}  # Δ CID -> the submissions naming it
