@@ -63,8 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import trio
 
 from pcp_p2p.blob.server import SwarmCounts
-from pcp_p2p.diloco.protocol.spec import FEEDBACK_CODECS
 from pcp_p2p.core.errors import PcpError
+from pcp_p2p.diloco.protocol.spec import FEEDBACK_CODECS
 from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_command
 from pcp_p2p.node.status import to_json
 
