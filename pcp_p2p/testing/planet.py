@@ -910,9 +910,12 @@ class Planet:
             start = commits.start_checkpoint(rec, node.blobs[rec.prev_theta_cid])
         if rec.update_cid and ((base is not None and base in node.blobs) or start is not None):
             def build(update: bytes) -> Any:
+                # (the base may have been released while the update came: then fetched whole, as a
+                # runtime whose base is gone from its store)
+                src = node.blobs.get(base) if base is not None else start
                 try:
-                    src = node.blobs[base] if base is not None else start
-                    assert src is not None
+                    if src is None:
+                        raise BlobNotFound(f"the checkpoint {base} was released")
                     built = bytes(commits.rebuild_checkpoint(rec, src, update, self.spec.outer))
                 except PcpError:
                     self.ckpt_fetched += 1
