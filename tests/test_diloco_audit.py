@@ -36,7 +36,7 @@ from pcp_p2p.diloco.protocol.audit import (
     should_audit,
     verify_evidence,
 )
-from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
+from pcp_p2p.diloco.protocol.audit_desk import MAX_RESENDS, AuditDesk
 from pcp_p2p.diloco.protocol.effects import Banned, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import (
     FRESH_STATE,
@@ -533,6 +533,25 @@ def test_the_desk_bans_only_on_two_agreeing_replays() -> None:
     (ban,) = [e for e in out if isinstance(e, Banned)]
     assert ban.peer == W.peer_id and desk.open == {}
     assert verify_evidence(decode_evidence(ban.evidence), rate=0.05, is_shepherd=is_shepherd) == W.peer_id
+
+
+def test_a_request_with_no_report_is_sent_again_a_few_times_and_the_second_opinion_too() -> None:
+    """An auditor over its budget refuses a request, and nothing tells the desk: it asks again."""
+    desk, req, sub_bytes = desk_with_case(tampered=True)  # (asked at 0)
+    assert desk.next_wakeup == desk.resend_s and desk.tick(desk.resend_s - 0.1) == []
+    again = desk.tick(desk.resend_s)
+    assert {(e.to, e.message) for e in again if isinstance(e, Send)} == {(req.auditor, req), (req.worker, req)}
+    now = desk.resend_s
+    for _ in range(MAX_RESENDS - 1):
+        now += desk.resend_s
+        assert desk.tick(now)
+    assert desk.next_wakeup is None and desk.tick(now + 100) == []  # then it stops asking
+    # the first report comes after all: the second auditor is asked, and asked again if silent
+    (second,) = {e.message for e in desk.on_report(replay_report(req, sub_bytes), now + 1) if isinstance(e, Send)}
+    assert desk.next_wakeup == now + 1 + desk.resend_s
+    assert {e.message for e in desk.tick(now + 1 + desk.resend_s) if isinstance(e, Send)} == {second}
+    (ban,) = [e for e in desk.on_report(replay_report(second, sub_bytes), now + 20) if isinstance(e, Banned)]
+    assert ban.peer == W.peer_id and desk.next_wakeup is None
 
 
 def test_the_desk_closes_an_honest_audit_and_refuses_unasked_or_forged_reports() -> None:

@@ -33,6 +33,15 @@ Transitions of one case (keyed by the submission's CID)::
     OPEN(2 requests) --MATCH / UNAVAILABLE-->      closed             (the first auditor is the suspect)
 
 At most ``max_open`` cases are kept; the oldest go first.
+
+**Asked again.** An auditor may refuse a request it has no room for (``OverBudget``: its
+own audits in flight), and a refusal or a lost message says nothing to this desk; the
+case would stay open until it is dropped, and a contradicted worker would go unbanned
+(with ``audit_rate`` 1 and three workers each runs several replays at once: the
+strangers' swarm test lost its second opinions so, one run in five). So a request
+that has had no report after ``resend_s`` is sent again, to the same auditor and
+worker, at most ``MAX_RESENDS`` times (``tick``; an auditor runs one job per round and
+worker, so a request that was only slow is not replayed twice).
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from pcp_p2p.diloco.protocol.effects import Banned, Effect, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import RoundAnnouncement, Submission, sign, verify
 
 MAX_OPEN = 64
+MAX_RESENDS = 4
 
 
 @dataclass
@@ -69,12 +79,16 @@ class _Case:
     targets: dict[str, str]  # the roster's worker -> target when the round committed
     requests: list[AuditRequest] = field(default_factory=list)
     mismatches: list[tuple[AuditRequest, AuditReport]] = field(default_factory=list)
+    asked_at: float = 0.0  # when the latest request went out (or was last sent again)
+    resends: int = 0
 
 
 class AuditDesk:
     """One shepherd term's audits. Feed it submissions, commits and reports; carry out its effects."""
 
-    def __init__(self, run_id: str, identity: Identity, rate: float, *, max_open: int = MAX_OPEN) -> None:
+    def __init__(self, run_id: str, identity: Identity, rate: float, *, max_open: int = MAX_OPEN,
+                 resend_s: float = 10.0) -> None:
+        self.resend_s = resend_s
         self.run_id = run_id
         self.identity = identity
         self.rate = rate
@@ -89,9 +103,26 @@ class AuditDesk:
         """``RejectedUpdate`` unless ``sub`` can be audited (state digests, an allowed start)."""
         self.chain.check(sub)
 
+    @property
+    def next_wakeup(self) -> float | None:
+        """When the oldest unanswered request is due to be sent again (None: nothing to resend)."""
+        due = [c.asked_at + self.resend_s for c in self.open.values() if c.resends < MAX_RESENDS]
+        return min(due) if due else None
+
+    def tick(self, now: float) -> list[Effect]:
+        """Send again each request that has had no report for ``resend_s``."""
+        effects: list[Effect] = []
+        for case in self.open.values():
+            if case.resends < MAX_RESENDS and now >= case.asked_at + self.resend_s:
+                req = case.requests[-1]
+                case.resends += 1
+                case.asked_at = now
+                effects += [Send(req.auditor, req), Send(req.worker, req)]
+        return effects
+
     def on_commit(
         self, announcement: RoundAnnouncement, accepted: Mapping[str, Submission], beacon: str,
-        targets: Mapping[str, str], *, term: int,
+        targets: Mapping[str, str], *, term: int, now: float = 0.0,
     ) -> list[Effect]:
         """The round committed with ``accepted``: extend the chains and send the drawn audits.
 
@@ -105,7 +136,7 @@ class AuditDesk:
                                    announcement=announcement, accepted=accepted, beacon=beacon,
                                    targets=targets, shepherd_term=term):
             req = planned.request
-            self.open[req.submission_cid] = _Case(planned.submission_bytes, dict(targets), [req])
+            self.open[req.submission_cid] = _Case(planned.submission_bytes, dict(targets), [req], asked_at=now)
             self.audited += 1
             effects += [StoreBlob(req.submission_cid, planned.submission_bytes),
                         Send(req.auditor, req), Send(req.worker, req)]
@@ -135,6 +166,7 @@ class AuditDesk:
             del self.open[report.submission_cid]  # nobody else can replay it: no ban on one word
             return []
         case.requests.append(second)
+        case.asked_at, case.resends = now, 0
         return [Send(second.auditor, second), Send(second.worker, second)]
 
     def _second_auditor(self, case: _Case, first: AuditRequest) -> AuditRequest | None:

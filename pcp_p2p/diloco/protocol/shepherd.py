@@ -323,6 +323,13 @@ class Shepherd:
 
     @property
     def next_wakeup(self) -> float | None:
+        """The round's next deadline, or an audit request due to be sent again, whichever is first."""
+        wake = self._round_wakeup
+        resend = self.audits.next_wakeup if self.audits is not None else None
+        return resend if wake is None or (resend is not None and resend < wake) else wake
+
+    @property
+    def _round_wakeup(self) -> float | None:
         if self.phase is Phase.COLLECTING and self.round_agg is not None:
             return self.deadline
         if self.phase is Phase.WAITING and self.quorum_since is not None:
@@ -621,9 +628,13 @@ class Shepherd:
         return effects
 
     def tick(self, now: float) -> list[Effect]:
+        resent = self.audits.tick(now) if self.audits is not None else []
+        return resent + self._round_tick(now)
+
+    def _round_tick(self, now: float) -> list[Effect]:
         agg = self.round_agg
         if self.phase is Phase.WAITING:
-            wake = self.next_wakeup
+            wake = self._round_wakeup
             if (wake is not None and now >= wake and len(self.roster) >= self.spec.round.min_quorum
                     and not self.handed_over):
                 return self._announce(now)
@@ -928,7 +939,7 @@ class Shepherd:
         if self.audits is not None:  # drawn with the new θ's CID, which no worker knew when it submitted
             effects += self.audits.on_commit(
                 agg.announcement, {w: agg.submissions[w] for w in participants}, theta_cid,
-                {w: j.target for w, j in self.roster.items()}, term=self.term,
+                {w: j.target for w, j in self.roster.items()}, term=self.term, now=now,
             )
         self.partials_combined += len(agg.groups)
         if self.partial_audits is not None and agg.groups:  # (drawn with the new θ's CID too)

@@ -214,7 +214,8 @@ class TermSetUp:
             artifacts=artifacts, evaluate=evaluate, dataset_cid=dataset_cid,
             end_round=eff.end_round, score=evaluate.score,
             admit=lambda peer: m.admission.why_not(peer) or self.memory_refusal(plan, peer),
-            audits=AuditDesk(rt.run_id, rt.node.identity, rate) if rate > 0 else None,
+            audits=(AuditDesk(rt.run_id, rt.node.identity, rate, resend_s=2 * rt.spec.round.time_budget_s + 2)
+                    if rate > 0 else None),
             direct=m.direct_members,
         )
         if not eff.checkpoint_cid:
