@@ -192,6 +192,16 @@ class Poisoner:
         except PcpError:
             pass
 
+    async def keep_joining(self, members: list[str]) -> None:
+        """Join again every few seconds, at every member, as a real worker that finds itself
+        unassigned does: a shepherd that changed (a failover) knows nothing of the poisoner,
+        and a shepherd sends announcements to its roster only, so without this a failover
+        left it outside the run for good and the test proved nothing (one CI run in five)."""
+        while True:
+            for peer in members:
+                await self.join(peer)  # (only the shepherd takes it; the others refuse it)
+            await trio.sleep(3.0)  # (the attacker's cadence, not a synchronisation)
+
     async def serve(self) -> None:
         rng = np.random.default_rng(7)
         async for ann in self.inbox:
@@ -249,6 +259,7 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
             await node.wait_until(lambda: shepherd in {m.record.peer_id for m in node.membership.live()}, timeout=30)
             nursery.start_soon(poisoner.serve)
             await poisoner.join(shepherd)
+            nursery.start_soon(poisoner.keep_joining, members)
             statuses = await wait_for(
                 swarm, swarm.workers,
                 lambda s: len(s) == 3 and all(st.get("phase") == "finished" for st in s.values()), 360,
