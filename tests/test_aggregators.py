@@ -29,7 +29,7 @@ from pcp_p2p.diloco.protocol.collector import GroupCollector, close_time
 from pcp_p2p.diloco.protocol.effects import Committed, FetchBlob, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission, sign
 from pcp_p2p.diloco.protocol.partial_audit import PartialAudit, PartialReplay, PartialVerdict
-from pcp_p2p.diloco.protocol.partials import PartialAggregate, announced_groups
+from pcp_p2p.diloco.protocol.partials import PartialAggregate, announced_groups, listed
 from pcp_p2p.diloco.protocol.worker import InnerResult, Worker
 from pcp_p2p.testing.run_harness import RunSwarm, SwarmConfig
 from pcp_p2p.wire import Message, decode
@@ -198,8 +198,8 @@ def test_partials_the_shepherd_refuses_each_with_a_typed_error_and_the_round_goe
     # a tampered Δ: every worker of the group is refused, nothing counts
     effects = s.on_blob(good.delta_cid, bus.blobs[good.delta_cid][:-1] + b"\x00", now=6.5)
     assert [type(e).__name__ for e in rejections(effects)] == ["HashMismatch"]
-    listed = {sub.worker for sub in check_listed(good)}
-    assert listed <= set(s.round_agg.refused) and not s.round_agg.accepted
+    named = {sub.worker for sub in listed(good)}
+    assert named <= set(s.round_agg.refused) and not s.round_agg.accepted
     # an aggregator's own Δ sent to the shepherd alone
     sub = bus.round.submission(bus.ids[a1])
     (err,) = rejections(s.on_submission(sub, now=7.0))
@@ -210,11 +210,6 @@ def test_partials_the_shepherd_refuses_each_with_a_typed_error_and_the_round_goe
     assert s.on_submission(bus.round.submission(bus.ids[direct]), now=7.0) == []
     (err,) = rejections(s.on_partial(partial_from(bus, a2), now=7.5))
     assert isinstance(err, RejectedUpdate) and "came here itself" in str(err)
-
-
-def check_listed(p: PartialAggregate) -> list[Submission]:
-    from pcp_p2p.diloco.protocol.partials import listed
-    return list(listed(p))
 
 
 def test_a_partial_whose_delta_is_not_thetas_shape_is_refused_and_its_workers_miss_the_round() -> None:
@@ -228,7 +223,7 @@ def test_a_partial_whose_delta_is_not_thetas_shape_is_refused_and_its_workers_mi
     (fetch,) = s.on_partial(bad, now=6.0)
     (err,) = rejections(s.on_blob(fetch.cid, wrong, now=6.1))
     assert isinstance(err, RejectedUpdate) and "other tensors" in str(err)
-    assert {sub.worker for sub in check_listed(good)} <= set(s.round_agg.refused)
+    assert {sub.worker for sub in listed(good)} <= set(s.round_agg.refused)
 
 
 def test_a_collector_refuses_an_inline_delta_a_bad_signature_and_anything_after_it_closed() -> None:

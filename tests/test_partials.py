@@ -98,6 +98,9 @@ def test_aggregators_are_drawn_the_same_by_everyone_and_direct_members_come_firs
     assert choose_aggregators(list(reversed(ids)), direct, 4, BEACON) == picked  # whatever the order
     # a draw per beacon: nobody holds a place for good
     assert len({choose_aggregators(ids, direct, 4, f"beacon {i}") for i in range(20)}) > 1
+    # members a commit counted come before keys that have contributed nothing, direct or not
+    proven = set(ids[:4])
+    assert set(choose_aggregators(ids, direct, 4, BEACON, proven)) == proven
     assert len(choose_aggregators(ids, direct, 100, BEACON)) == len(ids) // MIN_GROUP
     assert choose_aggregators(ids[: 2 * MIN_GROUP - 1], direct, 4, BEACON) == ()  # too few for two groups
 

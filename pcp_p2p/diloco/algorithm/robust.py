@@ -241,9 +241,7 @@ class _Columns:
         self.equal = bool(np.all(w == w[0]))
         hi = np.cumsum(w)
         self.kept_at = np.clip(np.minimum(hi, 1.0 - trim) - np.maximum(hi - w, trim), 0.0, None)
-        self.kept_total = 0.0  # (equal weights: the mass kept is the same at every coordinate)
-        for kept in self.kept_at:
-            self.kept_total += float(kept)
+        self.kept_total = float(sum(self.kept_at))  # (equal weights: the same mass kept at every coordinate)
         self.sorted = [np.empty(FLAT_CHUNK, dtype=np.float32) for _ in range(k + 1 if self.equal else 0)]
         self.acc, self.mass, self.lo, self.kept, self.tmp = (np.empty(FLAT_CHUNK) for _ in range(5))
         self.below = np.empty(FLAT_CHUNK, dtype=bool)

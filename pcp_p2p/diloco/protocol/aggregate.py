@@ -84,6 +84,23 @@ def max_steps_for_speed(spec: RunSpec, tokens_per_s: float) -> int:
     return max(1, min(spec.round.max_inner_steps, by_speed))
 
 
+def check_decoded(delta: Params, theta: Params, spec: RunSpec, steps: int) -> None:
+    """A decoded Δ (a worker's, or a group's combine) has θ's tensors, names and shapes, only
+    finite values, and a norm within what ``steps`` honest AdamW steps allow; else
+    :class:`RejectedUpdate`, naming what is wrong."""
+    if list(delta) != list(theta):
+        raise RejectedUpdate("pseudo-gradient has other tensors than θ")
+    for name, d in delta.items():
+        if d.shape != theta[name].shape:
+            raise RejectedUpdate(f"{name}: shape {d.shape}, θ has {theta[name].shape}")
+        if not np.all(np.isfinite(d)):
+            raise RejectedUpdate(f"{name}: NaN or infinite values")
+    norm = global_norm(delta)
+    bound = delta_norm_bound(spec, theta, steps)
+    if not norm <= bound:
+        raise RejectedUpdate(f"‖Δ‖ = {norm:.4g} above the bound {bound:.4g} for {steps} steps")
+
+
 @dataclass
 class Accepted:
     worker: str
@@ -219,17 +236,7 @@ class RoundAggregator:
             delta = codec_of(sub.codec).decode(payload, limit, like=self.theta)
         except PcpError as exc:
             raise RejectedUpdate(f"undecodable pseudo-gradient: {exc}") from exc
-        if list(delta) != list(self.theta):
-            raise RejectedUpdate("pseudo-gradient has other tensors than θ")
-        for name, d in delta.items():
-            if d.shape != self.theta[name].shape:
-                raise RejectedUpdate(f"{name}: shape {d.shape}, θ has {self.theta[name].shape}")
-            if not np.all(np.isfinite(d)):
-                raise RejectedUpdate(f"{name}: NaN or infinite values")
-        norm = global_norm(delta)
-        bound = delta_norm_bound(self.spec, self.theta, sub.steps)
-        if not norm <= bound:
-            raise RejectedUpdate(f"‖Δ‖ = {norm:.4g} above the bound {bound:.4g} for {sub.steps} steps")
+        check_decoded(delta, self.theta, self.spec, sub.steps)
         return delta
 
     def admit(self, sub: Submission, delta: Params, score: float | None = None) -> None:

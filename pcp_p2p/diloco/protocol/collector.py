@@ -31,8 +31,6 @@ Transitions::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from pcp_p2p.core.cid import check_cid, cid_of
 from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
 from pcp_p2p.core.identity import Identity
@@ -161,6 +159,5 @@ class GroupCollector:
             mean_loss=group.result.mean_loss,
         ), self.identity)
         self.partial = partial
-        refused: Mapping[str, PcpError] = group.refused
         return [StoreBlob(partial.delta_cid, group.delta_blob), Send(a.shepherd, partial),
-                *(Rejected(w, e) for w, e in sorted(refused.items()))]
+                *(Rejected(w, e) for w, e in sorted(group.refused.items()))]

@@ -61,13 +61,11 @@ import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
-from pcp_p2p.diloco.algorithm.params import Params, global_norm, unpack_tensors
+from pcp_p2p.diloco.algorithm.params import Params, unpack_tensors
 from pcp_p2p.diloco.algorithm.update import encode_update
-from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, delta_norm_bound
+from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, check_decoded
 from pcp_p2p.diloco.protocol.messages import RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.protocol.spec import RunSpec
 from pcp_p2p.wire import HARD_MAX_SIZE, Message, decode, wire_message
@@ -82,19 +80,23 @@ def _rank(beacon: str, *names: str) -> bytes:
     return hashlib.sha256("\x00".join(("pcp-aggregators/1", beacon, *names)).encode()).digest()
 
 
-def choose_aggregators(roster: Sequence[str], direct: Collection[str], count: int, beacon: str) -> tuple[str, ...]:
+def choose_aggregators(roster: Sequence[str], direct: Collection[str], count: int, beacon: str,
+                       proven: Collection[str] = ()) -> tuple[str, ...]:
     """This round's aggregators: at most ``count``, and at most one per ``MIN_GROUP`` members.
 
-    Members in ``direct`` (dialable without a relay) come first, each class ordered by
-    a hash of ``beacon`` (a value nobody chose for this round, such as the θ it starts
-    from) and the peer id. Every member computes the same tuple from the same roster.
-    ``()`` when the roster is too small for two groups: the shepherd then combines alone.
+    Members in ``proven`` (the shepherd's choice: those its last commit counted) come
+    first, so a key that joined an open run a moment ago is drawn only when too few
+    others are left; then those in ``direct`` (dialable without a relay); each class
+    ordered by a hash of ``beacon`` (a value nobody chose for this round, such as the θ
+    it starts from) and the peer id. Every member computes the same tuple from the same
+    inputs. ``()`` when the roster is too small for two groups: the shepherd combines alone.
     """
     members = sorted(set(roster))
     k = min(count, len(members) // MIN_GROUP)
     if k < 2:
         return ()
-    order = sorted(members, key=lambda p: (p not in direct, _rank(beacon, p)))
+    proven = set(proven)
+    order = sorted(members, key=lambda p: (p not in proven, p not in direct, _rank(beacon, p)))
     return tuple(order[:k])
 
 
@@ -251,11 +253,5 @@ def decode_group_delta(blob: bytes, theta: Params, spec: RunSpec, subs: Sequence
         delta = unpack_tensors(blob, max_bytes=4 * sum(v.size for v in theta.values()) + (1 << 20))
     except PcpError as exc:
         raise RejectedUpdate(f"undecodable partial aggregate: {exc}") from exc
-    if list(delta) != list(theta) or any(delta[k].shape != v.shape for k, v in theta.items()):
-        raise RejectedUpdate("a partial aggregate has other tensors than θ")
-    if not all(np.all(np.isfinite(d)) for d in delta.values()):
-        raise RejectedUpdate("a partial aggregate has NaN or infinite values")
-    norm, bound = global_norm(delta), delta_norm_bound(spec, theta, max(s.steps for s in subs))
-    if not norm <= bound:
-        raise RejectedUpdate(f"a partial aggregate's ‖Δ‖ = {norm:.4g} is above the bound {bound:.4g}")
-    return {k: np.asarray(v, dtype=np.float32) for k, v in delta.items()}
+    check_decoded(delta, theta, spec, max(s.steps for s in subs))  # (the submission's own checks)
+    return delta

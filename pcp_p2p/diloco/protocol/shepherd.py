@@ -771,13 +771,16 @@ class Shepherd:
 
     def _aggregators(self, workers: list[str]) -> tuple[str, ...]:
         """This attempt's aggregators: () unless the spec turns them on and the roster is above
-        ``aggregate_above``; never the shepherd (its own Δ is here already)."""
+        ``aggregate_above``; never the shepherd (its own Δ is here already); the workers this
+        term's last commit counted first."""
         g = self.spec.aggregation
         if g.aggregators <= 0 or len(workers) <= g.aggregate_above:
             return ()
         direct = self.direct() if self.direct is not None else workers
+        # (a fresh key in an open run is not trusted with a group before it has contributed once)
+        proven = self.commits[-1].participants if self.commits else ()
         return choose_aggregators([w for w in workers if w != self.peer_id], set(direct), g.aggregators,
-                                  self.theta_cid)
+                                  self.theta_cid, proven)
 
     def _count_misses(self, accepted: set[str]) -> None:
         agg = self.round_agg

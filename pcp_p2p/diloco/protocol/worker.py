@@ -468,9 +468,9 @@ class Worker:
             return [Rejected(self.peer_id, exc)]
         effects: list[Effect] = []
         # (a failover while training: the new term's shepherd may take the attempt over)
-        carried = self._carries_over(ann) and self.shepherd is not None
-        to = self.shepherd if carried and self.shepherd is not None else ann.shepherd
-        if ann.aggregators and not carried:
+        successor = self.shepherd if self._carries_over(ann) else None
+        to = successor or ann.shepherd
+        if ann.aggregators and successor is None:
             via = announced_groups(ann).get(self.peer_id, ann.shepherd)
             to = ann.shepherd if via in self.dropped_by else via
         if len(payload) <= INLINE_DELTA_LIMIT and to == ann.shepherd:
