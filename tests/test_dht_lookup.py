@@ -250,6 +250,16 @@ async def test_a_kad_request_to_a_peer_without_kad_fails_cleanly_and_the_peer_li
         assert (await fetch_status(a.addrs()[0])).peer_id == a.peer_id
 
 
+
+async def tables_hold_everyone(*nodes) -> None:  # type: ignore[no-untyped-def]
+    """Each node's routing table holds every other node (the fixture waits for views only, and
+    a table fills in its own time): added here where missing, as the node itself would."""
+    for n in nodes:
+        for m in nodes:
+            if m is not n and not n.dht.routing_table.peer_in_table(m.host.get_id()):
+                await n.dht.routing_table.add_peer(m.host.get_id())
+            assert m is n or n.dht.routing_table.peer_in_table(m.host.get_id())
+
 async def test_provide_tells_the_tables_closest_peers_without_walking_the_network(swarm3, monkeypatch) -> None:
     """PcpKadDHT.provide announces a CID where a put would store it (the routing table's closest
     peers), with no FIND_NODE walk first: the walk's answers (up to 20 signed peer records each)
@@ -264,6 +274,7 @@ async def test_provide_tells_the_tables_closest_peers_without_walking_the_networ
         raise AssertionError("provide walked the network")
 
     monkeypatch.setattr(a.dht.peer_routing, "find_closest_peers_network", no_walk)
+    await tables_hold_everyone(boot, a, b)  # (provide announces at the table's peers: no walk finds others)
     cid = await a.blobs.publish(b"provided without a walk")
     key = table._encode_key(cid)
     with trio.fail_after(10):
@@ -282,3 +293,63 @@ async def test_add_provider_is_acknowledged_by_the_library_server_and_refused_fo
     assert a.host.get_id() in [p.peer_id for p in b.dht.provider_store.get_providers(key)]
     with trio.fail_after(10), pytest.raises(PeerGone):  # over 80 bytes: the server resets the stream
         await rpc.add_provider(a.host, b.host.get_id(), bytes(81))
+
+
+async def test_a_put_with_fewer_replicas_and_no_checkup_stores_at_the_closest_only(swarm3, monkeypatch) -> None:
+    """A record its author replaces every few seconds (the shepherd's lease: ``LEASE_REPLICAS``) is
+    stored at the routing table's closest peers only, with no walk after: k stores and a walk a
+    put cost the holder O(N) a put (issue #15). The full put still reaches every peer."""
+    from pcp_p2p.dht import rpc, table
+
+    boot, a, b = swarm3
+    monkeypatch.setattr(table, "MIN_START_PEERS", 1)  # three nodes: not thin for this test
+    walked: list[object] = []
+    real_get_value = rpc.get_value
+
+    async def counting_get_value(*args: object, **kw: object) -> object:
+        walked.append(args[1])
+        return await real_get_value(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rpc, "get_value", counting_get_value)
+    signed = a._signed_member_record()
+    key = signed.key.encode()
+    start, _thin = a.dht._start_peers(key)
+    with trio.fail_after(10):
+        await a.put_record(signed, replicas=1, checkup=False)
+        await a.dht.wait_idle()
+    holders = [n for n in (boot, b) if n.dht.value_store.get(key) is not None]
+    assert [n.host.get_id() for n in holders] == start[:1] and walked == []
+    with trio.fail_after(10):
+        await a.put_record(signed)  # the default: every peer the table holds, then the check-up walk
+        await a.dht.wait_idle()
+    assert all(n.dht.value_store.get(key) is not None for n in (boot, b)) and walked
+
+
+async def test_providers_announced_at_the_closest_are_found_by_one_lookup_without_a_walk(swarm3, monkeypatch) -> None:
+    """A provider record goes to the table's closest peers only (``REFRESHED_REPLICAS``: every
+    holder announces its own copy each round, issue #15); a node that holds no record finds it
+    with GET_PROVIDERS at the key's closest peers, not py-libp2p's FIND_NODE walk first."""
+    from pcp_p2p.dht import table
+
+    boot, a, b = swarm3
+    monkeypatch.setattr(table, "MIN_START_PEERS", 1)  # three nodes: not thin for this test
+
+    async def no_walk(*_: object) -> list:
+        raise AssertionError("find_providers walked the network")
+
+    for node in (a, b, boot):
+        monkeypatch.setattr(node.dht.peer_routing, "find_closest_peers_network", no_walk)
+    await tables_hold_everyone(boot, a, b)
+    cid = a.blobs.store.put_bytes(b"announced at one peer")
+    key = table._encode_key(cid)
+    with trio.fail_after(10):
+        assert await a.dht.provide(cid, replicas=1)
+        await a.dht.wait_idle()
+    holders = [n for n in (boot, b) if n.dht.provider_store.get_providers(key)]
+    assert len(holders) == 1  # the closest of the two, and only it
+    (other,) = [n for n in (boot, b) if n not in holders]
+    with trio.fail_after(10):
+        found = await other.dht.find_providers(cid)
+    assert [p.peer_id for p in found] == [a.host.get_id()] and found[0].addrs
+    with trio.fail_after(10):  # a CID nobody provides: every peer asked, nothing found, no walk
+        assert await other.dht.find_providers(table._encode_key(cid)[::-1].hex()) == []

@@ -333,3 +333,38 @@ def test_what_followers_learned_of_the_swarm_carries_over_to_the_next_holder() -
     assert c.suspect_after_s == learned  # not the bare 1.5 s
     c.tick(now + 2.0)  # the new holder is silent for 2 s while it sets up
     assert c.role is Role.FOLLOWER and b.peer_id not in c.suspected
+
+
+def test_with_many_followers_the_holder_spreads_its_beats_and_followers_wait_accordingly() -> None:
+    """Under ``beats_per_s`` the holder's beats per second do not grow with its followers (issue
+    #15: they were its largest traffic that did): 6 followers at 6 beats a second are beaten every
+    second, not every 0.25 s; the beat says so, and a follower waits 3 of those extra spacings
+    longer before it suspects the holder, still well before its lease lapses."""
+    config = dataclasses.replace(QUICK, beats_per_s=6.0)
+    assert config.beat_every_s(0) == config.beat_every_s(1) == 0.25  # few followers: as before
+    assert config.beat_every_s(6) == 1.0
+    assert config.beat_every_s(1000) == 1.5  # never less than twice per renewal
+    holder, f, g = swarm(run_where(0, [1]), config)
+    for e in (holder, f):
+        e.followers = 6
+    g.followers = 0  # its view lags: it counts nobody yet, but the beat tells it the spacing
+    sent = [x.heartbeat for t in (1.25, 1.5, 2.0, 2.25) for x in holder.tick(t) if isinstance(x, SendHeartbeat)]
+    assert [(b.sent_at, b.every_s) for b in sent] == [(2.0, 1.0)]  # 1 s after the claim, not 0.25
+    assert holder.next_wakeup == 3.0
+    g.on_heartbeat(sent[0], 2.0)
+    assert g.suspect_after_s == 1.5 + 3 * (1.0 - 0.25)  # the least window, widened by 3 spacings
+    t = 2.0
+    for _ in range(2 * MIN_GAPS):  # a beat (or a renewal) every second: no one suspects the holder
+        t += 1.0
+        for e in (f, g):
+            until(e, t)
+        alive(holder, [f, g], t)
+    for e in (f, g):
+        assert e.role is Role.FOLLOWER and not e.suspected
+    window = f.suspect_after_s
+    assert 3.75 <= window < 5.0
+    until(f, t + window)  # the holder stopped after its beat at t
+    assert f.role is Role.FOLLOWER
+    f.tick(t + window)
+    assert f.role is Role.VACANT and holder.peer_id in f.suspected
+    assert f.lease is not None and t + window < f.lease.expiry  # before the lease would have lapsed

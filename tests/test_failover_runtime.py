@@ -136,6 +136,37 @@ async def test_only_the_holders_own_heartbeats_are_queued_for_the_machine() -> N
     assert rt._beats_in == [(holder.peer_id, genuine)]
 
 
+async def test_a_renewal_is_posted_on_the_beats_line_and_a_claim_is_sent_with_an_ack() -> None:
+    """A renewal goes every renew_every_s to every member: posted on the line the beats use (no
+    stream, negotiation and ack each: issue #15); sent instead where a beat holds that line (a
+    post there would be dropped), and a claim, which must arrive, is always sent and acked."""
+    holder, _follower = two_elections(time.time())
+    assert holder.lease is not None
+    posted: list[tuple[str, str]] = []
+    sent: list[tuple[str, str]] = []
+
+    async def post(peer: str, msg: Any) -> None:
+        posted.append((peer, msg.TAG))
+
+    async def send_to(peer: str, msg: Any) -> bool:
+        sent.append((peer, msg.TAG))
+        return True
+
+    rt = RunRuntime.__new__(RunRuntime)
+    rt._beating, rt._beat_at, rt.clock = {"busy"}, 0.0, time.time  # type: ignore[method-assign]
+    rt.machine = SimpleNamespace(run_members=lambda: ["p1", "p2", "busy"],  # type: ignore[assignment]
+                                 election=holder)
+    rt.node = SimpleNamespace(messenger=SimpleNamespace(post=post), log_once=lambda *a: None)  # type: ignore[assignment]
+    rt.send_to = send_to  # type: ignore[method-assign]
+    await rt._publish_lease(holder.lease, renewal=True, store=False)
+    assert sorted(posted) == [("p1", "diloco.lease"), ("p2", "diloco.lease")]
+    assert sent == [("busy", "diloco.lease")] and rt._beating == {"busy"} and rt._beat_at > 0
+    posted.clear()
+    sent.clear()
+    await rt._publish_lease(holder.lease, renewal=False, store=False)
+    assert posted == [] and sorted(sent) == [("busy", "diloco.lease"), ("p1", "diloco.lease"), ("p2", "diloco.lease")]
+
+
 def lost_commit_set_up(held: dict[str, bytes]) -> tuple[TermSetUp, BecomeShepherd, CommitRecord]:
     """The set-up of term 5, whose lease continues from round 3's commit (term 4's last), on a
     node where only the blobs in ``held`` can be fetched (a dead holder had the rest)."""

@@ -45,6 +45,12 @@ P = TypeVar("P", bound=Hashable)
 
 ALPHA = 3  # queries in flight per lookup at most (the Kademlia paper's alpha)
 K = 20  # replicas per key (the Kademlia k)
+# Replicas of what its author puts again soon: a shepherd's lease (every other renewal), a round's
+# commit record (the next round's replaces it), a provider record (each holder announces its own
+# copy, and peers mostly fetch by the hint that names the holder). k copies are for
+# surviving churn until the next put; each put at k peers cost the shepherd O(N) up to k = 20
+# (issue #15). Four: a lookup that reaches the key's closest peers finds one even with a few gone.
+REFRESHED_REPLICAS = 4
 GET_QUORUM = 1  # valid answers a get waits for: the first valid record ends it (as in the paper)
 PUT_QUORUM = 1  # remote stores a put waits for (with the local copy: three replicas) before it returns
 HEDGE_S = 0.025  # a lookup adds one more query in flight each time this passes without an answer

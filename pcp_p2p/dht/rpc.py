@@ -39,6 +39,7 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
 from libp2p.kad_dht.utils import maybe_consume_signed_record
 from libp2p.peer.envelope import unmarshal_envelope
 from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import encode_delim, read_delim, read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
@@ -188,6 +189,29 @@ async def get_value(
     if record is not None and not closer_if_found:
         return record, []
     return record, _closer(host, answer, networks)
+
+
+async def get_providers(
+    host: IHost, peer: ID, key: bytes, *, networks: Sequence[addr_rules.IPNetwork] = (),
+    boundary: Boundary | None = None,
+) -> tuple[list[PeerInfo], list[ID]]:
+    """GET_PROVIDERS: the providers ``peer`` knows for ``key`` and the closer peers it names.
+
+    A provider entry is read as a closer-peer entry is (:func:`_closer`: its signed peer
+    record checked, only addresses this node could dial kept); one without a dialable
+    address is still returned, with none (the host may already know how to reach it)."""
+    answer = await kad_request(host, peer, _request(host, Message.MessageType.GET_PROVIDERS, key), boundary=boundary)
+    as_closer = Message()
+    as_closer.closerPeers.extend(answer.providerPeers)
+    providers = [PeerInfo(p, _known_addrs(host, p)) for p in _closer(host, as_closer, networks)]
+    return providers, _closer(host, answer, networks)
+
+
+def _known_addrs(host: IHost, peer: ID) -> list[Multiaddr]:
+    try:
+        return list(host.get_peerstore().addrs(peer))
+    except Exception:  # (PeerStoreError: none known, or expired)
+        return []
 
 
 async def add_provider(host: IHost, peer: ID, key: bytes, *, boundary: Boundary | None = None) -> bool:

@@ -49,7 +49,16 @@ from pcp_p2p.core.errors import PcpError
 from pcp_p2p.core.faults import Boundary
 from pcp_p2p.core.logs import LogOnce
 from pcp_p2p.dht import rpc
-from pcp_p2p.dht.lookup import GET_QUORUM, HEDGE_S, PUT_QUORUM, ClosestWalk, K, StoreFanout, ValueLookup
+from pcp_p2p.dht.lookup import (
+    GET_QUORUM,
+    HEDGE_S,
+    PUT_QUORUM,
+    REFRESHED_REPLICAS,
+    ClosestWalk,
+    K,
+    StoreFanout,
+    ValueLookup,
+)
 
 log = logging.getLogger("pcp.dht")
 
@@ -366,12 +375,75 @@ class PcpKadDHT(KadDHT):
             await self._off_path(self._store_at_all, stale, key_bytes, lookup.best)
         return lookup.best
 
-    async def put_value(self, key: str, value: bytes) -> None:
-        """Store locally, then at the routing table's ``K`` closest peers at once.
+    async def find_providers(self, key: str, count: int = 20) -> list[PeerInfo]:
+        """Providers of ``key`` (a CID): the local provider store's, else a :class:`ValueLookup`
+        with GET_PROVIDERS that stops at the first answer naming any.
+
+        Why not py-libp2p 0.8.1's own: without a local record it first walks the network
+        (FIND_NODE, each answer ~5 KB of signed peer records) and then asks every peer the
+        walk found. Provider records are announced at ``REFRESHED_REPLICAS`` peers (every
+        holder announces its own copy, every round), so most nodes hold none for a given
+        CID, and a fetch without a hint paid that walk (issue #15).
+        """
+        key_bytes = _encode_key(key)
+        local = self.provider_store.get_providers(key_bytes)
+        if local:
+            return local[:count]
+        start, thin = self._start_peers(key_bytes)
+        # (a lookup with no "newer": any answer naming providers ends it)
+        lookup: ValueLookup[ID] = ValueLookup(self._distance_to(key_bytes), lambda a, b: False,
+                                             started_at=trio.current_time(), hedge_s=0.0 if thin else HEDGE_S)
+        lookup.add_candidates(start)
+        found: dict[ID, PeerInfo] = {}
+        changed = trio.Event()
+
+        async with trio.open_nursery() as nursery:
+
+            def launch() -> None:
+                for peer in lookup.next_queries(trio.current_time()):
+                    nursery.start_soon(ask, peer)
+                if lookup.done:
+                    nursery.cancel_scope.cancel()
+
+            async def ask(peer: ID) -> None:
+                nonlocal changed
+                result = None
+                with trio.move_on_after(RPC_TIMEOUT_S):
+                    try:
+                        result = await rpc.get_providers(self.host, peer, key_bytes, networks=self.networks,
+                                                         boundary=self.boundary)
+                    except PcpError as exc:
+                        log.debug("GET_PROVIDERS at %s: %s", peer, exc)
+                if result is None:
+                    lookup.on_failure(peer)
+                else:
+                    providers, closer = result
+                    for info in providers:
+                        found.setdefault(info.peer_id, info)
+                    lookup.on_answer(peer, b"providers" if providers else None, closer)
+                    await self._learn([peer, *closer] if thin else [peer])
+                launch()
+                changed.set()
+
+            launch()
+            while not lookup.done:  # hedging, as in get_value
+                with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
+                    await changed.wait()
+                changed = trio.Event()
+                launch()
+        return list(found.values())[:count]
+
+    async def put_value(self, key: str, value: bytes, *, replicas: int = K, checkup: bool = True) -> None:
+        """Store locally, then at the routing table's ``replicas`` closest peers at once.
 
         Returns once ``PUT_QUORUM`` stores were acknowledged (or all answered);
-        the remaining stores, and a :class:`ClosestWalk` that stores at any
-        closer peer it finds, finish in the background.
+        the remaining stores, and (with ``checkup``) a :class:`ClosestWalk` that
+        stores at any closer peer it finds, finish in the background.
+
+        Fewer replicas and no walk are for a record its author replaces every few
+        seconds (a shepherd's lease): it needs no k copies to survive churn, since the
+        next put makes them again, and k copies plus a walk per put cost its author
+        O(N) of uplink a put up to k = 20 (issue #15).
         """
         if self.validator is None:
             raise ValueError("Validator required for DHT operations")
@@ -385,13 +457,23 @@ class PcpKadDHT(KadDHT):
         async def store(peer: ID) -> bool:
             return await self._store_at(peer, key_bytes, value)
 
-        fanout = await self._spread(key_bytes, *self._start_peers(key_bytes), store)
+        start, thin = self._start_peers(key_bytes)
+        fanout = await self._spread(key_bytes, start[:replicas], thin, store, checkup=checkup)
         if fanout.acked == 0 and fanout.failed:
             log.debug("put of %s: no peer acknowledged the store", key)
 
-    async def provide(self, key: str) -> bool:
-        """Announce that this node provides ``key`` (a CID): ADD_PROVIDER where :meth:`put_value`
-        would store, and True once a peer acknowledged it.
+    async def provide(self, key: str, *, replicas: int = REFRESHED_REPLICAS) -> bool:
+        """Announce that this node provides ``key`` (a CID): ADD_PROVIDER at the routing table's
+        ``replicas`` closest peers, without :meth:`put_value`'s check-up walk, and True once a
+        peer acknowledged it.
+
+        Why so few: every holder of a blob announces its own copy (each worker, of each
+        round's checkpoint, update and Δ), and peers mostly fetch by the hint the message
+        naming a blob carries. At k peers and with a walk, each announcement reached every
+        node of a small swarm: O(N) announcements a round at the shepherd, and a walk answer
+        (~5 KB of signed peer records) per announcement (issue #15). A fetch without a hint
+        finds the records with :meth:`find_providers` (one GET_PROVIDERS at the key's closest
+        peers, not py-libp2p's walk, which this would have made the common case).
 
         Why not py-libp2p 0.8.1's own: it first walks the network for the closest peers
         (FIND_NODE, three at a time, until no answer brings a closer one), and every answer
@@ -418,14 +500,15 @@ class PcpKadDHT(KadDHT):
                     log.debug("ADD_PROVIDER at %s: %s", peer, exc)
             return False
 
-        return (await self._spread(key_bytes, start, thin, announce)).acked > 0
+        return (await self._spread(key_bytes, start[:replicas], thin, announce, checkup=False)).acked > 0
 
     async def _spread(
         self, key_bytes: bytes, start: list[ID], thin: bool, store: Callable[[ID], Awaitable[bool]],
+        *, checkup: bool = True,
     ) -> StoreFanout[ID]:
         """``store`` at the ``start`` peers (closest first) until ``PUT_QUORUM`` acknowledged (all
-        of them when the table is ``thin``); the rest, and any closer peer a walk finds, in the
-        background (:meth:`_replicate`)."""
+        of them when the table is ``thin``); the rest, and (with ``checkup``) any closer peer a
+        walk finds, in the background (:meth:`_replicate`)."""
         fanout: StoreFanout[ID] = StoreFanout(quorum=len(start) if thin else PUT_QUORUM)
         fanout.add_targets(start)
         async with trio.open_nursery() as nursery:
@@ -442,16 +525,19 @@ class PcpKadDHT(KadDHT):
                 launch()
 
             launch()
-        await self._off_path(self._replicate, key_bytes, fanout, store)
+        await self._off_path(self._replicate, key_bytes, fanout, store, checkup)
         return fanout
 
     async def _replicate(
-        self, key_bytes: bytes, fanout: StoreFanout[ID], store: Callable[[ID], Awaitable[bool]],
+        self, key_bytes: bytes, fanout: StoreFanout[ID], store: Callable[[ID], Awaitable[bool]], checkup: bool,
     ) -> None:
         """The rest of a put, one RPC at a time (gentle on a shared CPU): the remaining closest
-        peers of the routing table, then a :class:`ClosestWalk` storing at any closer peer it finds."""
+        peers of the routing table, then (``checkup``) a :class:`ClosestWalk` storing at any closer
+        peer it finds."""
         for peer in fanout.rest():
             fanout.on_result(peer, await store(peer))
+        if not checkup:
+            return
         walk: ClosestWalk[ID] = ClosestWalk(self._distance_to(key_bytes), alpha=1)
         walk.add(self._start_peers(key_bytes)[0])
         while not walk.done:

@@ -46,7 +46,7 @@ import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
-from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
@@ -64,6 +64,7 @@ from pcp_p2p.core.errors import ConfigError, PcpError, PeerTimeout
 from pcp_p2p.core.faults import WORLD_BROKE, Blame, Boundary, LocalFaults
 from pcp_p2p.core.identity import Identity, load_or_create_identity
 from pcp_p2p.core.logs import LogOnce
+from pcp_p2p.dht.lookup import K
 from pcp_p2p.dht.records import KindRule, SignedRecord, record_key, sign_record, verify_record
 from pcp_p2p.dht.table import PcpKadDHT
 from pcp_p2p.dht.validator import PcpRecordValidator
@@ -267,7 +268,7 @@ class Node:
         identity: Identity,
         capabilities: Capabilities,
         host: IHost,
-        dht: KadDHT,
+        dht: PcpKadDHT,
         pubsub: Pubsub,
         blobs: BlobService,
         nursery: trio.Nursery,
@@ -434,11 +435,13 @@ class Node:
         except PcpError as exc:
             self.log_once("self", exc, "member record put failed")
 
-    async def put_record(self, signed: SignedRecord, *, timeout: float | None = None) -> None:
-        """Store a signed record in the DHT (with a deadline)."""
+    async def put_record(self, signed: SignedRecord, *, timeout: float | None = None, replicas: int = K,
+                         checkup: bool = True) -> None:
+        """Store a signed record in the DHT (with a deadline; ``replicas`` and ``checkup``: see
+        :meth:`PcpKadDHT.put_value`)."""
         with trio.move_on_after(timeout or self.config.op_timeout) as scope:
             try:
-                await self.dht.put_value(signed.key, encode(signed))
+                await self.dht.put_value(signed.key, encode(signed), replicas=replicas, checkup=checkup)
             except trio.Cancelled:
                 raise
             except Exception as exc:

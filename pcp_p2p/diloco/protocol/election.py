@@ -63,7 +63,7 @@ Lifecycle of a term, as seen by one node::
     HOLDER   --lease of a newer term / own lease lapsed-->   FOLLOWER/VACANT (StepDown)
     HOLDER   --resign: its set-up failed here-->             VACANT   (StepDown "resigned")
     FOLLOWER --commit completing rotate_every rounds-->      VACANT   (rotation)
-    HOLDER   --tick, heartbeat_s since the last beat-->      HOLDER   (SendHeartbeat)
+    HOLDER   --tick, beat_every since the last beat-->       HOLDER   (SendHeartbeat)
     FOLLOWER --lease expiry + grace_s passed-->              VACANT   (failover)
     FOLLOWER --no beat from the holder for its window-->     VACANT   (failover; holder suspected;
                                                                        window: suspect_after_s, adaptive)
@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
@@ -110,6 +111,7 @@ SUSPECT_K = 1.5  # the window covers SUSPECT_K x the largest gap kept ...
 SUSPECT_C = 4.0  # ... and mean + SUSPECT_C standard deviations of the gaps
 MAX_PATIENCE = 8.0  # a false suspicion doubles the window, up to this factor
 PATIENCE_DECAY_BEATS = 16  # on-time beats in a row that halve it again
+STRETCH_BEATS = 3.0  # beats spread by beats_per_s widen the least window by this many of their extra spacing
 LATE_TICK_BEATS = 2.0  # a tick this many heartbeats past due means this node itself stalled: grace, once
 
 
@@ -151,6 +153,10 @@ class Heartbeat(Message):
     term: int
     holder: str
     sent_at: float
+    every_s: float = 0.0
+    """How often the holder beats each follower now (``ElectionConfig.beat_every_s``): with many
+    followers the holder's beats share a budget, so they come further apart, and a follower
+    must not suspect a holder for keeping to it."""
     signature: bytes = b""
 
 
@@ -229,7 +235,19 @@ class ElectionConfig:
     (``None``: the run never ends, as far as the election knows)."""
     heartbeat_s: float = 0.0
     """The holder sends a signed :class:`Heartbeat` straight to the run's members this often
-    (0: none; failover waits for the lease to lapse)."""
+    (0: none; failover waits for the lease to lapse), or less often with many followers
+    (``beats_per_s``)."""
+    beats_per_s: float = 0.0
+    """The holder's heartbeats per second to all its followers together, at most (0: no cap).
+
+    Why: beats went from the holder to every follower every ``heartbeat_s``, so the holder's
+    uplink paid O(N) a second for them, the largest part of its traffic that grew with the
+    swarm once the Δs were off it (issue #15). Under the cap each follower is beaten every
+    ``beat_every_s(followers)``, never more often than ``heartbeat_s`` nor less often than
+    twice per renewal (a renewal goes to every member too, and counts as a beat). The price is
+    slower failover in large runs: followers widen their least suspicion window with the spacing
+    (``Election._least_window``), so at 16 members (a beat a second) a dead holder is suspected
+    after ~3.75 s instead of ~1.5 s; never later than the lease's own lapse."""
     suspect_s: float | None = None
     """A follower that heard no heartbeat (nor renewal) from the holder this long suspects it
     (default ``3 * heartbeat_s``): it fails over, and leaves the holder out of the next
@@ -254,11 +272,20 @@ class ElectionConfig:
             raise ConfigError("election: grace_s, min_uptime_s, rotate_every >= 0 and claim_timeout_s > 0")
         if self.heartbeat_s < 0 or (self.heartbeat_s > 0 and not self.heartbeat_s < self.suspect_window_s):
             raise ConfigError("election: heartbeat_s >= 0, and below suspect_s")
+        if not (math.isfinite(self.beats_per_s) and self.beats_per_s >= 0):
+            raise ConfigError("election: beats_per_s >= 0 (0: no cap)")
         return self
 
     @property
     def heartbeats(self) -> bool:
         return self.heartbeat_s > 0
+
+    def beat_every_s(self, followers: int) -> float:
+        """How often the holder beats each of ``followers`` under ``beats_per_s``."""
+        if self.beats_per_s <= 0:
+            return self.heartbeat_s
+        slowest = max(self.heartbeat_s, self.renew_every_s / 2)
+        return min(slowest, max(self.heartbeat_s, followers / self.beats_per_s))
 
     @property
     def suspect_window_s(self) -> float:
@@ -519,6 +546,8 @@ class Election:
         self.grace_until: float | None = None
         self.grace_for: float | None = None
         self.last_beat: float | None = None  # as the holder: when our last heartbeat (or lease) went out
+        self.followers = 0  # the run's other live members, as the run machine last counted them
+        self.holder_every_s = 0.0  # how often the holder said it beats each follower (its last beat)
         self.stored_expiry: float | None = None  # as the holder: when the lease last put in the DHT lapses
         self.departed: dict[str, float] = {}  # peer -> when it announced it left (its clock)
         self.anchor: Lease | None = None  # the last lease accepted before a restart (see restore)
@@ -575,7 +604,7 @@ class Election:
         if self.role is Role.HOLDER and self.lease is not None:
             due = min(self.lease.issued + c.renew_every_s, self.lease.expiry)
             if c.heartbeats and self.last_beat is not None:
-                due = min(due, self.last_beat + c.heartbeat_s)
+                due = min(due, self.last_beat + self.beat_every)
             return due
         if self.role is Role.FOLLOWER and self.lease is not None:
             due = self.lease.expiry + c.grace_s
@@ -604,10 +633,31 @@ class Election:
         once ``MIN_GAPS`` are kept), times ``patience``; at most ``lease_s``, so a holder
         that is really gone is still suspected before its lease lapses."""
         c = self.config
-        window = c.suspect_window_s
+        window = self._least_window
         if self._gap_window is not None:
             window = max(window, self._gap_window)
         return min(c.lease_s, window * self.patience)
+
+    @property
+    def beat_every(self) -> float:
+        """How often beats come (as the holder: go) to each follower: ``beat_every_s`` of the
+        followers this node counts, or what the holder said in its last beat if that is longer
+        (their counts can differ for a moment), never beyond twice per renewal."""
+        c = self.config
+        every = c.beat_every_s(self.followers)
+        if self.role is not Role.HOLDER:
+            every = max(every, min(self.holder_every_s, max(c.heartbeat_s, c.renew_every_s / 2)))
+        return every
+
+    @property
+    def _least_window(self) -> float:
+        """``suspect_window_s``, widened by ``STRETCH_BEATS`` times what the beats were spread by
+        (``beats_per_s``). Not scaled whole: what makes beats late on a loaded machine (a stall of
+        a second or two) does not grow with their spacing, so six beats of 1 s would wait 6 s,
+        the lease's own lapse, where ~4 s is as safe."""
+        c = self.config
+        spread = self.beat_every - c.heartbeat_s if c.heartbeats else 0.0
+        return c.suspect_window_s + STRETCH_BEATS * spread
 
     def heartbeat(self, now: float) -> Heartbeat | None:
         """The signed heartbeat this node would send at ``now``: ``None`` unless heartbeats are on
@@ -617,7 +667,8 @@ class Election:
         lease = self.lease
         if not self.config.heartbeats or self.role is not Role.HOLDER or lease is None or now >= lease.expiry:
             return None
-        return sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now), self.identity)
+        return sign(Heartbeat(run_id=self.run_id, term=lease.term, holder=self.peer_id, sent_at=now,
+                              every_s=self.beat_every), self.identity)
 
     def status(self, now: float) -> dict[str, Any]:
         """``term``, ``lease_expires_s``, ``shepherd_history``, for ``pcp status --json``."""
@@ -774,6 +825,7 @@ class Election:
             return [Rejected(hb.holder, exc)]
         if hb.sent_at > now + self.config.max_skew_s:
             return [Rejected(hb.holder, ExpiredRecord(f"heartbeat sent {hb.sent_at - now:.1f} s in the future"))]
+        self.holder_every_s = hb.every_s if math.isfinite(hb.every_s) else 0.0
         self._heard(hb.holder, now)
         self._follow_again(now)
         return []
@@ -795,7 +847,7 @@ class Election:
                 if len(self.gaps) >= MIN_GAPS:  # here, not per query: next_wakeup asks after every input
                     mean, sd = statistics.fmean(self.gaps), statistics.pstdev(self.gaps)
                     self._gap_window = max(SUSPECT_K * max(self.gaps), mean + SUSPECT_C * sd)
-                self.on_time = self.on_time + 1 if gap < self.config.suspect_window_s else 0
+                self.on_time = self.on_time + 1 if gap < self._least_window else 0
                 if self.on_time >= PATIENCE_DECAY_BEATS and self.patience > 1.0:
                     self.patience = max(1.0, self.patience / 2)
                     self.on_time = 0
@@ -1175,7 +1227,7 @@ class Election:
                     self.stored_expiry = renewed.expiry
                 return [PublishLease(renewed, renewal=True, store=store)]
             beat = self.heartbeat(now)
-            if beat is not None and (self.last_beat is None or now >= self.last_beat + c.heartbeat_s):
+            if beat is not None and (self.last_beat is None or now >= self.last_beat + self.beat_every):
                 self.last_beat = now
                 return [SendHeartbeat(beat)]
             return []
@@ -1184,10 +1236,10 @@ class Election:
                 return self._end_term(now, "failover")
             due = None if self.last_heard is None else self.last_heard + self.suspect_after_s
             if c.heartbeats and due is not None and now >= due:
-                if now - due >= LATE_TICK_BEATS * c.heartbeat_s and self.grace_for != self.last_heard:
+                if now - due >= LATE_TICK_BEATS * self.beat_every and self.grace_for != self.last_heard:
                     # This tick comes long after it was due: this node was not scheduled, and the
                     # holder's beats may be queued behind it. Let them in first (once per silence).
-                    self.grace_for, self.grace_until = self.last_heard, now + 2 * c.heartbeat_s
+                    self.grace_for, self.grace_until = self.last_heard, now + 2 * self.beat_every
                     return []
                 if self.grace_for == self.last_heard and self.grace_until is not None and now < self.grace_until:
                     return []

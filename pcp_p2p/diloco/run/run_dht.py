@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from pcp_p2p.core.errors import PcpError
+from pcp_p2p.dht.lookup import REFRESHED_REPLICAS, K
 from pcp_p2p.dht.records import MAX_TTL_S, sign_record
 from pcp_p2p.diloco.protocol.admission import owner_record_name
 from pcp_p2p.diloco.protocol.commits import commit_seq
@@ -35,8 +36,10 @@ class RunRecords:
     def __init__(self, node: Node, run_id: str, owner: str = "") -> None:
         self.node, self.run_id, self.owner = node, run_id, owner
 
-    async def publish_commit(self, rec: CommitRecord) -> None:
-        """Store the commit record in the DHT, retrying a few times.
+    async def publish_commit(self, rec: CommitRecord, *, final: bool = False) -> None:
+        """Store the commit record in the DHT, retrying a few times: at ``REFRESHED_REPLICAS`` peers
+        (the next round's commit replaces it), the run's ``final`` one at k with a check-up walk
+        (nothing replaces it, and a node that was down looks it up for good).
 
         Why retry: the record is how a node that was down when the commit went out
         (restarted after churn, joining late) learns it. A put that timed out on a
@@ -48,7 +51,8 @@ class RunRecords:
         for attempt in range(COMMIT_PUT_ATTEMPTS):
             try:
                 # Generous deadline: a swarm busy training answers DHT requests slowly.
-                await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
+                await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout,
+                                           replicas=K if final else REFRESHED_REPLICAS, checkup=final)
                 return
             except PcpError as exc:
                 if attempt == COMMIT_PUT_ATTEMPTS - 1:
@@ -59,12 +63,15 @@ class RunRecords:
                 await trio.sleep(delay)
                 delay *= 2
 
-    async def publish_lease(self, lease: Lease, lease_s: float) -> None:
-        """Store ``lease`` as the run's lease record (seq = term)."""
+    async def publish_lease(self, lease: Lease, lease_s: float, *, renewal: bool = False) -> None:
+        """Store ``lease`` as the run's lease record (seq = term), at ``REFRESHED_REPLICAS`` peers; a
+        claim also walks for closer peers than the routing table knows, a renewal does not (the
+        record is replaced every other renewal: ``PublishLease``)."""
         signed = sign_record(self.node.identity, LEASE_KIND, self.run_id, lease,
                              ttl_s=max(60.0, 10 * lease_s), seq=lease.term)
         try:
-            await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout)
+            await self.node.put_record(signed, timeout=3 * self.node.config.op_timeout,
+                                       replicas=REFRESHED_REPLICAS, checkup=not renewal)
         except PcpError as exc:
             self.node.log_once("self", exc, "storing the lease failed")
 

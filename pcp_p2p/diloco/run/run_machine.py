@@ -360,6 +360,7 @@ class RunMachine:
             if self.spec.admission.mode == "allowlist" and self._due(
                     ALLOWLIST_KIND, owner_lookup_every(ALLOWLIST_EVERY_S, taking_part), now):
                 self._out.append(LookUpOwnerRecord(ALLOWLIST_KIND))
+            self.election.followers = len(self.run_members())
             self._election(self.election.on_members(self.candidates(now), now), now)
         return self._run(now, go)
 
@@ -1075,6 +1076,9 @@ def max_claim_age(spec: RunSpec) -> float:
 # fails in turn, or a skipped claim); a node that moves up later builds at the next commit.
 STANDBYS = 3
 HEARTBEATS_PER_RENEWAL = 8  # the shepherd's direct heartbeats per lease renewal (2 s renewals: every 0.25 s)
+# the holder's beats per second, all followers together (ElectionConfig.beats_per_s): up to 3
+# followers are beaten every 0.25 s as before, 6 every 0.5 s, 12 and more every second
+HOLDER_BEATS_PER_S = 12.0
 SUSPECT_AFTER_BEATS = 6  # heartbeats missed in a row before followers suspect the shepherd (1.5 s)
 # (Before the runtime fed the machine off its event loop, a commit kept a shepherd from
 # sending for over a second on a loaded 2-core machine, and even 3 s of silence deposed
@@ -1109,5 +1113,6 @@ def election_config(spec: RunSpec, settle_s: float = SETTLE_S) -> ElectionConfig
         settle_s=settle_s, max_skew_s=e.max_skew_s, max_claim_age_s=max_claim_age(spec),
         rounds=spec.round.rounds,
         heartbeat_s=e.renew_every_s / HEARTBEATS_PER_RENEWAL,
+        beats_per_s=HOLDER_BEATS_PER_S,
         suspect_s=SUSPECT_AFTER_BEATS * e.renew_every_s / HEARTBEATS_PER_RENEWAL,
     ).validate()

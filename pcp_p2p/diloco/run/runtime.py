@@ -479,12 +479,13 @@ class RunRuntime:
         self._nursery.start_soon(self._heartbeats)
 
     async def _heartbeats(self) -> None:
-        """While this node holds the term, a heartbeat to every run member each ``heartbeat_s``,
+        """While this node holds the term, a heartbeat to every run member each ``beat_every``,
         busy machine or not: whenever the machine's own (from its ticks) have not gone out."""
-        beat = self.machine.election.config.heartbeat_s
-        if beat <= 0:
+        election = self.machine.election
+        if not election.config.heartbeats:
             return
         while True:
+            beat = election.beat_every  # (reads two fields: no lock needed)
             await trio.sleep(max(0.0, self._beat_at + beat - self.clock()))
             now = self.clock()
             if now < self._beat_at + beat:
@@ -586,9 +587,10 @@ class RunRuntime:
             elif isinstance(e, LookUpOwnerRecord):
                 self._spawn(self._lookup_owner_record, e.kind)
             elif isinstance(e, PublishLease):
-                self._spawn(self._publish_lease, e.lease, e.store)
+                self._spawn(self._publish_lease, e.lease, e.renewal, e.store)
             elif isinstance(e, PublishCommit):
-                self._spawn(self.records.publish_commit, e.record)
+                self._spawn(functools.partial(self.records.publish_commit, e.record,
+                                              final=e.record.round + 1 >= self.spec.round.rounds))
             elif isinstance(e, ReplicateCommit):
                 self._spawn(self._replicate_commit, e)
             elif isinstance(e, ReplicateCheckpoint):
@@ -714,8 +716,8 @@ class RunRuntime:
             return False
         return True
 
-    async def _beat(self, peer: str, hb: Heartbeat) -> None:
-        """One heartbeat to ``peer``, posted on this node's line to it (one kept stream per
+    async def _beat(self, peer: str, hb: Heartbeat | Lease) -> None:
+        """One heartbeat (or lease renewal) to ``peer``, posted on this node's line to it (one kept stream per
         follower, no ack: less than half of a beat's bytes on a stream of its own, docs/diloco.md).
         At most one is in flight per peer: a slow peer's must not queue beats behind it."""
         try:
@@ -846,12 +848,22 @@ class RunRuntime:
         self.machine.stats.checkpoints["rebuilt"] += 1
         return True
 
-    async def _publish_lease(self, lease: Lease, store: bool) -> None:
+    async def _publish_lease(self, lease: Lease, renewal: bool, store: bool) -> None:
+        """A claim goes to every member on a stream of its own, acknowledged; a renewal is posted
+        on the line the beats use (a renewal is a beat too, and the next one comes
+        ``renew_every_s`` later: half the bytes of a stream and its ack, times every member, every
+        renewal: issue #15), or sent when a beat holds that line."""
+        if renewal:
+            self._beat_at = self.clock()
         async with trio.open_nursery() as n:
             for peer in self.machine.run_members():
-                n.start_soon(self.send_to, peer, lease)
+                if renewal and peer not in self._beating:
+                    self._beating.add(peer)
+                    n.start_soon(self._beat, peer, lease)
+                else:
+                    n.start_soon(self.send_to, peer, lease)
         if store:
-            await self.records.publish_lease(lease, self.spec.election.lease_s)
+            await self.records.publish_lease(lease, self.spec.election.lease_s, renewal=renewal)
 
     async def _lookup_commit(self, for_election: bool) -> None:
         self.post(CommitLookedUp(await self.records.lookup_commit(), for_election))

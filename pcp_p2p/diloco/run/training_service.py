@@ -82,10 +82,11 @@ class TrainingService:
     def install(self) -> None:
         self.node.record_validator.authorities.append(self._check_record)
         self.node.messenger.register((SignedRunSpec,), self._on_spec)
-        self.node.messenger.register((*ROUND_MESSAGES, PartialAggregate, *PARTIAL_AUDIT_MESSAGES, Lease,
+        self.node.messenger.register((*ROUND_MESSAGES, PartialAggregate, *PARTIAL_AUDIT_MESSAGES,
                                       AllowlistUpdate, StopOrder, *AUDIT_MESSAGES),
                                      self._on_round_message)
-        self.node.messenger.register((Heartbeat,), self._on_round_message, line=True)  # posted on a line
+        # posted on a line (a lease renewal is, a claim is sent: RunRuntime._publish_lease)
+        self.node.messenger.register((Heartbeat, Lease), self._on_round_message, line=True)
         self.node.config.extra_status["run"] = self.run_status
         self.node.config.extra_status["artifacts"] = self.artifacts_status
         self.node.config.extra_status["runs"] = self.runs_status
