@@ -20,7 +20,10 @@ plus its blob side channels, both directions) are read at the first commit
 after ``WARM`` and at the last, so the set-up (compiling, the artifact and
 dataset fetched once per run) is not counted. The bench's own status polls of
 the shepherd fall inside the window (a few KiB each: one per round, and one
-more for the relay-tree counters at the window's start). The workers' relay-tree counters
+more for the relay-tree counters at the window's start); their payload (status
+``network.protocol_bytes`` of ``/pcp/status``) is taken out of the figures and
+reported as ``bench_status_polls_per_round``, since nobody polls a real
+shepherd once a round (their framing, a few hundred bytes, stays in). The workers' relay-tree counters
 (``network.swarm_*``, summed) say how many fetches a round went past their
 ancestors to the origin (``swarm_fetches_from_origin_per_round``): each is a
 copy beyond one on the shepherd's uplink. The control bytes are split by
@@ -66,7 +69,7 @@ from pcp_p2p.blob.server import SwarmCounts
 from pcp_p2p.core.errors import PcpError
 from pcp_p2p.diloco.protocol.spec import FEEDBACK_CODECS
 from pcp_p2p.node.local_swarm import LocalSwarm, NodeProcess, local_swarm, pcp_command
-from pcp_p2p.node.status import to_json
+from pcp_p2p.node.status import STATUS_PROTOCOL, to_json
 
 NS = [int(n) for n in os.environ.get("PCP_BENCH_SHEPHERD_NS", "4,16").split(",")]
 ROUNDS = int(os.environ.get("PCP_BENCH_SHEPHERD_ROUNDS", "5"))
@@ -187,6 +190,9 @@ async def arm(root: Path, n: int, aggregators: int = 0) -> dict[str, Any]:
         by_protocol = {p: round((split[last].get(p, 0) - split[first].get(p, 0)) / (last - first))
                        for p in split[last]}
         by_protocol = {p: b for p, b in sorted(by_protocol.items(), key=lambda kv: -kv[1]) if b}
+        # the bench's own status polls of the shepherd are the bench's traffic, not the run's
+        polls = by_protocol.pop(STATUS_PROTOCOL, 0)
+        per_round -= polls
         theta_bytes = (shepherd.data_dir / "blobs" / "data" / theta_cid).stat().st_size if theta_cid else None
         if not theta_bytes:
             raise RuntimeError("θ's size is unknown")
@@ -198,6 +204,7 @@ async def arm(root: Path, n: int, aggregators: int = 0) -> dict[str, Any]:
             # the control bytes by libp2p protocol (stream payload); what is left is Noise and yamux framing
             "control_by_protocol_per_round": by_protocol,
             "control_framing_per_round": int(per_round - blob_per_round - sum(by_protocol.values())),
+            "bench_status_polls_per_round": polls,  # (taken out of the figures above)
             "theta_bytes": theta_bytes,
             "round_s": round((marks[last][2] - marks[first][2]) / (last - first), 2),
             "rounds": [first, last],

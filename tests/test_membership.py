@@ -10,7 +10,9 @@ from pcp_p2p.core.errors import BadSignature, MalformedMessage, VerificationErro
 from pcp_p2p.core.identity import Identity
 from pcp_p2p.dht.records import sign_record
 from pcp_p2p.net.membership import (
+    MAX_HAVE,
     Gossip,
+    Have,
     MemberJoined,
     MemberRecord,
     Membership,
@@ -61,6 +63,37 @@ def test_sync_teaches_members_and_ping_is_answered_with_an_ack() -> None:
     # A holds an older record of ours (known_seq 0): the ack carries our record first.
     assert ack.updates[0].peer_id == SELF.peer_id and ack.updates[0].kind == "alive"
 
+
+
+def test_a_sync_sends_what_it_holds_by_incarnation_and_gets_back_only_what_it_lacks() -> None:
+    """A sync carried ~1.2 KB records of every member each way, nearly all already held: most of a
+    shepherd's SWIM bytes (issue #15). Now a request is this node's own record and a digest
+    (``have``); the reply is the records the requester lacks or holds older; a joiner (an empty
+    digest) still gets the whole sample; a stranger's oversized or bogus digest changes nothing."""
+    C = Identity.generate()
+    m = machine()
+    m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A), alive(B, 3), alive(C))), 0.0)
+    request = m.join(0.5)  # (the request every sync sends: join's, and each one after)
+    assert [g.peer_id for g in request.updates] == [SELF.peer_id]  # its own record, no others
+    assert {(h.peer_id, h.seq) for h in request.have} == {(A.peer_id, 1), (B.peer_id, 3), (C.peer_id, 1)}
+    assert len(encode(request)) < 2 * len(signed(SELF))  # ~80 bytes an entry, not a record (~725) each
+    (send,) = [e for e in m.tick(30.0)[0] if isinstance(e, Send) and e.packet.kind == "sync"]
+    assert send.packet.have  # the periodic one too
+
+    boot_a, boot_b = alive(A).boot, alive(B).boot
+    have = (Have(SELF.peer_id, *m._self.incarnation), Have(A.peer_id, boot_a, 1), Have(B.peer_id, boot_b, 2))
+    reply, _, _ = m.respond(A.peer_id, SwimPacket("sync", updates=(alive(A),), have=have), 1.0)
+    assert reply is not None and reply.kind == "sync"
+    assert sorted(g.peer_id for g in reply.updates) == sorted([B.peer_id, C.peer_id])  # B held older, C not at all
+    assert all(g.record for g in reply.updates)
+
+    reply, _, _ = m.respond(C.peer_id, SwimPacket("sync", updates=(alive(C),)), 1.0)  # a joiner's: no digest
+    assert reply is not None and {g.peer_id for g in reply.updates} == {SELF.peer_id, A.peer_id, B.peer_id, C.peer_id}
+
+    bogus = (*(Have(f"peer-{i}", 10**15, 10**9) for i in range(MAX_HAVE)), Have(A.peer_id, 10**15, 10**9))
+    reply, _, events = m.respond(B.peer_id, SwimPacket("sync", have=bogus), 1.0)
+    assert reply is not None and A.peer_id not in {g.peer_id for g in reply.updates}  # it "holds" a newer A: fine
+    assert events == [] and set(m._members) == {A.peer_id, B.peer_id, C.peer_id}  # nobody added or dropped
 
 async def test_unanswered_probe_escalates_to_indirect_then_suspicion_then_dead(
     autojump_clock: trio.testing.MockClock,
