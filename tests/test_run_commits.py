@@ -12,6 +12,7 @@ import trio.testing
 
 from pcp_p2p.core.errors import BadSignature, NotElected, PeerTimeout
 from pcp_p2p.core.identity import Identity
+from pcp_p2p.dht.lookup import REFRESHED_REPLICAS, K
 from pcp_p2p.diloco.protocol.effects import Send
 from pcp_p2p.diloco.protocol.election import Candidate, Election, ElectionConfig, FollowShepherd, Lease
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, sign
@@ -28,10 +29,11 @@ class FlakyDht:
     def __init__(self, fails: int) -> None:
         self.identity = Identity.generate()
         self.config = SimpleNamespace(op_timeout=10.0)
-        self.fails, self.puts, self.logged = fails, [], []
+        self.fails, self.puts, self.logged, self.spread = fails, [], [], []
 
-    async def put_record(self, signed, *, timeout=None) -> None:  # type: ignore[no-untyped-def]
+    async def put_record(self, signed, *, timeout=None, replicas=K, checkup=True) -> None:  # type: ignore[no-untyped-def]
         self.puts.append(trio.current_time())
+        self.spread.append((replicas, checkup))
         if len(self.puts) <= self.fails:
             raise PeerTimeout("DHT put timed out")
 
@@ -54,6 +56,16 @@ async def test_a_commit_put_that_times_out_is_retried(autojump_clock: trio.testi
     await records(node).publish_commit(commit(node))
     assert len(node.puts) == 3 and not node.logged  # stored on the third try
     assert [round(b - a) for a, b in zip(node.puts, node.puts[1:])] == [2, 4]  # backing off
+
+
+async def test_a_rounds_commit_goes_to_a_few_peers_and_the_runs_last_to_k_with_a_walk() -> None:
+    """The next round's commit replaces this one: 4 copies, no walk (k copies and a walk each
+    round cost the shepherd O(N) a round, issue #15). Nothing replaces the last one, which a node
+    that was down looks up for good: k copies and the check-up walk."""
+    node = FlakyDht(fails=0)
+    await records(node).publish_commit(commit(node))
+    await records(node).publish_commit(commit(node), final=True)
+    assert node.spread == [(REFRESHED_REPLICAS, False), (K, True)]
 
 
 async def test_a_commit_put_that_keeps_failing_gives_up_and_says_so(autojump_clock: trio.testing.MockClock) -> None:
