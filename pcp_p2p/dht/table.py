@@ -327,45 +327,16 @@ class PcpKadDHT(KadDHT):
                                              hedge_s=0.0 if thin else HEDGE_S)
         lookup.add_candidates(start)
         records: dict[bytes, Record] = {}
-        changed = trio.Event()
 
-        async with trio.open_nursery() as nursery:
+        async def query(peer: ID) -> tuple[bytes | None, list[ID]]:
+            rec, closer = await rpc.get_value(self.host, peer, key_bytes, closer_if_found=thin or lookup.quorum > 1,
+                                              networks=self.networks, boundary=self.boundary)
+            if rec is None or not self._valid(key, rec.value):
+                return None, closer
+            records.setdefault(rec.value, rec)
+            return rec.value, closer
 
-            def launch() -> None:
-                for peer in lookup.next_queries(trio.current_time()):
-                    nursery.start_soon(ask, peer)
-                if lookup.done:
-                    nursery.cancel_scope.cancel()
-
-            async def ask(peer: ID) -> None:
-                nonlocal changed
-                result = None
-                with trio.move_on_after(RPC_TIMEOUT_S):
-                    try:
-                        result = await rpc.get_value(self.host, peer, key_bytes,
-                                                     closer_if_found=thin or lookup.quorum > 1,
-                                                     networks=self.networks, boundary=self.boundary)
-                    except PcpError as exc:
-                        log.debug("GET_VALUE at %s: %s", peer, exc)
-                if result is None:
-                    lookup.on_failure(peer)
-                else:
-                    rec, closer = result
-                    value = None
-                    if rec is not None and self._valid(key, rec.value):
-                        value = rec.value
-                        records.setdefault(value, rec)
-                    lookup.on_answer(peer, value, closer)
-                    await self._learn([peer, *closer] if thin else [peer])
-                launch()
-                changed.set()
-
-            launch()
-            while not lookup.done:  # hedging: one more query in flight each HEDGE_S without an answer
-                with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
-                    await changed.wait()
-                changed = trio.Event()
-                launch()
+        await self._drive(lookup, query, thin, "GET_VALUE")
         if lookup.best is None:
             return None
         best = records[lookup.best]
@@ -395,8 +366,26 @@ class PcpKadDHT(KadDHT):
                                              started_at=trio.current_time(), hedge_s=0.0 if thin else HEDGE_S)
         lookup.add_candidates(start)
         found: dict[ID, PeerInfo] = {}
-        changed = trio.Event()
 
+        async def query(peer: ID) -> tuple[bytes | None, list[ID]]:
+            providers, closer = await rpc.get_providers(self.host, peer, key_bytes, networks=self.networks,
+                                                        boundary=self.boundary)
+            for info in providers:
+                found.setdefault(info.peer_id, info)
+            return (b"providers" if providers else None), closer
+
+        await self._drive(lookup, query, thin, "GET_PROVIDERS")
+        return list(found.values())[:count]
+
+    async def _drive(
+        self, lookup: ValueLookup[ID], query: Callable[[ID], Awaitable[tuple[bytes | None, list[ID]]]],
+        thin: bool, what: str,
+    ) -> None:
+        """Run ``lookup`` to its end: ``query(peer)`` is one request (its valid value, or None,
+        and the closer peers it named), at most ``RPC_TIMEOUT_S`` each; one more in flight each
+        ``HEDGE_S`` without an answer. Peers that answer are learned (and those they name, while
+        the table is ``thin``)."""
+        changed = trio.Event()
         async with trio.open_nursery() as nursery:
 
             def launch() -> None:
@@ -410,28 +399,24 @@ class PcpKadDHT(KadDHT):
                 result = None
                 with trio.move_on_after(RPC_TIMEOUT_S):
                     try:
-                        result = await rpc.get_providers(self.host, peer, key_bytes, networks=self.networks,
-                                                         boundary=self.boundary)
+                        result = await query(peer)
                     except PcpError as exc:
-                        log.debug("GET_PROVIDERS at %s: %s", peer, exc)
+                        log.debug("%s at %s: %s", what, peer, exc)
                 if result is None:
                     lookup.on_failure(peer)
                 else:
-                    providers, closer = result
-                    for info in providers:
-                        found.setdefault(info.peer_id, info)
-                    lookup.on_answer(peer, b"providers" if providers else None, closer)
+                    value, closer = result
+                    lookup.on_answer(peer, value, closer)
                     await self._learn([peer, *closer] if thin else [peer])
                 launch()
                 changed.set()
 
             launch()
-            while not lookup.done:  # hedging, as in get_value
+            while not lookup.done:  # hedging: one more query in flight each HEDGE_S without an answer
                 with trio.move_on_at(lookup.next_wakeup(trio.current_time())):
                     await changed.wait()
                 changed = trio.Event()
                 launch()
-        return list(found.values())[:count]
 
     async def put_value(self, key: str, value: bytes, *, replicas: int = K, checkup: bool = True) -> None:
         """Store locally, then at the routing table's ``replicas`` closest peers at once.

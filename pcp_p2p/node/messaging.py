@@ -31,7 +31,7 @@ deadline with a minimum rate, not a per-read timeout), so a peer that declares
 a large frame and trickles it holds its reservation for a bounded time.
 
 **Lines** (``/pcp/line/1.0.0``, :meth:`Messenger.post`) are for the small,
-frequent and loss-tolerant: a shepherd's heartbeats, four a second to every
+frequent and loss-tolerant: a shepherd's heartbeats and lease renewals, to every
 member. A stream of their own each, with its ack, cost 630 bytes on the wire
 for a 253-byte beat (stream open, protocol negotiation, the ack, the close:
 docs/diloco.md), and the shepherd sends them to every member. A line is one
