@@ -280,12 +280,16 @@ class ElectionConfig:
     def heartbeats(self) -> bool:
         return self.heartbeat_s > 0
 
+    @property
+    def slowest_beat_s(self) -> float:
+        """The longest spacing of a follower's beats under ``beats_per_s``: twice per renewal."""
+        return max(self.heartbeat_s, self.renew_every_s / 2)
+
     def beat_every_s(self, followers: int) -> float:
         """How often the holder beats each of ``followers`` under ``beats_per_s``."""
         if self.beats_per_s <= 0:
             return self.heartbeat_s
-        slowest = max(self.heartbeat_s, self.renew_every_s / 2)
-        return min(slowest, max(self.heartbeat_s, followers / self.beats_per_s))
+        return min(self.slowest_beat_s, max(self.heartbeat_s, followers / self.beats_per_s))
 
     @property
     def suspect_window_s(self) -> float:
@@ -646,7 +650,7 @@ class Election:
         c = self.config
         every = c.beat_every_s(self.followers)
         if self.role is not Role.HOLDER:
-            every = max(every, min(self.holder_every_s, max(c.heartbeat_s, c.renew_every_s / 2)))
+            every = max(every, min(self.holder_every_s, c.slowest_beat_s))
         return every
 
     @property
