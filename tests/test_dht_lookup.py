@@ -353,3 +353,30 @@ async def test_providers_announced_at_the_closest_are_found_by_one_lookup_withou
     assert [p.peer_id for p in found] == [a.host.get_id()] and found[0].addrs
     with trio.fail_after(10):  # a CID nobody provides: every peer asked, nothing found, no walk
         assert await other.dht.find_providers(table._encode_key(cid)[::-1].hex()) == []
+
+
+async def test_background_work_asked_of_a_stopping_dht_runs_in_the_callers_task(swarm3) -> None:
+    """The DHT's nursery is not its callers': a node task (a member record's put) or a KAD
+    stream handler may ask for background work while the DHT service stops. trio refuses a
+    closed nursery with a RuntimeError, which would take the caller, and the node, down on the
+    way out; the work runs in the caller's task instead, and a deferred table check is skipped."""
+    _boot, a, _b = swarm3
+    table = a.dht.routing_table
+    async with trio.open_nursery() as closed:
+        pass
+    running, table._nursery = table._nursery, closed
+    try:
+        ran: list[str] = []
+
+        async def work() -> None:
+            ran.append("here")
+
+        await a.dht._off_path(work)
+        assert ran == ["here"] and a.dht._background == 0
+        stranger = Identity.generate().peer_id
+        from libp2p.peer.id import ID
+
+        table._check_later(ID.from_base58(stranger))
+        assert not table._pending
+    finally:
+        table._nursery = running

@@ -173,8 +173,8 @@ class ServersOnlyRoutingTable(RoutingTable):
     def _check_later(self, peer_id: ID) -> None:
         if self._nursery is None or peer_id in self._pending or len(self._pending) >= MAX_PENDING:
             return
-        self._pending.add(peer_id)
-        self._nursery.start_soon(self._add_once_identified, peer_id)
+        if _start_in(self._nursery, self._add_once_identified, peer_id):
+            self._pending.add(peer_id)
 
     async def _add_once_identified(self, peer_id: ID) -> None:
         try:
@@ -565,7 +565,8 @@ class PcpKadDHT(KadDHT):
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
         """Start ``fn(*args)`` in the DHT's own nursery, off the caller's path; False when there
-        is none (not running) or ``MAX_BACKGROUND`` jobs already run: the caller then awaits it."""
+        is none (not running), it is closed (stopping) or ``MAX_BACKGROUND`` jobs already run:
+        the caller then awaits it."""
         nursery = self.routing_table._nursery
         if nursery is None or self._background >= MAX_BACKGROUND:
             return False
@@ -579,7 +580,9 @@ class PcpKadDHT(KadDHT):
                 if not self._background and self._idle is not None:
                     self._idle.set()
 
-        nursery.start_soon(job)
+        if not _start_in(nursery, job):
+            self._background -= 1
+            return False
         return True
 
     async def _off_path(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
@@ -601,6 +604,18 @@ def _remote_ip(host: IHost, peer: ID | None) -> str | None:
     except Exception:
         return None
     return None
+
+
+def _start_in(nursery: trio.Nursery, fn: Callable[..., Awaitable[object]], *args: object) -> bool:
+    """``nursery.start_soon(fn, *args)``; False when that nursery is closed. The DHT's nursery is
+    not the caller's: a node task, or a KAD stream handler, may ask for background work while
+    the DHT service is stopping, and trio refuses a closed nursery with a RuntimeError that
+    would take the caller's nursery, and the node with it, down on the way out."""
+    try:
+        nursery.start_soon(fn, *args)
+    except RuntimeError:  # "Nursery is closed to new arrivals"
+        return False
+    return True
 
 
 async def _quietly(boundary: Boundary, fn: Callable[..., Awaitable[object]], *args: object) -> None:
