@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import trio
+from libp2p.peer.id import ID
 
 from pcp_p2p.core.errors import ExpiredRecord, PeerGone, VerificationError
 from pcp_p2p.core.identity import Identity
@@ -373,10 +374,7 @@ async def test_background_work_asked_of_a_stopping_dht_runs_in_the_callers_task(
 
         await a.dht._off_path(work)
         assert ran == ["here"] and a.dht._background == 0
-        stranger = Identity.generate().peer_id
-        from libp2p.peer.id import ID
-
-        table._check_later(ID.from_base58(stranger))
+        table._check_later(ID.from_base58(Identity.generate().peer_id))
         assert not table._pending
     finally:
         table._nursery = running

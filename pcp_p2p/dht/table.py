@@ -570,7 +570,6 @@ class PcpKadDHT(KadDHT):
         nursery = self.routing_table._nursery
         if nursery is None or self._background >= MAX_BACKGROUND:
             return False
-        self._background += 1
 
         async def job() -> None:
             try:
@@ -581,8 +580,8 @@ class PcpKadDHT(KadDHT):
                     self._idle.set()
 
         if not _start_in(nursery, job):
-            self._background -= 1
             return False
+        self._background += 1  # (counted once started: start_soon never runs the job before returning)
         return True
 
     async def _off_path(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
