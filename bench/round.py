@@ -22,7 +22,7 @@ store). The driver (this process) plays the messages of the round flow
 2. the shepherd combines them by the default spec's rule (norm screen, capped
    weights, the trimmed mean: ``robust.aggregate``; equal weights here),
    takes the outer Nesterov step, encodes the checkpoint (θ and momentum,
-   80 MB) and stores it;
+   80 MB) and stores it, as ``Shepherd._commit`` does;
 3. every worker holds the checkpoint before it accepts the commit, then
    holds θ (see the arms for who fetches when);
 4. the clock stops when the last worker holds θ: checked against its CID,
@@ -31,25 +31,30 @@ store). The driver (this process) plays the messages of the round flow
 
 Also reported: the shepherd's phases (``shepherd_combine_s``, ``_step_s``,
 ``_store_s``) and the slowest worker's (``worker_fetch_s``: the update through
-the tree; ``worker_build_s``: the checkpoint built and checked, θ copied out).
+the tree; ``worker_build_s``: θ built and checked, and copied out).
 
 Arms, in the same run, alternating round by round so all see the same load:
 
-- ``update`` (today's flow): the shepherd steps with the mean as its int8
-  update blob carries it (``outer.update_codec``) and stores the update
-  beside θ and the checkpoint; the commit goes to every worker at once, and
+- ``update`` (today's flow): the shepherd takes the outer step as its int8
+  update blob carries it (``outer.update_codec``: the quantized step,
+  :func:`~pcp_p2p.diloco.algorithm.update.step_update`) and stores the update
+  beside θ and the checkpoint; the commit leaves once the update is stored
+  (the runtime's stores run in the background: a fetch of a blob the origin
+  is still storing waits for it), and goes to every worker at once, and
   each, holding the last checkpoint, fetches the update (an eighth of a
-  checkpoint) from its tree ancestors, the shepherd last, builds the
-  checkpoint itself (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`:
-  both CIDs checked) and holds θ (its range, copied out); the checkpoint is
-  written to its store after that, as ``RunRuntime._take_commit`` hands the
-  commit to the worker machine before the write and acks after it.
+  checkpoint) from its tree ancestors, the shepherd last, builds θ of the
+  checkpoint itself (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_theta`:
+  θ's CID checked) and holds θ (copied out); the momentum, the checkpoint's
+  CID and its write come after that, as ``RunRuntime._take_commit`` hands the
+  commit to the worker machine once θ is checked and acks after the write.
   As ``RunRuntime`` does, a worker keeps the checkpoint it built in memory
   and builds the next from it, in the buffer of the one before. This arm
   runs two rounds in a row: the first builds from a checkpoint fetched the
   round before, read from the store (``update_cold_s``), the second is the
   steady state (the headline);
-- ``swarm`` (the flow before the update, the baseline): the commit goes to
+- ``swarm`` (the flow before the update, the baseline; the shepherd steps
+  from the mean, ``nesterov_step``, and the commit leaves once θ and the
+  checkpoint are stored, in this arm and the next): the commit goes to
   every worker at once, and each fetches the checkpoint from its tree
   ancestors, the shepherd last (:mod:`pcp_p2p.blob.swarm`), and takes θ out
   of it (byte-identical; its CID checked);
@@ -135,6 +140,8 @@ class BenchNode:
         self.last_ckpt = ""  # a worker's: the checkpoint it holds from the round before
         self.built: tuple[str, bytearray] | None = None  # the last checkpoint it built, in memory
         self.spare: bytearray | None = None  # the buffer of the one before
+        self.pool = ThreadPoolExecutor(2)  # the shepherd's stores in the background
+        self.storing: list[Any] = []
 
     async def peers_are(self, peers: dict[str, list[str]]) -> dict[str, Any]:
         from libp2p.peer.id import ID
@@ -208,6 +215,7 @@ class BenchNode:
         and θ stored (with ``update``: the step applies the int8 update, stored beside them)."""
         import trio
 
+        from pcp_p2p.core.cid import cid_of
         from pcp_p2p.diloco.algorithm.checkpoint import (
             Checkpoint,
             checkpoint_theta_bytes,
@@ -216,8 +224,10 @@ class BenchNode:
         )
         from pcp_p2p.diloco.algorithm.outer import nesterov_step
         from pcp_p2p.diloco.algorithm.robust import AggregationPolicy, aggregate
-        from pcp_p2p.diloco.algorithm.update import encode_update
+        from pcp_p2p.diloco.algorithm.update import step_update
 
+        for f in self.storing:  # the last round's stores in the background: ended
+            f.result()
         state = self.state
         assert state is not None
         held, self.held = self.held, []
@@ -229,18 +239,26 @@ class BenchNode:
             mean = aggregate({f"w{k}": d for k, d in enumerate(held)}, {f"w{k}": 1.0 for k in range(len(held))},
                              AggregationPolicy()).delta
             phases["combine"], t = time.monotonic() - t, time.monotonic()
-            blob, applied = encode_update(mean, "int8") if update else (b"", mean)
-            self.state = new = nesterov_step(state, applied, lr=LR, momentum=MOMENTUM)  # the shepherd's step
+            # as the shepherd's commit (``Shepherd._commit``): the step (with ``update``: the one its
+            # int8 update blob carries, :func:`step_update`), the checkpoint encoded, θ's bytes taken
+            if update:
+                blob, new = step_update(state, mean, "int8", lr=LR, momentum=MOMENTUM)
+            else:  # (the baselines: the step from the mean, as before the update)
+                blob, new = b"", nesterov_step(state, mean, lr=LR, momentum=MOMENTUM)
             ckpt, theta_cid = encode_checkpoint(Checkpoint("bench", 0, new, round_metrics(0, 0.0, None)))
-            theta = checkpoint_theta_bytes(ckpt)  # as the shepherd takes θ's bytes
+            theta = checkpoint_theta_bytes(ckpt)
+            self.state = new
+            ckpt_cid, update_cid = cid_of(ckpt), cid_of(blob) if update else ""  # (the commit names them)
             phases["step"], t = time.monotonic() - t, time.monotonic()
             # the shepherd's StoreBlobs (θ, the checkpoint, the update): side by side, as the
-            # runtime's store_later runs them; the commit leaves once all are done
-            with ThreadPoolExecutor(2) as pool:
-                stored = [pool.submit(self.svc.store.put_bytes, b) for b in ([theta, blob] if update else [theta])]
-                ckpt_cid = self.svc.store.put_bytes(ckpt)
-                update_cid = stored[-1].result() if update else ""
-                stored[0].result()
+            # runtime's store_later runs them; the commit leaves once the blob the workers fetch
+            # first is stored (the update; the baselines: the checkpoint), the others go on
+            self.storing = [self.pool.submit(self.svc.store.put_bytes, b) for b in (theta, ckpt)]
+            if update:
+                self.svc.store.put_bytes(blob, cid=update_cid)
+            else:
+                for f in self.storing:
+                    f.result()
             phases["store"] = time.monotonic() - t
             return ckpt_cid, theta_cid, update_cid, len(theta)
 
@@ -250,14 +268,14 @@ class BenchNode:
                 "round": state.round, "theta_bytes": theta_bytes, "t": time.monotonic(), "phases": phases}
 
     async def rebuild(self, record: dict[str, Any], providers: list[str]) -> dict[str, Any]:
-        """A worker, as ``RunRuntime._rebuild_checkpoint``: the update through the tree, the checkpoint
-        built from the last one (in memory if this worker built it, in the buffer of the one before)
-        and checked; then θ is held (its range of the checkpoint, in memory), and the checkpoint is
-        stored (the ack waits for that, the worker machine does not)."""
+        """A worker, as ``RunRuntime._rebuild_checkpoint``: the update through the tree, θ of the
+        checkpoint built from the last one (in memory if this worker built it, in the buffer of
+        the one before) and checked, and copied out: θ is held, and the commit goes to the worker
+        machine; then the momentum and the checkpoint's CID, and the checkpoint is stored (the
+        ack waits for that, the worker machine does not)."""
         import trio
 
-        from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_span
-        from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint
+        from pcp_p2p.diloco.protocol.commits import rebuild_theta
         from pcp_p2p.diloco.protocol.messages import CommitRecord
         from pcp_p2p.diloco.protocol.spec import OuterOptimizer
 
@@ -269,17 +287,16 @@ class BenchNode:
         outer = OuterOptimizer(lr=LR, momentum=MOMENTUM, update_codec="int8")
         cached = self.built[1] if self.built is not None and self.built[0] == self.last_ckpt else None
 
-        def build() -> bytearray:
+        def build() -> Any:
             base = cached if cached is not None else store.read(self.last_ckpt)
-            ckpt = rebuild_checkpoint(rec, base, store.read(rec.update_cid), outer, reuse=self.spare)
-            off, length = checkpoint_theta_span(bytes(ckpt[:THETA_HEAD]))
-            bytes(memoryview(ckpt)[off : off + length])  # θ for the worker machine: a copy (the buffer is reused)
-            return ckpt
+            half = rebuild_theta(rec, base, store.read(rec.update_cid), outer, reuse=self.spare)
+            half.theta_bytes()  # θ for the worker machine: a copy (the buffer is reused)
+            return half
 
-        ckpt = await trio.to_thread.run_sync(build)
-        done = time.monotonic()  # the checkpoint is built and checked; θ is held, in memory
-        # then stored, before the ack (RunRuntime._take_commit): the next command waits for it
-        await trio.to_thread.run_sync(store.put_bytes, ckpt)
+        half = await trio.to_thread.run_sync(build)
+        done = time.monotonic()  # θ is built and checked, and held, in memory
+        ckpt = await trio.to_thread.run_sync(half.finish)  # the rest, then stored, before the ack
+        await trio.to_thread.run_sync(store.put_bytes, ckpt)  # (RunRuntime._take_commit): the next command waits
         # the last one built (the base, or one older when built from the store) is the next one's buffer
         self.spare = self.built[1] if self.built is not None else None
         self.built, self.last_ckpt = (rec.checkpoint_cid, ckpt), rec.checkpoint_cid

@@ -24,7 +24,6 @@ from trio.testing import MockClock
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import BadSignature, HashMismatch, RejectedUpdate, StaleMessage, VerificationError
 from pcp_p2p.diloco.algorithm.params import pack_tensors, unpack_tensors
-from pcp_p2p.diloco.algorithm.update import encode_update
 from pcp_p2p.diloco.protocol.collector import GroupCollector, close_time
 from pcp_p2p.diloco.protocol.effects import Committed, FetchBlob, Send, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement, Submission, sign
@@ -318,7 +317,7 @@ class Lying(RunSwarm):
 
     def _lie(self, node: Any, effects: list[Any], p: PartialAggregate) -> list[Any]:
         store = next(e for e in effects if isinstance(e, StoreBlob) and e.cid == p.delta_cid)
-        blob, _ = encode_update({k: 3 * v for k, v in unpack_tensors(store.data).items()}, "int8")
+        blob = pack_tensors({k: 3 * v for k, v in unpack_tensors(store.data).items()}, "int8")
         forged = sign(dataclasses.replace(p, delta_cid=cid_of(blob)), node.identity)
         self.lies += 1
         out: list[Any] = []

@@ -1,6 +1,6 @@
 """A commit's update: a node holding the last checkpoint builds the next one bit for bit.
 
-The shepherd steps with the mean exactly as its update blob carries it
+The shepherd takes the outer step exactly as its update blob carries it
 (``outer.update_codec``), so the checkpoint built from the blob is the
 shepherd's own bytes; anything else is refused with a typed error and the
 node fetches the checkpoint instead (``RunRuntime._hold_checkpoint``; over
@@ -24,10 +24,10 @@ from pcp_p2p.diloco.algorithm.checkpoint import (
     lay_out_checkpoint,
     round_metrics,
 )
-from pcp_p2p.diloco.algorithm.outer import OuterState
+from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
 from pcp_p2p.diloco.algorithm.params import pack_tensors
-from pcp_p2p.diloco.algorithm.update import encode_update
-from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint, start_checkpoint
+from pcp_p2p.diloco.algorithm.update import apply_update, step_update
+from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint, rebuild_theta, start_checkpoint
 from pcp_p2p.diloco.protocol.effects import Committed, StoreBlob
 from pcp_p2p.diloco.protocol.messages import CommitRecord, RoundAnnouncement
 from pcp_p2p.diloco.protocol.spec import parse_spec
@@ -85,15 +85,36 @@ def test_the_next_checkpoint_is_built_from_the_last_and_the_update(codec: str, m
     assert junk == blobs[rec1.checkpoint_cid]
 
 
-def test_the_int8_update_is_what_the_step_applies_and_fp32_is_exact() -> None:
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+def test_the_update_is_the_outer_step_and_applying_it_is_the_shepherds_state(momentum: float) -> None:
     rng = np.random.default_rng(1)
-    mean = {"w": rng.standard_normal(1000).astype(np.float32)}
-    blob, applied = encode_update(mean, "fp32")
-    assert np.array_equal(applied["w"], mean["w"])
-    blob8, applied8 = encode_update(mean, "int8")
-    assert len(blob8) < len(blob) / 3
-    assert not np.array_equal(applied8["w"], mean["w"])  # rounded...
-    assert np.max(np.abs(applied8["w"] - mean["w"])) <= np.max(np.abs(mean["w"])) / 127  # ...by half a step at most
+    def tensors(scale: float) -> dict[str, np.ndarray]:
+        return {"w": rng.standard_normal(1000).astype(np.float32) * scale,
+                "b": rng.standard_normal((3, 7)).astype(np.float32) * scale}
+
+    state = OuterState(tensors(1.0), tensors(0.01), 3)
+    mean = tensors(0.01)
+    want = nesterov_step(state, mean, lr=0.7, momentum=momentum)
+    # fp32: Nesterov's step, up to float32 rounding (the momentum follows from the step taken)
+    blob, exact = step_update(state, mean, "fp32", lr=0.7, momentum=momentum)
+    for k in state.theta:
+        np.testing.assert_allclose(exact.theta[k], want.theta[k], rtol=0, atol=1e-6)
+        if momentum:
+            np.testing.assert_allclose(exact.momentum[k], want.momentum[k], rtol=0, atol=1e-5)
+        else:  # (no step uses it: the base's, unchanged)
+            assert np.array_equal(exact.momentum[k], state.momentum[k])
+    # int8: a quarter of the bytes; θ moved by the decoded step exactly, within half a step of the exact one
+    blob8, quant = step_update(state, mean, "int8", lr=0.7, momentum=momentum)
+    assert len(blob8) < len(blob) / 3 and quant.round == exact.round == 4
+    for k in state.theta:
+        step, applied = want.theta[k] - state.theta[k], quant.theta[k] - state.theta[k]
+        assert not np.array_equal(quant.theta[k], exact.theta[k])  # rounded...
+        assert np.max(np.abs(applied - step)) <= np.max(np.abs(step)) / 127 + 1e-6  # ...by half a step at most
+    # whoever applies the blob gets the shepherd's state bit for bit
+    again = apply_update(state, blob8, lr=0.7, momentum=momentum)
+    for k in state.theta:
+        assert np.array_equal(again.theta[k], quant.theta[k])
+        assert np.array_equal(again.momentum[k], quant.momentum[k])
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +141,21 @@ def test_a_base_that_is_not_the_steps_own_is_refused(committed) -> None:
     other, _ = encode_checkpoint(Checkpoint(rec0.run_id, 0, OuterState.initial(_theta_of(base1), round=1)))
     with pytest.raises(HashMismatch):
         rebuild_checkpoint(rec1, other, blobs[rec1.update_cid], spec.outer)
+
+
+def test_theta_is_built_and_checked_before_the_momentum(committed) -> None:
+    """A node trains from θ once θ is checked; the momentum and the checkpoint's CID follow. A base
+    of the right round and θ with another momentum gives the commit's θ (θ' = θ + ŝ does not read
+    the momentum), and only the checkpoint's CID refuses it."""
+    spec, rec0, rec1, blobs, base1 = committed
+    good = rebuild_theta(rec1, base1, blobs[rec1.update_cid], spec.outer)
+    assert cid_of(good.theta_bytes()) == rec1.theta_cid
+    assert good.finish() == blobs[rec1.checkpoint_cid]
+    other, _ = encode_checkpoint(Checkpoint(rec0.run_id, 0, OuterState.initial(_theta_of(base1), round=1)))
+    half = rebuild_theta(rec1, other, blobs[rec1.update_cid], spec.outer)
+    assert cid_of(half.theta_bytes()) == rec1.theta_cid
+    with pytest.raises(HashMismatch, match="gives its θ but not the checkpoint"):
+        half.finish()
 
 
 def _theta_of(ckpt: bytes):
@@ -161,3 +197,4 @@ def test_a_laid_out_checkpoint_is_encode_checkpoints_bytes_once_written(with_mom
             out.momentum[k][...] = state.momentum[k]
     assert (out.momentum is None) == (not with_momentum)
     assert bytes(out.data) == want and out.theta_cid() == theta_cid
+

@@ -55,7 +55,7 @@ async def test_overlapped_rounds_commit_every_round_on_one_theta(tmp_path: Path)
         assert 0 <= st["overlap_tau"] < 1  # every adopted run trained after its shift
         assert st["overlapped_rounds"] >= ROUNDS // 2, st["overlapped_rounds"]
         assert len(st["contributed_rounds"]) >= ROUNDS - 1
-    # Each commit after the first reached the other workers as its update (the applied mean, int8):
+    # Each commit after the first reached the other workers as its update (the applied outer step, int8):
     # they built its checkpoint from the one before instead of fetching it (the first has no
     # checkpoint before it; the shepherd holds its own).
     for peer, st in statuses.items():

@@ -194,6 +194,35 @@ def test_chunked_columns_give_the_same_bits(monkeypatch):
         np.testing.assert_allclose(whole, sorted_rows, rtol=2**-22, atol=0)
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_column_kernel_gives_the_same_bits_in_threads(monkeypatch, threads):
+    """The combine's chunks dealt to threads (each with buffers of its own) give the bits of one
+    thread: the shepherd's CIDs and an aggregator's replayed partial must not depend on cores."""
+    rng = np.random.default_rng(6)
+    deltas = [{"x": rng.normal(size=(33, 9)).astype(np.float32), "y": rng.normal(size=50).astype(np.float32)}
+              for _ in range(4)]
+    monkeypatch.setattr(robust, "FLAT_CHUNK", 7)  # many chunks: every thread gets some of each tensor
+    for w in (np.full(4, 0.25), np.array([0.1, 0.2, 0.3, 0.4])):
+        monkeypatch.setattr(robust, "COMBINE_THREADS", 1)
+        one = trimmed_mean(deltas, w, 0.25)
+        monkeypatch.setattr(robust, "COMBINE_THREADS", threads)
+        many = trimmed_mean(deltas, w, 0.25)
+        assert all(many[k].tobytes() == one[k].tobytes() for k in one)
+
+
+@pytest.mark.parametrize("bad_chunk", [1, 8])  # in the caller's thread, in the other
+def test_a_kernel_failing_in_any_thread_fails_the_combine(bad_chunk):
+    def kernel(cols):
+        if cols[0][0] == 4 * bad_chunk:
+            raise FloatingPointError("from a kernel")
+        return cols[0]
+
+    with pytest.raises(FloatingPointError, match="from a kernel"):
+        robust._flatwise([{"x": np.arange(40, dtype=np.float32)}], [kernel, kernel], chunk=4)
+    assert np.array_equal(robust._flatwise([{"x": np.arange(40, dtype=np.float32)}], [lambda c: c[0]] * 2,
+                                           chunk=4)["x"], np.arange(40))
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 16])
 @pytest.mark.parametrize("equal", [True, False])
 def test_the_column_kernel_gives_the_sorting_kernels_values(k, equal):

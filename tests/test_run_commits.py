@@ -1,10 +1,13 @@
-"""A run's commits last: the DHT record is retried, and a commit is accepted only with its checkpoint."""
+"""A run's commits last: the DHT record is retried, and a commit is accepted only with its
+checkpoint (or with its θ built here and checked, the rest of the checkpoint following)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -130,7 +133,7 @@ async def test_a_commit_without_an_accepted_lease_fetches_nothing_and_is_not_ack
     stranger, shepherd = FlakyDht(fails=0), FlakyDht(fails=0)
     fetched: list[str] = []
 
-    async def fetch(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def fetch(rec: CommitRecord, hint: str | None = None, update: bytes = b"", **_: object) -> None:
         fetched.append(rec.checkpoint_cid)
 
     # no lease known yet: the election keeps it until one arrives (nothing fetched, no ack)
@@ -157,7 +160,7 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     held: set[str] = set()
     rt, inbox = delivering_runtime(following(shepherd), held)
 
-    async def shepherd_gone(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def shepherd_gone(rec: CommitRecord, hint: str | None = None, update: bytes = b"", **_: object) -> None:
         return None  # the fetch failed
 
     rt._hold_checkpoint = shepherd_gone  # type: ignore[method-assign]
@@ -166,7 +169,7 @@ async def test_a_commit_whose_checkpoint_cannot_be_fetched_is_neither_acked_nor_
     with pytest.raises(trio.WouldBlock):
         inbox.receive_nowait()  # and the run never sees it
 
-    async def fetched(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def fetched(rec: CommitRecord, hint: str | None = None, update: bytes = b"", **_: object) -> None:
         held.add(rec.checkpoint_cid)
 
     rt._hold_checkpoint = fetched  # type: ignore[method-assign]
@@ -190,7 +193,7 @@ async def test_a_built_checkpoint_reaches_the_machine_before_it_is_written_and_t
     rt.machine.worker = SimpleNamespace(last_commit=prev)  # type: ignore[attr-defined]
     writing, building = trio.Event(), trio.Event()
 
-    async def built(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def built(rec: CommitRecord, hint: str | None = None, update: bytes = b"", **_: object) -> None:
         rt.io.storing[rec.checkpoint_cid] = writing  # type: ignore[attr-defined]
         building.set()
 
@@ -222,6 +225,43 @@ async def test_a_built_checkpoint_reaches_the_machine_before_it_is_written_and_t
     assert acked == [written]
 
 
+async def test_a_commit_whose_theta_was_built_goes_to_the_machine_before_its_checkpoint_is_done() -> None:
+    """Built from the update, a commit reaches the machine once its θ is checked, before the
+    momentum and the checkpoint's CID (the next round trains from θ alone); if the rest then
+    fails and the checkpoint cannot be fetched either, the commit is not acknowledged, and it
+    reaches the machine once only (the late fetch that goes on does not post it again)."""
+    from pcp_p2p.core.errors import PeerError
+
+    shepherd = FlakyDht(fails=0)
+    rec = commit(shepherd)
+    for whole in (True, False):
+        held: set[str] = set()
+        rt, inbox = delivering_runtime(following(shepherd), held)
+        seen: list[object] = []
+
+        async def build(rec: CommitRecord, hint: str | None = None, update: bytes = b"",
+                        theta_ready: Callable[[], None] | None = None, whole: bool = whole,
+                        held: set[str] = held, seen: list[object] = seen, inbox: Any = inbox) -> None:
+            if theta_ready is None:  # (the late fetch, still nowhere to be had)
+                return
+            theta_ready()
+            seen.append(inbox.receive_nowait().message)  # in the machine before the rest is done
+            if whole:
+                held.add(rec.checkpoint_cid)
+
+        rt._hold_checkpoint = build  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            rt._nursery = nursery
+            if whole:
+                await rt.deliver(shepherd.identity.peer_id, rec)  # acked
+            else:
+                with pytest.raises(PeerError, match="not acknowledged"):
+                    await rt.deliver(shepherd.identity.peer_id, rec)
+        assert seen == [rec]
+        with pytest.raises(trio.WouldBlock):
+            inbox.receive_nowait()  # once only
+
+
 async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -238,7 +278,7 @@ async def test_a_commit_whose_checkpoint_came_too_slowly_is_accepted_once_held(
         rt, inbox = delivering_runtime(following(shepherd), held)
 
         async def slow(rec: CommitRecord, hint: str | None = None, update: bytes = b"",
-                       alive: bool = alive, held: set[str] = held) -> None:
+                       alive: bool = alive, held: set[str] = held, **_: object) -> None:
             await trio.sleep(REPLICATE_TIMEOUT_S + 3)  # (a swarm ancestor that timed out first)
             if alive:
                 held.add(rec.checkpoint_cid)
@@ -413,12 +453,12 @@ async def test_an_update_sent_with_its_commit_is_used_only_as_the_vouched_commit
     from pcp_p2p.diloco.protocol.messages import CommitWithUpdate
 
     shepherd, stranger = FlakyDht(fails=0), FlakyDht(fails=0)
-    update = b"the applied mean"
+    update = b"the applied outer step"
     rec = sign(dataclasses.replace(commit(shepherd), signature=b"", update_cid=cid_of(update)), shepherd.identity)
     held: set[str] = set()
     got: list[bytes] = []
 
-    async def hold(rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def hold(rec: CommitRecord, hint: str | None = None, update: bytes = b"", **_: object) -> None:
         got.append(update)
         held.add(rec.checkpoint_cid)
 

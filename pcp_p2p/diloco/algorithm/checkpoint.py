@@ -82,6 +82,11 @@ class CheckpointLayout:
         at, size = self.theta_span
         return cid_of(memoryview(self.data)[at : at + size])
 
+    def theta_bytes(self) -> bytes:
+        """θ's bundle, copied out (the θ blob)."""
+        at, size = self.theta_span
+        return bytes(memoryview(self.data)[at : at + size])
+
 
 def lay_out_checkpoint(run_id: str, term: int, round_: int, metrics: dict[str, float],
                        shapes: dict[str, tuple[int, ...]], *, with_momentum: bool = True,

@@ -146,7 +146,7 @@ class CommitRecord(Message):
     mean_loss: float
     val_loss: float | None
     shepherd: str
-    update_cid: str = ""  # the applied mean (pcp_p2p.diloco.algorithm.update); "": fetch the checkpoint
+    update_cid: str = ""  # the applied outer step (pcp_p2p.diloco.algorithm.update); "": fetch the checkpoint
     signature: bytes = b""
 
 

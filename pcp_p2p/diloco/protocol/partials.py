@@ -24,7 +24,7 @@ See docs/diloco.md, "Aggregators".
   workers ordered by a hash of the beacon and dealt in turn: groups of N/g, ± 1.
 - **The partial** (:class:`PartialAggregate`): the aggregator's signed statement of what
   it combined: the workers' signed submissions themselves (by CID: their Δs stay where
-  they are), the CID of the group's combined Δ (encoded as the commit's update is,
+  they are), the CID of the group's combined Δ (encoded with the commit's update codec,
   ``outer.update_codec``: a deterministic encoding, so a replay still compares CIDs), and
   the group's tokens and loss.
 - **The group's combine** (:func:`combine_group`) is the shepherd's own rule
@@ -63,8 +63,7 @@ from dataclasses import dataclass
 
 from pcp_p2p.core.cid import cid_of
 from pcp_p2p.core.errors import HashMismatch, PcpError, RejectedUpdate, StaleMessage
-from pcp_p2p.diloco.algorithm.params import Params, unpack_tensors
-from pcp_p2p.diloco.algorithm.update import encode_update
+from pcp_p2p.diloco.algorithm.params import Params, codec_of, unpack_tensors
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, check_decoded
 from pcp_p2p.diloco.protocol.messages import RoundAnnouncement, Submission, verify
 from pcp_p2p.diloco.protocol.spec import RunSpec
@@ -138,7 +137,7 @@ class PartialAggregate(Message):
     theta_cid: str  # the θ the round trained from (the announcement's)
     aggregator: str
     submissions: tuple[bytes, ...]  # the encoded, signed Submissions combined, in worker order
-    delta_cid: str  # the group's combined Δ, encoded as the commit's update is (``outer.update_codec``)
+    delta_cid: str  # the group's combined Δ, encoded with ``outer.update_codec``
     tokens: int  # the combined workers' tokens
     mean_loss: float
     signature: bytes = b""
@@ -172,8 +171,7 @@ def combine_group(spec: RunSpec, ann: RoundAnnouncement, theta: Params,
     result = agg.combine()
     refused = {**agg.refused, **result.screened}
     combined = tuple(agg.submissions[w] for w in sorted(result.weights))
-    blob, _ = encode_update(result.delta, spec.outer.update_codec)
-    return GroupResult(result, blob, combined, refused)
+    return GroupResult(result, codec_of(spec.outer.update_codec).encode(result.delta), combined, refused)
 
 
 def listed(partial: PartialAggregate) -> tuple[Submission, ...]:

@@ -100,9 +100,9 @@ from pcp_p2p.diloco.algorithm.checkpoint import (
     encode_checkpoint,
     round_metrics,
 )
-from pcp_p2p.diloco.algorithm.outer import OuterState, nesterov_step
+from pcp_p2p.diloco.algorithm.outer import OuterState
 from pcp_p2p.diloco.algorithm.params import Params, pack_tensors, unpack_tensors
-from pcp_p2p.diloco.algorithm.update import encode_update
+from pcp_p2p.diloco.algorithm.update import step_update
 from pcp_p2p.diloco.protocol.aggregate import RoundAggregator, RoundResult, max_steps_for_speed
 from pcp_p2p.diloco.protocol.audit import AuditReport
 from pcp_p2p.diloco.protocol.audit_desk import AuditDesk
@@ -840,9 +840,9 @@ class Shepherd:
         """The round's outcome: combine, step, evaluate; drop suspects while val loss jumps.
 
         Returns ``((result, new state, val loss, update blob) or None, Rejected effects)``;
-        the step applies the mean as the update blob carries it (``outer.update_codec``,
-        :mod:`pcp_p2p.diloco.algorithm.update`), so a node holding the last checkpoint
-        rebuilds the next one from the blob bit for bit.
+        the state is the last one stepped by the update blob (the outer step as
+        ``outer.update_codec`` carries it, :mod:`pcp_p2p.diloco.algorithm.update`), so a node
+        holding the last checkpoint rebuilds the next one from the blob bit for bit.
         None when fewer than ``min_quorum`` remain after the norm screen and the
         val-jump guard. Workers refused here are moved from ``accepted`` to
         ``refused``, so they are not participants and count as missing.
@@ -862,13 +862,14 @@ class Shepherd:
         screened: dict[str, RejectedUpdate] = {}
         outcome: tuple[RoundResult, OuterState, float | None, bytes] | None = None
         guard_dropped = False  # only the guard's own drops loosen its limit for the next attempt
+        outer = self.spec.outer
         while agg.workers_in(agg.accepted) - agg.workers_in(dropped) >= quorum:
             result = agg.combine(exclude=dropped)
             screened = result.screened
             if agg.workers_in(result.weights) < quorum:
                 break
-            update, applied = encode_update(result.delta, self.spec.outer.update_codec)
-            new_state = nesterov_step(self.state, applied, lr=self.spec.outer.lr, momentum=self.spec.outer.momentum)
+            update, new_state = step_update(self.state, result.delta, outer.update_codec, lr=outer.lr,
+                                            momentum=outer.momentum)
             val_loss = float(self.evaluate(new_state.theta)) if self.evaluate is not None else None
             if not guard or val_loss is None or self.val_loss is None or val_loss <= self._val_limit():
                 outcome = (result, new_state, val_loss, update)

@@ -27,7 +27,7 @@ Example (every key optional; these are the defaults)::
     [outer]            # Nesterov SGD on the averaged pseudo-gradient
     lr = 0.7
     momentum = 0.9
-    update_codec = "int8"    # the applied mean on the wire, or "fp32" (exact)
+    update_codec = "int8"    # the applied outer step on the wire, or "fp32" (as computed)
 
     [round]
     time_budget_s = 60.0     # inner training time per round (fast nodes do more steps)
@@ -120,7 +120,7 @@ class OuterOptimizer(Message):
 
     lr: float = 0.7
     momentum: float = 0.9
-    update_codec: str = "int8"  # how the applied mean travels (pcp_p2p.diloco.algorithm.update)
+    update_codec: str = "int8"  # how the applied outer step travels (pcp_p2p.diloco.algorithm.update)
 
 
 @wire_struct

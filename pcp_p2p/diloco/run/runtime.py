@@ -76,7 +76,7 @@ from pcp_p2p.diloco.algorithm.checkpoint import THETA_HEAD, checkpoint_theta_spa
 from pcp_p2p.diloco.algorithm.data import SHAKESPEARE, CharDataset, decode_dataset, encode_dataset
 from pcp_p2p.diloco.algorithm.update import update_size
 from pcp_p2p.diloco.protocol.admission import ALLOWLIST_KIND, Admission, AllowlistUpdate
-from pcp_p2p.diloco.protocol.commits import rebuild_checkpoint, start_checkpoint
+from pcp_p2p.diloco.protocol.commits import RebuiltTheta, rebuild_theta, start_checkpoint
 from pcp_p2p.diloco.protocol.departures import make_leave
 from pcp_p2p.diloco.protocol.effects import EARLY, CancelInner, Rejected, RunInner, Send, ShiftInner, StoreBlob
 from pcp_p2p.diloco.protocol.election import Election, Heartbeat, Lease, PublishLease
@@ -194,6 +194,9 @@ class RunRuntime:
         self._built: tuple[str, bytearray] | None = None
         self._spare: tuple[str, bytearray] | None = None
         self._building = trio.Lock()
+        # θ of the checkpoint being built, checked ahead of the rest (_rebuild_checkpoint), until the
+        # worker takes it (_theta_from_checkpoint): (θ CID, θ's bytes); one at a time
+        self._early_theta: tuple[str, bytes] | None = None
         self._late: set[str] = set()  # checkpoints of refused commits still being fetched (_accept_late)
         # θ CID -> vouched commits being taken (their checkpoint held) in deliver, and the event set
         # once each is in the machine or refused: the announcement that starts from it waits for it
@@ -331,6 +334,13 @@ class RunRuntime:
         held within ``REPLICATE_TIMEOUT_S``. ``update``: the update blob that came with it
         (used only if its CID is the commit's ``update_cid``).
 
+        A checkpoint built from the update goes to the machine as soon as its θ is built and
+        checked against the commit's θ CID, before its momentum is written and its own CID
+        checked (:meth:`_rebuild_checkpoint`): θ is all the next round trains from, and the
+        rest cost four workers on two cores 0.1 s of every round (``bench/round.py``). Should
+        the rest fail (only a shepherd that signed a θ and a checkpoint that do not belong
+        together can make it), the checkpoint is fetched, and the commit is not acked.
+
         A checkpoint built here is held in memory while it is written to disk: the machine
         gets the commit (θ, and the round after it) then, ``taken`` is called, and the ack
         (this returning) waits for the write, since it tells the shepherd the commit has a
@@ -349,32 +359,42 @@ class RunRuntime:
             self.node.log_once(sender, HashMismatch(f"the update sent with commit {msg.round + 1} is not the one "
                                                     "it names"), "taking a commit's update")
             update = b""  # (fetched instead, from whoever holds the named one)
+        posted = False
+
+        def theta_ready() -> None:  # built from the update, θ checked: the machine may go on
+            nonlocal posted
+            posted = True
+            self.post(MessageIn(sender, msg))
+            taken()
         with trio.move_on_after(REPLICATE_TIMEOUT_S):  # by swarming: every participant fetches it now
-            await self._hold_checkpoint(msg, hint=sender, update=update)
+            await self._hold_checkpoint(msg, hint=sender, update=update, theta_ready=theta_ready)
         if not self.io.holds(msg.checkpoint_cid):
             # A shepherd killed while we fetched took the only copy with it; a commit
             # nobody else holds must not become the round the next term starts from.
             # A fetch that was only slow goes on, and its commit is accepted once held.
+            # (One whose θ was built and checked here is in the machine already: its θ holds,
+            # and a term that cannot have its checkpoint starts from θ, losing only the momentum.)
             if self._nursery is not None and len(self._late) < MAX_LATE_COMMITS \
                     and msg.checkpoint_cid not in self._late:
                 self._late.add(msg.checkpoint_cid)
-                self._nursery.start_soon(self._accept_late, sender, msg)
+                self._nursery.start_soon(self._accept_late, sender, msg, not posted)
             raise PeerError(f"commit of round {msg.round + 1}: its checkpoint could not be fetched "
                             f"from {sender} within {REPLICATE_TIMEOUT_S:.0f} s; not acknowledged")
-        self.post(MessageIn(sender, msg))
-        taken()
+        if not posted:
+            self.post(MessageIn(sender, msg))
+            taken()
         if not await self.io.stored(msg.checkpoint_cid):
             raise BlobError(f"commit of round {msg.round + 1}: its checkpoint could not be written to this "
                             "node's store; not acknowledged")
 
-    async def _accept_late(self, sender: str, msg: CommitRecord) -> None:
+    async def _accept_late(self, sender: str, msg: CommitRecord, post: bool = True) -> None:
         """A commit refused because its checkpoint came too slowly for the shepherd's wait: once
         this node holds the checkpoint after all, the commit is accepted (not acknowledged: the
         shepherd stopped waiting). Before, the node never took it: a relay-only home that
         contributed to rounds 4 and 5 showed neither as committed (network lab, 2026-11-24)."""
         try:
             await self._hold_checkpoint(msg, hint=sender)
-            if self.io.holds(msg.checkpoint_cid):
+            if post and self.io.holds(msg.checkpoint_cid):
                 self.post(MessageIn(sender, msg))
         finally:
             self._late.discard(msg.checkpoint_cid)
@@ -763,14 +783,16 @@ class RunRuntime:
                 await first.wait()
             self.post(Replicated(commit, list(acked)))
 
-    async def _hold_checkpoint(self, rec: CommitRecord, hint: str | None = None, update: bytes = b"") -> None:
+    async def _hold_checkpoint(self, rec: CommitRecord, hint: str | None = None, update: bytes = b"",
+                               theta_ready: Callable[[], None] | None = None) -> None:
         """Hold ``rec``'s checkpoint, so any candidate can take the run over.
 
         Built from the checkpoint its step started from and the commit's update
         when this node holds that one (:meth:`_rebuild_checkpoint`: an eighth of
         the bytes with the int8 update), else fetched. Either way from the relay
         tree of the commit's participants, who all want it at once
-        (:mod:`pcp_p2p.blob.swarm`). Once per checkpoint: a second caller waits."""
+        (:mod:`pcp_p2p.blob.swarm`). Once per checkpoint: a second caller waits.
+        ``theta_ready``: see :meth:`_rebuild_checkpoint` (not called when it is fetched)."""
         cid = rec.checkpoint_cid
         while (busy := self._holding.get(cid)) is not None:
             await busy.wait()
@@ -780,7 +802,7 @@ class RunRuntime:
         try:
             # (ours, or a store in flight: the shepherd's own commit is held by its StoreBlob)
             ours = self.io.holds(cid)
-            if ours or not await self._rebuild_checkpoint(rec, hint, update):
+            if ours or not await self._rebuild_checkpoint(rec, hint, update, theta_ready):
                 try:
                     await self.io.hold(cid, hint, max_size=self.state_bound(2), swarm=rec.participants)
                 except PcpError as exc:
@@ -794,14 +816,19 @@ class RunRuntime:
         finally:
             self._holding.pop(cid).set()
 
-    async def _rebuild_checkpoint(self, rec: CommitRecord, hint: str | None, update: bytes = b"") -> bool:
+    async def _rebuild_checkpoint(self, rec: CommitRecord, hint: str | None, update: bytes = b"",
+                                  theta_ready: Callable[[], None] | None = None) -> bool:
         """``rec``'s checkpoint from the one its step started from (held here) and its update
         blob (``update``: come with the commit, its CID checked; else fetched), checked against
-        both of ``rec``'s CIDs (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_checkpoint`),
-        then stored (in the background: held in memory until then, see :meth:`_take_commit`),
+        both of ``rec``'s CIDs (:func:`~pcp_p2p.diloco.protocol.commits.rebuild_theta`, then the
+        rest), then stored (in the background: held in memory until then, see :meth:`_take_commit`),
         pinned and announced like a fetched one. ``False`` (and nothing kept) when
         this node does not hold that base, or the update cannot be had or does not give the
-        named checkpoint: the caller fetches the checkpoint then."""
+        named checkpoint: the caller fetches the checkpoint then.
+
+        ``theta_ready`` is called once θ is built and checked, before the momentum and the
+        checkpoint's CID (θ is kept for :meth:`_theta_from_checkpoint`): the commit goes to the
+        machine then, and the next round's inner steps start that much sooner."""
         outer, store = self.spec.outer, self.io.store
         base = next((c for c, theta in self._replicas.items() if theta == rec.prev_theta_cid), None)
         # (the run's first commit: from its starting θ, which this node trained round 0 from)
@@ -822,7 +849,7 @@ class RunRuntime:
                     await self.io.stored(self._spare[0])  # its bytes are on disk before they are overwritten
                 spare = self._spare[1] if self._spare is not None else None
 
-                def build() -> bytearray:
+                def build() -> RebuiltTheta:
                     held: bytes | bytearray
                     if cached is not None:
                         held = cached[1]
@@ -832,9 +859,13 @@ class RunRuntime:
                         held = start
                     else:  # (not reached: ``first`` is round 0's)
                         raise MalformedMessage("no checkpoint to build the commit from")
-                    return rebuild_checkpoint(rec, held, update, outer, reuse=spare)
+                    return rebuild_theta(rec, held, update, outer, reuse=spare)
 
-                data = await trio.to_thread.run_sync(build)
+                half = await trio.to_thread.run_sync(build)
+                if theta_ready is not None:  # θ is checked: the next round need not wait for the rest
+                    self._early_theta = (rec.theta_cid, await trio.to_thread.run_sync(half.theta_bytes))
+                    theta_ready()
+                data = await trio.to_thread.run_sync(half.finish)
                 if len(data) <= KEEP_IN_MEMORY_BYTES:
                     self.io.store_later(rec.checkpoint_cid, data)
                     # the last one built (the base, or one older when built from the store) is the
@@ -930,6 +961,11 @@ class RunRuntime:
         rec = w.last_commit if w is not None else None
         if rec is None or rec.theta_cid != cid or not rec.checkpoint_cid or self.io.store.has(cid):
             return None  # (held already: the shepherd's own worker, say)
+        if self._early_theta is not None and self._early_theta[0] == cid:  # built and checked here
+            theta = self._early_theta[1]
+            self._early_theta = None
+            self.io.store_later(cid, theta)
+            return theta
         await self._hold_checkpoint(rec, hint=rec.shepherd)
         store, ckpt = self.io.store, rec.checkpoint_cid
         built = self._built[1] if self._built is not None and self._built[0] == ckpt else None
@@ -949,7 +985,9 @@ class RunRuntime:
         except PcpError as exc:
             self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
             return None
-        if await trio.to_thread.run_sync(cid_of, theta) != cid:  # (its CID was checked, not that it holds θ)
+        # One built here was checked against the commit's θ CID as it was built (rebuild_checkpoint);
+        # a stored one only against its own CID, not that it holds this θ
+        if built is None and await trio.to_thread.run_sync(cid_of, theta) != cid:
             return None
         self.io.store_later(cid, theta)  # stored, pinned and announced behind the machine's back: it trains now
         return theta
