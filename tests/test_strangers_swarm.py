@@ -276,6 +276,8 @@ async def test_a_poisoning_worker_is_refused_and_a_lazy_one_is_audited_and_banne
     assert all(st.get("banned", 0) >= 1 for st in statuses.values()), (  # (what to look at when it does not)
         [st.get("banned") for st in statuses.values()], poisoner.assigned,
         [st.get("audits") for st in statuses.values()])
-    # banned: refused from then on, so the last rounds went on without it (a shepherd sends
-    # announcements to its roster only, so the poisoner sees none after its ban)
-    assert max(poisoner.assigned) < POISON_ROUNDS - 2, poisoner.assigned
+    # banned: refused from then on, so the last round went on without it (a shepherd sends
+    # announcements to its roster only, so the poisoner sees none after its ban). How many rounds
+    # the ban takes is the audits' turnaround under load, not what this test claims: the bound
+    # was the last two rounds, and a full CI run on two cores once banned it one round later.
+    assert max(poisoner.assigned) < POISON_ROUNDS - 1, poisoner.assigned
