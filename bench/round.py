@@ -24,7 +24,9 @@ store). The driver (this process) plays the messages of the round flow
    takes the outer Nesterov step, encodes the checkpoint (θ and momentum,
    80 MB) and stores it, as ``Shepherd._commit`` does;
 3. every worker holds the checkpoint before it accepts the commit, then
-   holds θ (see the arms for who fetches when);
+   holds θ (in the ``update`` arm: θ built and checked first, the commit
+   accepted, the rest of the checkpoint after; see the arms for who fetches
+   when);
 4. the clock stops when the last worker holds θ: checked against its CID,
    in memory, where the runtime hands it to the worker machine (it is
    stored in the background); in the ``direct`` arm, fetched into the store.

@@ -18,13 +18,15 @@ What the update carries is the outer **step** s = θ' − θ, not the averaged �
 - Every node runs the same float32 operations from the same ŝ
   (:func:`apply_update`), so the θ and checkpoint it builds are the
   shepherd's bit for bit, and the commit's two CIDs check that they are.
-- Why the step and not the mean: θ' is then one add (θ + ŝ), where a mean
-  needed the whole momentum update first (five passes over two θ's worth).
-  A 10M model's θ took a worker 0.035 s to decode and add against 0.15–0.20 s
-  for the checkpoint from the mean, inside every round's path (issue #15,
-  ``bench/round.py``), and the momentum can be written after θ. The quality
-  cost of quantising the step instead of the mean was measured on the tiny
-  GPT, 10 rounds: val loss 1.9757 against 1.9754 (docs/diloco.md).
+- Why the step and not the mean: θ' = θ + ŝ does not read the momentum,
+  where from a mean θ' needed v' first. So a node holds θ and goes on to the
+  next round before the momentum and the checkpoint's CID
+  (:func:`step_theta`, then :func:`step_momentum`; ``RunRuntime._take_commit``).
+  For a 10M model θ is decoded and added in 0.027 s and hashed in 0.012 s;
+  the momentum and the checkpoint's CID, 0.03 s more, leave the round's path
+  (issue #15, ``bench/round.py``). The quality cost of quantising the step
+  instead of the mean was measured on the tiny GPT, 10 rounds: val loss
+  1.9757 against 1.9754 (docs/diloco.md).
 
 The update is encoded with the spec's ``outer.update_codec``: ``int8`` (the
 default: a quarter of θ on the wire, an eighth of a checkpoint; at most half a
@@ -55,12 +57,9 @@ def update_size(params: int, codec: str) -> int:
 
 
 def step_update(state: OuterState, delta_mean: Mapping[str, np.ndarray], codec: str, *, lr: float,
-                momentum: float, into: tuple[Params, Params | None] | None = None) -> tuple[bytes, OuterState]:
+                momentum: float) -> tuple[bytes, OuterState]:
     """The shepherd's outer step: ``(update blob, the next state)``, the second being
-    :func:`apply_update` of the first, so every node that applies the blob gets the same bits.
-
-    ``into``: float32 arrays of θ's shapes to write the new θ and momentum into (a checkpoint
-    laid out before the step, :func:`~pcp_p2p.diloco.algorithm.checkpoint.lay_out_checkpoint`)."""
+    :func:`apply_update` of the first, so every node that applies the blob gets the same bits."""
     eta, mu = _rates(lr, momentum)
     step: Params = {}
     for name, v in state.momentum.items():  # s = −η·(μ²·v + (1+μ)·Δ̄), float32
@@ -69,7 +68,7 @@ def step_update(state: OuterState, delta_mean: Mapping[str, np.ndarray], codec: 
             s += np.multiply(np.asarray(v, dtype=np.float32), np.float32(-eta * mu * mu))
         step[name] = s
     blob = codec_of(codec).encode(step)
-    return blob, apply_update(state, blob, lr=lr, momentum=momentum, into=into)
+    return blob, apply_update(state, blob, lr=lr, momentum=momentum)
 
 
 def apply_update(base: OuterState, update: bytes, *, lr: float, momentum: float,

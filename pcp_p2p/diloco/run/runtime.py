@@ -985,7 +985,7 @@ class RunRuntime:
         except PcpError as exc:
             self.node.log_once("self", exc, "reading θ out of a checkpoint failed")
             return None
-        # One built here was checked against the commit's θ CID as it was built (rebuild_checkpoint);
+        # One built here was checked against the commit's θ CID as it was built (rebuild_theta);
         # a stored one only against its own CID, not that it holds this θ
         if built is None and await trio.to_thread.run_sync(cid_of, theta) != cid:
             return None
